@@ -1,0 +1,191 @@
+"""The one interface every video-LLM family implements, and the family-independent decoding logic.
+
+An adapter owns an architecture's quirks (video preprocessing, rotary positions, deepstack features,
+pooled video tokens) and exposes four operations that the decoders and roles use:
+
+    inputs  = adapter.prepare(frames, prompt)          # tokens + pixel tensors + video token layout
+    embeds  = adapter.embed(inputs)                    # vision tower: sequence embeddings + positions
+    result  = adapter.prefill(embeds, keep=None)       # full or pruned prefill -> logits + DecodeState
+    logits  = adapter.step(state, token_ids)           # decode / verify k tokens, appending to the cache
+    adapter.rollback(state, length)                    # drop cache entries past `length`
+
+A pruned prefill feeds only the text tokens and the kept video tokens, each at its ORIGINAL position,
+so a kept token sees exactly the rotary phase it has in the full sequence. Decoded tokens then continue
+from the full sequence's positions: position of the next token = cache length + `position_offset`.
+The adapter never decides what to prune; it takes kept video-token indices (see pipeline/layout.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from vpsd.pipeline.layout import VideoTokenLayout
+
+
+@dataclass
+class VideoInputs:
+    """Model inputs for one (video, prompt) pair, before the vision tower runs."""
+
+    input_ids: torch.Tensor  # (1, L) int64
+    pixel_inputs: dict[str, torch.Tensor]  # family-specific tensors for the vision tower / positions
+    layout: VideoTokenLayout
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class SequenceEmbeddings:
+    """What the language model consumes: the full sequence with video features scattered in."""
+
+    embeds: torch.Tensor  # (1, L, D) token embeddings, video positions holding visual features
+    positions: torch.Tensor  # (P, 1, L) rotary positions: P=3 for Qwen's M-RoPE, P=1 for 1-D
+    next_position: int  # rotary position of the first generated token
+    layout: VideoTokenLayout
+    # Extra per-video-token features injected inside the language model (Qwen3-VL deepstack):
+    # each (N_video, D), pruned together with the video tokens.
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.embeds.shape[1])
+
+    @property
+    def visual_embeds(self) -> torch.Tensor:
+        """(N_video, D) the visual features as they enter the language model."""
+        return self.embeds[0, self.layout.seq_positions]
+
+
+@dataclass
+class DecodeState:
+    """A sequence's KV cache and where its rotary positions stand."""
+
+    cache: DynamicCache
+    position_offset: int  # rotary position of the next token = length + position_offset
+    prefill_len: int  # cache entries written by the prefill (text + kept video tokens)
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # (V,) float32 logits for the first generated token
+    state: DecodeState
+    hidden_states: tuple[torch.Tensor, ...] | None = None  # (1, L_kept, D) per layer, when asked
+
+
+class VideoLMAdapter(ABC):
+    """Base class of the per-family adapters. Subclasses implement the four abstract hooks."""
+
+    family: str = ""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+
+    # ---- family hooks -------------------------------------------------------------------------
+
+    @abstractmethod
+    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
+        """frames: (T, H, W, 3) uint8 RGB. Builds tokens, pixel tensors and the video token layout."""
+
+    @abstractmethod
+    def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
+        """Runs the vision tower, scatters its features into the token embeddings, computes positions."""
+
+    def _language_kwargs(self, emb: SequenceEmbeddings, kept_video: torch.Tensor) -> dict[str, Any]:
+        """Extra keyword arguments for the language model's prefill (deepstack for Qwen3-VL)."""
+        return {}
+
+    # ---- shared machinery ---------------------------------------------------------------------
+
+    @property
+    def language_model(self) -> torch.nn.Module:
+        return self.model.model.language_model
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos or [])
+
+    def kept_sequence_positions(self, layout: VideoTokenLayout, seq_len: int, keep: torch.Tensor | None) -> torch.Tensor:
+        """Sorted sequence positions that a prefill feeds: every non-video token plus the kept video tokens."""
+        if keep is None:
+            return torch.arange(seq_len)
+        keep = keep.long()
+        # Non-prunable video tokens (e.g. newlines) are never dropped, whatever the caller sent.
+        forced = torch.nonzero(~layout.prunable).squeeze(1)
+        kept_video = torch.unique(torch.cat([keep, forced]))
+        is_video = torch.zeros(seq_len, dtype=torch.bool)
+        is_video[layout.seq_positions] = True
+        selected = ~is_video
+        selected[layout.seq_positions[kept_video]] = True
+        return torch.nonzero(selected).squeeze(1)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        emb: SequenceEmbeddings,
+        keep: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> PrefillResult:
+        """Prefills the text and the kept video tokens (all of them when keep is None)."""
+        sel = self.kept_sequence_positions(emb.layout, emb.seq_len, keep).to(emb.embeds.device)
+        kept_video = torch.nonzero(torch.isin(emb.layout.seq_positions.to(sel.device), sel)).squeeze(1)
+        cache = DynamicCache(config=self.model.config.get_text_config())
+        out = self.language_model(
+            inputs_embeds=emb.embeds[:, sel],
+            position_ids=emb.positions[:, :, sel],
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=output_hidden_states,
+            **self._language_kwargs(emb, kept_video),
+        )
+        logits = self.model.lm_head(out.last_hidden_state[:, -1]).float()[0]
+        n = int(sel.numel())
+        state = DecodeState(cache=cache, position_offset=emb.next_position - n, prefill_len=n)
+        return PrefillResult(logits=logits, state=state, hidden_states=out.hidden_states if output_hidden_states else None)
+
+    @torch.inference_mode()
+    def step(self, state: DecodeState, token_ids: torch.Tensor) -> torch.Tensor:
+        """Feeds k tokens after the cache; returns (k, V) float32 logits, the i-th predicting token i+1."""
+        token_ids = token_ids.reshape(1, -1).to(self.device)
+        k = token_ids.shape[1]
+        start = state.length + state.position_offset
+        pos = torch.arange(start, start + k, device=self.device).view(1, 1, k)
+        num_rows = self.position_rows
+        out = self.language_model(
+            input_ids=token_ids,
+            position_ids=pos.expand(num_rows, 1, k) if num_rows > 1 else pos[0],
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        return self.model.lm_head(out.last_hidden_state).float()[0]
+
+    def rollback(self, state: DecodeState, length: int) -> None:
+        """Drops every cache entry past `length` (Cache.crop is the one rollback mechanism)."""
+        current = state.length
+        if length > current or length < state.prefill_len:
+            raise ValueError(f"cannot roll back a cache of length {current} to {length} (prefill {state.prefill_len})")
+        if length < current:
+            state.cache.crop(-(current - length))
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of rotary positions the language model takes (3 for M-RoPE, 1 for 1-D)."""
+        return 1

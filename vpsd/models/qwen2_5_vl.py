@@ -1,0 +1,133 @@
+"""Qwen2.5-VL adapter: hand-built video tensors, M-RoPE (3-D rotary) positions and rope deltas.
+
+Qwen lays the video out as grid_t x (grid_h/2) x (grid_w/2) merged tokens, frame-major, with frames
+paired by the temporal patch (2). Positions come from the model's own `get_rope_index` with
+`mm_token_type_ids` (without them the model silently falls back to 1-D positions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
+from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
+from vpsd.pipeline.layout import VideoTokenLayout
+
+VIDEO_TYPE_ID = 2  # mm_token_type_ids: text 0, image 1, video 2
+DEFAULT_FPS = 2.0  # Qwen's default video sampling rate; sets the temporal rotary spacing
+
+
+def qwen_chat_prompt(prompt: str, num_video_tokens: int) -> str:
+    """The Qwen chat template with the video placeholder expanded, as the official processor does."""
+    video = "<|vision_start|>" + "<|video_pad|>" * num_video_tokens + "<|vision_end|>"
+    return (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        f"<|im_start|>user\n{video}{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+class QwenAdapterMixin:
+    """Preparation shared by the Qwen families (they differ in vision spec and deepstack)."""
+
+    vision_spec: QwenVisionSpec
+    model: torch.nn.Module
+    tokenizer: object
+
+    def _prepare_qwen(self, frames: np.ndarray, prompt: str, fps: float) -> VideoInputs:
+        frames = resize_for_qwen(frames, self.vision_spec)
+        pixel_values, grid = qwen_video_tensors(frames, self.vision_spec)
+        ms = self.vision_spec.merge_size
+        t, h, w = (int(v) for v in grid[0])
+        token_grid = (t, h // ms, w // ms)
+        n = token_grid[0] * token_grid[1] * token_grid[2]
+        text = qwen_chat_prompt(prompt, n)
+        input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
+        video_token_id = self.model.config.video_token_id
+        is_video = input_ids[0] == video_token_id
+        if int(is_video.sum()) != n:
+            raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
+        mm_types = torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0)
+        layout = VideoTokenLayout.from_grid(torch.nonzero(is_video).squeeze(1), token_grid)
+        pixel_inputs = {
+            "pixel_values_videos": pixel_values.to(self.model.dtype),
+            "video_grid_thw": grid,
+            "mm_token_type_ids": mm_types,
+            "second_per_grid_ts": torch.tensor([self.vision_spec.temporal_patch_size / fps]),
+        }
+        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout)
+
+    def _rope(self, inputs: VideoInputs, with_seconds: bool) -> tuple[torch.Tensor, int]:
+        p = inputs.pixel_inputs
+        kwargs = {"second_per_grid_ts": p["second_per_grid_ts"]} if with_seconds else {}
+        positions, deltas = self.model.model.get_rope_index(
+            inputs.input_ids,
+            mm_token_type_ids=p["mm_token_type_ids"],
+            video_grid_thw=p["video_grid_thw"],
+            **kwargs,
+        )
+        return positions, int(positions.max()) + 1
+
+
+class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
+    family = "qwen2_5_vl"
+
+    def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float = DEFAULT_FPS):
+        super().__init__(model, tokenizer)
+        vc = model.config.vision_config
+        self.vision_spec = vision_spec or QwenVisionSpec(
+            patch_size=vc.patch_size, merge_size=vc.spatial_merge_size, temporal_patch_size=vc.temporal_patch_size
+        )
+        self.fps = fps
+
+    @property
+    def position_rows(self) -> int:
+        return 3
+
+    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
+        return self._prepare_qwen(frames, prompt, self.fps)
+
+    @torch.inference_mode()
+    def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
+        device = self.device
+        ids = inputs.input_ids.to(device)
+        p = inputs.pixel_inputs
+        embeds = self.model.model.get_input_embeddings()(ids)
+        feats = self.model.model.get_video_features(p["pixel_values_videos"].to(device), p["video_grid_thw"].to(device))
+        video = torch.cat(list(feats.pooler_output), dim=0).to(embeds.dtype)
+        embeds[0, inputs.layout.seq_positions.to(device)] = video
+        positions, next_position = self._rope(inputs, with_seconds=True)
+        return SequenceEmbeddings(
+            embeds=embeds, positions=positions.to(device), next_position=next_position, layout=inputs.layout
+        )
+
+
+def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen2_5_VLConfig":
+    """A Qwen2.5-VL config of any size; the special token ids come from the tokenizer."""
+    from transformers import Qwen2_5_VLConfig
+
+    head_dim = text.get("head_dim", text["hidden_size"] // text["num_attention_heads"])
+    half = head_dim // 2
+    # M-RoPE splits the rotary half-dimension into temporal / height / width sections (sum = head_dim / 2).
+    mrope = text.pop("mrope_section", [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8])
+    ids = tokenizer.convert_tokens_to_ids
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            head_dim=head_dim,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=mrope),
+            max_position_embeddings=32768,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            **text,
+        ),
+        vision_config=dict(out_hidden_size=text["hidden_size"], **vision),
+        video_token_id=ids("<|video_pad|>"),
+        image_token_id=ids("<|image_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )

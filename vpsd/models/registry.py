@@ -1,0 +1,92 @@
+"""Model families and how to load one: from a local checkpoint, or a tiny seeded model built offline.
+
+`load_adapter(family, spec)` is the only way the rest of vpsd gets a model. A spec either names a
+local checkpoint directory (real weights; the checkpoint's own tokenizer) or describes a tiny model
+(text / vision sizes and a seed), built with the shared offline tokenizer so that a target and its
+draft agree on token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from vpsd.models.base import VideoLMAdapter
+from vpsd.models.tokenizer import build_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    """Where a model comes from and where it runs."""
+
+    path: str | None = None  # local checkpoint directory (real weights)
+    tiny: dict[str, Any] | None = None  # {"seed": int, "text": {...}, "vision": {...}}
+    dtype: str = "float32"
+    device: str = "cpu"
+    options: dict[str, Any] = field(default_factory=dict)  # adapter keyword arguments (e.g. fps)
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("a model spec needs exactly one of `path` (checkpoint) or `tiny` (config)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class Family:
+    adapter: type[VideoLMAdapter]
+    model_class: Callable[..., Any]
+    tiny_config: Callable[[dict, dict, PreTrainedTokenizerBase], Any]
+
+
+def families() -> dict[str, Family]:
+    # Imported lazily so that importing the registry does not import every architecture.
+    from transformers import (
+        LlavaOnevisionForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    from vpsd.models import llava_onevision, qwen2_5_vl, qwen3_vl
+
+    return {
+        "qwen2_5_vl": Family(qwen2_5_vl.Qwen2_5_VLAdapter, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl.tiny_config),
+        "qwen3_vl": Family(qwen3_vl.Qwen3VLAdapter, Qwen3VLForConditionalGeneration, qwen3_vl.tiny_config),
+        "llava_onevision": Family(
+            llava_onevision.LlavaOnevisionAdapter,
+            LlavaOnevisionForConditionalGeneration,
+            llava_onevision.tiny_config,
+        ),
+    }
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    return build_tokenizer()
+
+
+def load_adapter(family: str, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> VideoLMAdapter:
+    """Builds or loads the model of `spec` and wraps it in its family's adapter."""
+    fams = families()
+    if family not in fams:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(fams)}")
+    fam = fams[family]
+    dtype = DTYPES[spec.dtype]
+    if spec.path is not None:
+        model = fam.model_class.from_pretrained(spec.path, dtype=dtype)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(spec.path)
+    else:
+        tiny = dict(spec.tiny)
+        tokenizer = tokenizer or tiny_tokenizer()
+        config = fam.tiny_config(dict(tiny["text"]), dict(tiny["vision"]), tokenizer)
+        config._attn_implementation = tiny.get("attn_implementation", "sdpa")
+        with torch.random.fork_rng():
+            torch.manual_seed(int(tiny.get("seed", 0)))
+            model = fam.model_class(config)
+        model = model.to(dtype)
+    model = model.to(spec.device).eval()
+    return fam.adapter(model, tokenizer, **spec.options)
