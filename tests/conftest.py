@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny models of every family, built offline from configs/tiny_*.yaml."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vpsd.config import load_config
+from vpsd.models.registry import load_adapter, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava_onevision"]
+
+torch.set_num_threads(1)
+
+
+def config_path(family: str) -> Path:
+    return ROOT / "configs" / f"tiny_{family}.yaml"
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_pair(family: str):
+    """(target adapter, draft adapter) of the family's tiny config, cached for the session."""
+    cfg = load_config(config_path(family))
+    tok = tiny_tokenizer()
+    target = load_adapter(family, cfg.target, tok)
+    draft = load_adapter(family, cfg.draft, tok) if cfg.draft is not None else target
+    return target, draft
+
+
+def random_frames(seed: int, t: int = 4, h: int = 56, w: int = 56) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (t, h, w, 3), dtype=np.uint8)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param

@@ -1,0 +1,107 @@
+"""Run configuration: dataclasses loaded from the YAML files in configs/.
+
+A config names the model family, the target and draft models (see models/registry.ModelSpec),
+how videos are sampled, and the decoding and pruning settings. `draft: self` selects
+self-speculation: the draft is the target's own weights fed only the kept video tokens.
+Every component reads only its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vpsd.models.registry import ModelSpec
+
+
+@dataclass
+class VideoConfig:
+    num_frames: int | None = 8  # uniform sampling by count (None: use fps or every frame)
+    fps: float | None = None
+    max_side: int | None = None  # longest side after resizing, before the family's own sizing rule
+
+
+@dataclass
+class DecodingConfig:
+    gamma: int = 4  # draft tokens per chunk
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0  # seeds the acceptance test and sampling when temperature > 0
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class PruningConfig:
+    strategy: str = "uniform"
+    ratio: float = 0.9  # share of prunable video tokens dropped from the draft's input
+    seed: int = 0
+    layers: int = 20  # target layers whose signals feed the pruner (all if the model has fewer)
+    crop: int = 5  # HIPPO spatial crop side
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio < 1.0:
+            raise ValueError(f"pruning ratio must be in [0, 1), got {self.ratio}")
+
+
+@dataclass
+class RunConfig:
+    family: str
+    target: ModelSpec
+    draft: ModelSpec | None  # None: self-speculation with the target's weights
+    video: VideoConfig = field(default_factory=VideoConfig)
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    extra: dict[str, Any] = field(default_factory=dict)  # sections other components own (roles, launch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _section(cls, data: dict | None):
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown keys in {cls.__name__}: {sorted(unknown)}")
+    return cls(**data)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    data = dict(data)
+    try:
+        family = data.pop("family")
+        target = _section(ModelSpec, data.pop("target"))
+    except KeyError as e:
+        raise ValueError(f"config is missing {e}") from None
+    draft_data = data.pop("draft", "self")
+    draft = None if draft_data in ("self", None) else _section(ModelSpec, draft_data)
+    return RunConfig(
+        family=family,
+        target=target,
+        draft=draft,
+        video=_section(VideoConfig, data.pop("video", None)),
+        decoding=_section(DecodingConfig, data.pop("decoding", None)),
+        pruning=_section(PruningConfig, data.pop("pruning", None)),
+        extra=data,
+    )
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Reads a YAML config; `overrides` maps dotted keys ("decoding.gamma") to values."""
+    data = yaml.safe_load(Path(path).read_text())
+    for key, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return config_from_dict(data)
