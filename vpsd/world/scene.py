@@ -1,0 +1,216 @@
+"""A seeded sampler of what happens in one procedural video; no pixels, no words.
+
+Contract:
+- `sample_scene(seed, num_frames, size)` is a pure function of its arguments: the same seed always gives
+  the same `Scene`. It uses `random.Random`, whose float stream is stable across Python versions.
+- A `Scene` holds everything the renderer and the captioner need; both are pure functions of it.
+- Coordinates are fractions of the frame: x of the width, y of the height, (0, 0) the top-left corner.
+  An object's `radius` is a fraction of the shorter side, so shapes stay round on non-square frames.
+- Every scene has at least one event (appears, disappears, leaves, turns), and every event happens in
+  the middle of the video (`event_window`), so the first frame alone never tells the whole story.
+- Colours are unique across the scene, new colours included, so "the red circle" names one object.
+- Objects never overlap while both are visible, so every object stays fully visible and checkable.
+- At most 35 caption words: one object or three carry exactly one event, two objects one or two.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+# RGB values far apart in hue, so they survive 4:2:0 chroma subsampling and stay nameable.
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 190, 60),
+    "blue": (40, 80, 235),
+    "yellow": (240, 220, 40),
+    "white": (245, 245, 245),
+    "purple": (150, 60, 200),
+    "orange": (250, 140, 20),
+    "cyan": (40, 215, 225),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {"black": (28, 28, 32), "grey": (112, 112, 112)}
+SHAPES = ("circle", "square", "triangle", "cross")
+# Radius as a fraction of the shorter side: 9 and 17 pixels on a 112-pixel frame.
+SIZES: dict[str, float] = {"small": 0.08, "large": 0.15}
+MOTIONS = ("left", "right", "up", "down", "still")
+DIRECTIONS: dict[str, tuple[float, float]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+
+EventKind = Literal["appears", "disappears", "leaves", "turns"]
+EVENT_KINDS: tuple[EventKind, ...] = ("appears", "disappears", "leaves", "turns")
+
+# Keeps objects off the frame border, and labelled positions off the lines between thirds,
+# so a location word is never a coin flip between two cells.
+BORDER_MARGIN = 0.02
+CELL_MARGIN = 0.04
+# Total travel of a moving object over its visible span: large enough to see at 112 pixels.
+TRAVEL_RANGE = (0.25, 0.45)
+# A square's corners reach 1.13 radii from its centre; keep bounding circles apart with some air.
+BOUNDING_FACTOR = 1.2
+MAX_TRIES = 200
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    frame: int  # first frame where the change is visible (appears: first visible; others: first gone/new)
+    new_colour: str | None = None  # only for "turns"
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    shape: str
+    size: str
+    colour: str  # colour when first seen
+    motion: str  # one of MOTIONS
+    start: tuple[float, float]  # (x, y) centre at `first_frame`
+    velocity: tuple[float, float]  # (dx, dy) per frame, fractions of width / height
+    event: Event | None = None
+
+    @property
+    def radius(self) -> float:
+        return SIZES[self.size]
+
+    @property
+    def first_frame(self) -> int:
+        return self.event.frame if self.event and self.event.kind == "appears" else 0
+
+    def visible(self, t: int) -> bool:
+        if t < self.first_frame:
+            return False
+        if self.event and self.event.kind in ("disappears", "leaves"):
+            return t < self.event.frame
+        return True
+
+    def centre(self, t: int) -> tuple[float, float]:
+        dt = t - self.first_frame
+        return self.start[0] + self.velocity[0] * dt, self.start[1] + self.velocity[1] * dt
+
+    def colour_at(self, t: int) -> str:
+        if self.event and self.event.kind == "turns" and t >= self.event.frame:
+            return self.event.new_colour
+        return self.colour
+
+
+@dataclass(frozen=True)
+class Background:
+    colour: str  # key of BACKGROUNDS
+    textured: bool
+    texture_seed: int  # the renderer draws the texture from this, so a Scene stays pure data
+
+
+@dataclass(frozen=True)
+class Scene:
+    num_frames: int
+    height: int
+    width: int
+    background: Background
+    objects: tuple[SceneObject, ...]
+
+
+def event_window(num_frames: int) -> tuple[int, int]:
+    """Inclusive range of frames where events may happen: the middle 40% of the video."""
+    return max(1, round(num_frames * 0.3)), min(num_frames - 1, round(num_frames * 0.7))
+
+
+def third(v: float) -> int:
+    """Which third (0, 1, 2) of an axis a fraction falls in; shared with the captioner."""
+    return min(2, int(v * 3))
+
+
+def sample_scene(seed: int, num_frames: int = 16, size: tuple[int, int] = (112, 112)) -> Scene:
+    rng = random.Random(seed)
+    height, width = size
+    num_objects = rng.choice((1, 2, 3))
+    # Caption length bound (see module docstring): three objects get one event.
+    num_events = rng.choice((1, 2)) if num_objects == 2 else 1
+    event_kinds = [rng.choice(EVENT_KINDS) for _ in range(num_events)] + [None] * (num_objects - num_events)
+    rng.shuffle(event_kinds)
+
+    background = Background(rng.choice(tuple(BACKGROUNDS)), rng.random() < 0.5, rng.randrange(2**31))
+    colours = list(COLOURS)
+    rng.shuffle(colours)  # pop from a shuffled list: colours unique across the scene
+    objects: list[SceneObject] = []
+    for kind in event_kinds:
+        for _ in range(MAX_TRIES):
+            obj = _sample_object(rng, kind, colours[-2:], num_frames, height, width)
+            if not any(_overlap(obj, other, num_frames, height, width) for other in objects):
+                objects.append(obj)
+                colours.pop()
+                if obj.event and obj.event.kind == "turns":
+                    colours.pop()
+                break
+        # An object that finds no free room is dropped: rare, and the scene stays valid without it,
+        # unless it carried the only event.
+    if not any(o.event for o in objects):
+        return sample_scene(rng.randrange(2**31), num_frames, size)
+    return Scene(num_frames, height, width, background, tuple(objects))
+
+
+def _sample_object(
+    rng: random.Random, kind: EventKind | None, colours: list[str], num_frames: int, height: int, width: int
+) -> SceneObject:
+    """Rejection-sample one object with event `kind`; `colours[-1]` is its colour, `colours[-2]` a new one."""
+    shape, size = rng.choice(SHAPES), rng.choice(tuple(SIZES))
+    short = min(height, width)
+    # Half-extents as fractions of each axis.
+    rx, ry = SIZES[size] * short / width, SIZES[size] * short / height
+    lo, hi = event_window(num_frames)
+    frame = rng.randint(lo, hi)
+    motion = rng.choice(MOTIONS[:4] if kind == "leaves" else MOTIONS)
+    event = None if kind is None else Event(kind, frame, colours[-2] if kind == "turns" else None)
+    first = frame if kind == "appears" else 0
+    last = frame - 1 if kind in ("disappears", "leaves") else num_frames - 1
+
+    for _ in range(MAX_TRIES):
+        x = rng.uniform(rx + BORDER_MARGIN, 1 - rx - BORDER_MARGIN)
+        y = rng.uniform(ry + BORDER_MARGIN, 1 - ry - BORDER_MARGIN)
+        if motion == "still":
+            velocity = (0.0, 0.0)
+        elif kind == "leaves":
+            # Fully outside (plus a margin) exactly at `frame`: speed follows from the start position.
+            dx, dy = DIRECTIONS[motion]
+            if dx:
+                gap = (x + rx if dx < 0 else 1 + rx - x) + BORDER_MARGIN
+            else:
+                gap = (y + ry if dy < 0 else 1 + ry - y) + BORDER_MARGIN
+            velocity = (dx * gap / frame, dy * gap / frame)
+        else:
+            dx, dy = DIRECTIONS[motion]
+            speed = rng.uniform(*TRAVEL_RANGE) / max(1, num_frames - 1 - first)
+            velocity = (dx * speed, dy * speed)
+        obj = SceneObject(shape, size, colours[-1], motion, (x, y), velocity, event)
+        if kind != "leaves" and not _inside(obj, first, last, rx, ry):
+            continue
+        if kind == "appears" and not _clear_of_cell_lines(x, y):
+            continue
+        return obj
+    # The ranges above always leave room (0.3 + 0.45 + margins < 1), so this is a bug, not bad luck.
+    raise RuntimeError(f"could not place a {size} {motion} object")
+
+
+def _inside(obj: SceneObject, first: int, last: int, rx: float, ry: float) -> bool:
+    # Motion is linear, so the end points bound the whole path.
+    for t in (first, last):
+        x, y = obj.centre(t)
+        inside_x = rx + BORDER_MARGIN <= x <= 1 - rx - BORDER_MARGIN
+        inside_y = ry + BORDER_MARGIN <= y <= 1 - ry - BORDER_MARGIN
+        if not (inside_x and inside_y):
+            return False
+    return True
+
+
+def _clear_of_cell_lines(x: float, y: float) -> bool:
+    return all(abs(v - line) >= CELL_MARGIN for v in (x, y) for line in (1 / 3, 2 / 3))
+
+
+def _overlap(a: SceneObject, b: SceneObject, num_frames: int, height: int, width: int) -> bool:
+    reach = BOUNDING_FACTOR * (a.radius + b.radius) * min(height, width)
+    for t in range(num_frames):
+        if a.visible(t) and b.visible(t):
+            (ax, ay), (bx, by) = a.centre(t), b.centre(t)
+            if math.hypot((ax - bx) * width, (ay - by) * height) < reach:
+                return True
+    return False
