@@ -1,0 +1,41 @@
+"""Layouts for the pruning tests: a plain Qwen-style grid and a LLaVA-style grid with newline tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from vpsd.pipeline.layout import VideoTokenLayout
+
+
+def grid_layout(t: int, h: int, w: int, start: int = 0) -> VideoTokenLayout:
+    return VideoTokenLayout.from_grid(torch.arange(start, start + t * h * w), (t, h, w))
+
+
+def newline_layout(t: int, h: int, w: int, start: int = 0, per: str = "row") -> VideoTokenLayout:
+    """Patches in raster order with a non-prunable newline token after every row (or every frame)."""
+    frame, row, col, prunable = [], [], [], []
+    for f in range(t):
+        for r in range(h):
+            for c in range(w):
+                frame.append(f), row.append(r), col.append(c), prunable.append(True)
+            if per == "row" or r == h - 1:
+                frame.append(f), row.append(-1), col.append(-1), prunable.append(False)
+    n = len(frame)
+    return VideoTokenLayout(
+        seq_positions=torch.arange(start, start + n),
+        frame=torch.tensor(frame),
+        row=torch.tensor(row),
+        col=torch.tensor(col),
+        prunable=torch.tensor(prunable),
+        grid=(t, h, w),
+    )
+
+
+def check_kept(kept: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> None:
+    """The kept-index contract of vpsd.pipeline.pruning.select."""
+    assert kept.dtype == torch.int64 and kept.dim() == 1
+    assert torch.equal(kept, torch.unique(kept)), "kept indices must be sorted and unique"
+    assert int(kept.min()) >= 0 and int(kept.max()) < layout.num_tokens
+    fixed = torch.nonzero(~layout.prunable).squeeze(1)
+    assert torch.isin(fixed, kept).all(), "every non-prunable token must be kept"
+    assert int(layout.prunable[kept].sum()) == layout.budget(ratio)
