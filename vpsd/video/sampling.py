@@ -4,8 +4,9 @@ Three requests, then an optional cap:
 - by count: `num_frames` indices evenly spread over the whole video, `linspace(0, n-1, k).round()`
   (the rule Qwen2-VL and LLaVA-OneVision use; asking for more frames than exist repeats frames, so
   the clip always has exactly `num_frames` frames);
-- by rate: one frame every `1/fps` seconds from t=0 while t < n/source_fps, assuming a constant
-  frame rate; a rate at or above the source rate means every frame;
+- by rate: the frame on screen at each t = k/fps (k = 0, 1, ...) while t < n/source_fps, frame i
+  being on screen during [i/source_fps, (i+1)/source_fps) at a constant frame rate; a rate at or
+  above the source rate means every frame;
 - neither: every frame.
 `max_frames` then keeps at most that many of the chosen indices, again evenly spread.
 
@@ -18,6 +19,8 @@ import math
 
 import numpy as np
 
+_EPS = 1e-9
+
 
 def uniform_indices(num_source: int, num_frames: int) -> np.ndarray:
     """`num_frames` indices evenly spaced over [0, num_source - 1], both ends included."""
@@ -28,16 +31,16 @@ def uniform_indices(num_source: int, num_frames: int) -> np.ndarray:
 
 
 def rate_indices(num_source: int, source_fps: float, fps: float) -> np.ndarray:
-    """Index of the frame shown at each time k/fps, for every k with k/fps < num_source/source_fps."""
+    """Index of the frame on screen at each time k/fps, for every k with k/fps < num_source/source_fps."""
     if num_source <= 0 or not source_fps > 0 or not fps > 0:
         raise ValueError(f"need positive values, got {num_source=} {source_fps=} {fps=}")
     if fps >= source_fps:
         return np.arange(num_source, dtype=np.int64)
-    # k < num_source * fps / source_fps; the epsilon keeps an exact boundary (t == duration) out.
-    count = math.ceil(num_source * fps / source_fps - 1e-9)
+    # The epsilons absorb float error: a time that lands exactly on a frame's start (k * 8 / 2.5
+    # computed as 15.999999) belongs to that frame, and t == duration is past the end.
+    count = math.ceil(num_source * fps / source_fps - _EPS)
     k = np.arange(count, dtype=np.float64)
-    # Round halves up: at a fixed step, half-to-even rounding would make the spacing uneven.
-    idx = np.floor(k * source_fps / fps + 0.5).astype(np.int64)
+    idx = np.floor(k * source_fps / fps + _EPS).astype(np.int64)
     return np.minimum(idx, num_source - 1)
 
 
