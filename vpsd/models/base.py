@@ -81,6 +81,7 @@ class PrefillResult:
     logits: torch.Tensor  # (V,) float32 logits for the first generated token
     state: DecodeState
     hidden_states: tuple[torch.Tensor, ...] | None = None  # (1, L_kept, D) per layer, when asked
+    signals: Any = None  # pruning signals captured during the prefill (models/signals.py), when asked
 
 
 class VideoLMAdapter(ABC):
@@ -148,9 +149,11 @@ class VideoLMAdapter(ABC):
         sel = self.kept_sequence_positions(emb.layout, emb.seq_len, keep).to(emb.embeds.device)
         kept_video = torch.nonzero(torch.isin(emb.layout.seq_positions.to(sel.device), sel)).squeeze(1)
         cache = DynamicCache(config=self.model.config.get_text_config())
+        positions = emb.positions[:, :, sel]
         out = self.language_model(
             inputs_embeds=emb.embeds[:, sel],
-            position_ids=emb.positions[:, :, sel],
+            # A 1-D rotary model takes (1, n): given (1, 1, n) a Qwen2 LM runs without error but wrong logits.
+            position_ids=positions if self.position_rows > 1 else positions[0],
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=output_hidden_states,

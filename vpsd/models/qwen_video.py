@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vpsd.video.decode import resize_frames, smart_resize
+from vpsd.video.resize import resize_frames, smart_resize
 
 
 @dataclass(frozen=True)

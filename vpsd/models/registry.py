@@ -8,6 +8,7 @@ draft agree on token ids.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,37 +45,36 @@ class Family:
     tiny_config: Callable[[dict, dict, PreTrainedTokenizerBase], Any]
 
 
-def families() -> dict[str, Family]:
-    # Imported lazily so that importing the registry does not import every architecture.
-    from transformers import (
-        LlavaOnevisionForConditionalGeneration,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen3VLForConditionalGeneration,
-    )
+# family name -> (vpsd module, adapter class, transformers model class)
+FAMILY_MODULES = {
+    "qwen2_5_vl": ("vpsd.models.qwen2_5_vl", "Qwen2_5_VLAdapter", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("vpsd.models.qwen3_vl", "Qwen3VLAdapter", "Qwen3VLForConditionalGeneration"),
+    "llava_onevision": (
+        "vpsd.models.llava_onevision",
+        "LlavaOnevisionAdapter",
+        "LlavaOnevisionForConditionalGeneration",
+    ),
+}
 
-    from vpsd.models import llava_onevision, qwen2_5_vl, qwen3_vl
 
-    return {
-        "qwen2_5_vl": Family(qwen2_5_vl.Qwen2_5_VLAdapter, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl.tiny_config),
-        "qwen3_vl": Family(qwen3_vl.Qwen3VLAdapter, Qwen3VLForConditionalGeneration, qwen3_vl.tiny_config),
-        "llava_onevision": Family(
-            llava_onevision.LlavaOnevisionAdapter,
-            LlavaOnevisionForConditionalGeneration,
-            llava_onevision.tiny_config,
-        ),
-    }
+def family(name: str) -> Family:
+    """Imports only the family asked for: each architecture module is heavy."""
+    if name not in FAMILY_MODULES:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILY_MODULES)}")
+    module_name, adapter_name, model_name = FAMILY_MODULES[name]
+    import transformers
+
+    module = importlib.import_module(module_name)
+    return Family(getattr(module, adapter_name), getattr(transformers, model_name), module.tiny_config)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return build_tokenizer()
 
 
-def load_adapter(family: str, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> VideoLMAdapter:
+def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> VideoLMAdapter:
     """Builds or loads the model of `spec` and wraps it in its family's adapter."""
-    fams = families()
-    if family not in fams:
-        raise ValueError(f"unknown model family {family!r}; known: {sorted(fams)}")
-    fam = fams[family]
+    fam = family(family_name)
     dtype = DTYPES[spec.dtype]
     if spec.path is not None:
         model = fam.model_class.from_pretrained(spec.path, dtype=dtype)

@@ -1,0 +1,37 @@
+"""`ar`: the target alone, one token per forward. The reference every other method must reproduce."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vpsd.config import DecodingConfig
+from vpsd.decoders.result import DecodeResult, finished
+from vpsd.models.base import VideoLMAdapter
+from vpsd.pipeline.sampling import next_token
+from vpsd.pipeline.stats import AcceptanceStats
+
+
+def decode_ar(target: VideoLMAdapter, frames: np.ndarray, prompt: str, cfg: DecodingConfig) -> DecodeResult:
+    t0 = time.perf_counter()
+    emb = target.embed(target.prepare(frames, prompt))
+    pre = target.prefill(emb)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tokens = [next_token(pre.logits, cfg.temperature, gen)]
+    t1 = time.perf_counter()
+    stats = AcceptanceStats()
+    stats.record(0, 0)
+    eos = target.eos_token_ids
+    while not finished(tokens, cfg.max_new_tokens, eos):
+        logits = target.step(pre.state, torch.tensor([tokens[-1]]))[-1]
+        tokens.append(next_token(logits, cfg.temperature, gen))
+        stats.record(0, 0)
+    return DecodeResult(
+        token_ids=tokens,
+        stats=stats,
+        prefill_s=t1 - t0,
+        decode_s=time.perf_counter() - t1,
+        num_video_tokens=emb.layout.num_tokens,
+    )

@@ -1,0 +1,51 @@
+"""What every decoder returns: the tokens, the acceptance statistics and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vpsd.pipeline.stats import AcceptanceStats
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]
+    stats: AcceptanceStats
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    num_kept: int | None = None  # video tokens the draft saw (None: no draft)
+    num_video_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # finer spans (vision, prune, draft, verify)
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def stats_dict(self) -> dict:
+        return {
+            **self.stats.as_dict(),
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+            "num_kept": self.num_kept,
+            "num_video_tokens": self.num_video_tokens,
+            **{f"{k}_s": v for k, v in self.timings.items()},
+        }
+
+
+def finished(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> bool:
+    return len(token_ids) >= max_new_tokens or (bool(token_ids) and token_ids[-1] in eos_token_ids)
+
+
+def truncate(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    """Cuts a committed sequence exactly where plain decoding would have stopped."""
+    out = token_ids[:max_new_tokens]
+    for i, t in enumerate(out):
+        if t in eos_token_ids:
+            return out[: i + 1]
+    return out

@@ -1,0 +1,104 @@
+"""`sd`: serial speculative decoding, the single-process reference for every parallel method.
+
+The draft proposes gamma tokens, the target verifies them in one forward, the draft's cache is rolled
+back to the longest prefix that survived. The draft is a smaller model of the same family (sharing
+the tokenizer and the video token layout) or the target itself (self-speculation); either way it is
+prefilled with only the kept video tokens, each at its original position.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vpsd.config import DecodingConfig
+from vpsd.decoders.result import DecodeResult, finished, truncate
+from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
+from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.verification import verify_greedy, verify_sampling
+
+# Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
+KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings], "torch.Tensor | None"]
+
+
+def draft_chunk(
+    draft: VideoLMAdapter,
+    state,
+    cursor: CacheCursor,
+    committed: list[int],
+    k: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], torch.Tensor | None]:
+    """Brings the draft cache in line with `committed`, then proposes k tokens (and their q when sampling)."""
+    length, pending = cursor.sync(committed)
+    draft.rollback(state, length)
+    logits = draft.step(state, torch.tensor(pending))[-1]
+    cursor.feed(pending)
+    tokens: list[int] = []
+    probs: list[torch.Tensor] = []
+    for i in range(k):
+        if temperature == 0.0:
+            tokens.append(int(logits.argmax()))
+        else:
+            q = probs_from_logits(logits, temperature)
+            probs.append(q)
+            tokens.append(sample(q, generator))
+        if i < k - 1:  # the last proposal is never fed: verification decides what comes next
+            logits = draft.step(state, torch.tensor(tokens[-1:]))[-1]
+            cursor.feed(tokens[-1:])
+    return tokens, (torch.stack(probs) if probs else None)
+
+
+def decode_sd(
+    target: VideoLMAdapter,
+    draft: VideoLMAdapter,
+    frames: np.ndarray,
+    prompt: str,
+    cfg: DecodingConfig,
+    keep_policy: KeepPolicy,
+) -> DecodeResult:
+    t0 = time.perf_counter()
+    t_emb = target.embed(target.prepare(frames, prompt))
+    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt))
+    if d_emb.layout.grid != t_emb.layout.grid:
+        raise ValueError(f"draft video grid {d_emb.layout.grid} differs from the target's {t_emb.layout.grid}")
+    t_pre = target.prefill(t_emb)
+    keep = keep_policy(t_emb, t_pre, d_emb)
+    d_pre = draft.prefill(d_emb, keep=keep)
+    verify_gen = torch.Generator().manual_seed(cfg.seed)
+    draft_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    committed = [next_token(t_pre.logits, cfg.temperature, verify_gen)]
+    t1 = time.perf_counter()
+
+    t_cur, d_cur = CacheCursor(t_pre.state.length), CacheCursor(d_pre.state.length)
+    stats = AcceptanceStats()
+    eos = target.eos_token_ids
+    while not finished(committed, cfg.max_new_tokens, eos):
+        # Never draft past max_new_tokens: the round's own token fills the last slot.
+        k = min(cfg.gamma, cfg.max_new_tokens - len(committed) - 1)
+        drafts, q = draft_chunk(draft, d_pre.state, d_cur, committed, k, cfg.temperature, draft_gen)
+        length, pending = t_cur.sync(committed)
+        target.rollback(t_pre.state, length)
+        logits = target.step(t_pre.state, torch.tensor(pending + drafts))[len(pending) - 1 :]
+        t_cur.feed(pending + drafts)
+        if cfg.temperature == 0.0:
+            v = verify_greedy(drafts, logits)
+        else:
+            v = verify_sampling(drafts, q, probs_from_logits(logits, cfg.temperature), verify_gen)
+        stats.record(v.num_accepted, v.num_drafted)
+        stats.rollbacks += int(not v.all_accepted)
+        committed += v.emitted(drafts)
+    return DecodeResult(
+        token_ids=truncate(committed, cfg.max_new_tokens, eos),
+        stats=stats,
+        prefill_s=t1 - t0,
+        decode_s=time.perf_counter() - t1,
+        num_kept=int(keep.numel()) if keep is not None else d_emb.layout.num_tokens,
+        num_video_tokens=t_emb.layout.num_tokens,
+    )

@@ -1,0 +1,173 @@
+"""Qwen3-VL adapter: timestamped video prompt, per-frame M-RoPE groups, deepstack pruned with the video.
+
+What differs from Qwen2.5-VL (see qwen2_5_vl.py for what is shared):
+- Vision: 16 px patches (merge 2, temporal 2: sides are multiples of 32), normalised with mean = std = 0.5.
+- Prompt: every temporal group of video tokens is its own block preceded by its time in text,
+  `<0.2 seconds><|vision_start|><|video_pad|>*n<|vision_end|><1.2 seconds><|vision_start|>...`,
+  replacing the chat template's single `<|vision_start|><|video_pad|><|vision_end|>`, as the reference
+  processor (transformers 4.57, qwen-vl-utils, vLLM) does. transformers 5's processor replaces only the
+  `<|video_pad|>` and so leaves an extra start/end pair around the whole video; positions are the same
+  either way, the text is not, and the checkpoints were trained on the reference form.
+  Video tokens stay frame-major, row-major, so the layout is still the plain token grid.
+- Positions: time is carried by the timestamps, not by the rotary phase. `get_rope_index` splits the
+  video grid into one (1, h, w) grid per temporal group, each group's block starting where the
+  preceding text ends; there is no `second_per_grid_ts`.
+- Deepstack: the vision tower also returns features of a few intermediate layers, added to the video
+  tokens' hidden states after the first decoder layers. They are rows per video token, so a pruned
+  prefill passes only the kept tokens' rows and a mask over the kept sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
+from vpsd.models.qwen2_5_vl import VIDEO_TYPE_ID, QwenAdapterMixin
+from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
+from vpsd.pipeline.layout import VideoTokenLayout
+
+DEFAULT_FPS = 2.0  # Qwen3VLVideoProcessor's sampling rate; sets the timestamps when none are given
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)  # Qwen3VLVideoProcessor's image_mean and image_std
+VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"  # what the chat template renders for a video
+
+
+def qwen3_vision_spec(patch_size: int = 16, merge_size: int = 2, temporal_patch_size: int = 2) -> QwenVisionSpec:
+    """Qwen3-VL's video preprocessing: its patch sizes and normalisation, per-frame pixel bounds in units of 32x32."""
+    factor = patch_size * merge_size
+    return QwenVisionSpec(
+        patch_size=patch_size,
+        merge_size=merge_size,
+        temporal_patch_size=temporal_patch_size,
+        mean=IMAGENET_STANDARD,
+        std=IMAGENET_STANDARD,
+        min_pixels=4 * factor * factor,
+        max_pixels=768 * factor * factor,  # the processor's max_video_tokens per frame
+    )
+
+
+def group_timestamps(frame_times: np.ndarray, temporal_patch_size: int) -> list[float]:
+    """Seconds shown before each temporal group: the mean of its first and last frame's times.
+
+    An incomplete last group is padded with the last frame, as the frames themselves are.
+    """
+    times = [float(t) for t in frame_times]
+    times += [times[-1]] * (-len(times) % temporal_patch_size)
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
+def qwen3_video_text(timestamps: list[float], tokens_per_group: int) -> str:
+    """The expansion of one video: a timestamp and a start/end-delimited block per temporal group."""
+    block = "<|vision_start|>" + "<|video_pad|>" * tokens_per_group + "<|vision_end|>"
+    return "".join(f"<{t:.1f} seconds>{block}" for t in timestamps)
+
+
+def qwen3_chat_prompt(prompt: str, video_text: str) -> str:
+    """Qwen3-VL's chat template (no default system turn) for one user turn: the video, then the prompt."""
+    chat = f"<|im_start|>user\n{VIDEO_BLOCK}{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    return chat.replace(VIDEO_BLOCK, video_text, 1)
+
+
+class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
+    family = "qwen3_vl"
+
+    def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float = DEFAULT_FPS):
+        super().__init__(model, tokenizer)
+        vc = model.config.vision_config
+        self.vision_spec = vision_spec or qwen3_vision_spec(vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+        self.fps = fps
+
+    @property
+    def position_rows(self) -> int:
+        return 3
+
+    def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
+        """frame_times: (T,) seconds of each frame in the source video (VideoClip.timestamps);
+        by default the frames are taken as sampled at `fps` from time 0."""
+        spec = self.vision_spec
+        frames = resize_for_qwen(frames, spec)
+        pixel_values, grid = qwen_video_tensors(frames, spec)
+        t, h, w = (int(v) for v in grid[0])
+        token_grid = (t, h // spec.merge_size, w // spec.merge_size)
+        if frame_times is None:
+            frame_times = np.arange(frames.shape[0]) / self.fps
+        stamps = group_timestamps(frame_times, spec.temporal_patch_size)
+        text = qwen3_chat_prompt(prompt, qwen3_video_text(stamps, token_grid[1] * token_grid[2]))
+        input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
+        is_video = input_ids[0] == self.model.config.video_token_id
+        n = token_grid[0] * token_grid[1] * token_grid[2]
+        if int(is_video.sum()) != n:
+            raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
+        pixel_inputs = {
+            "pixel_values_videos": pixel_values.to(self.model.dtype),
+            "video_grid_thw": grid,
+            "mm_token_type_ids": torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0),
+        }
+        layout = VideoTokenLayout.from_grid(torch.nonzero(is_video).squeeze(1), token_grid)
+        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout)
+
+    @torch.inference_mode()
+    def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
+        device = self.device
+        p = inputs.pixel_inputs
+        embeds = self.model.model.get_input_embeddings()(inputs.input_ids.to(device))
+        feats = self.model.model.get_video_features(p["pixel_values_videos"].to(device), p["video_grid_thw"].to(device))
+        embeds[0, inputs.layout.seq_positions.to(device)] = torch.cat(list(feats.pooler_output)).to(embeds.dtype)
+        # One (N_video, D) tensor per deepstack layer, rows in video token order.
+        deepstack = [torch.cat(list(layer)).to(embeds.dtype) for layer in feats.deepstack_features]
+        positions, next_position = self._rope(inputs, with_seconds=False)
+        return SequenceEmbeddings(
+            embeds=embeds,
+            positions=positions.to(device),
+            next_position=next_position,
+            layout=inputs.layout,
+            deepstack=deepstack,
+        )
+
+    def _language_kwargs(self, emb: SequenceEmbeddings, kept_video: torch.Tensor) -> dict[str, Any]:
+        """Deepstack rows of the kept video tokens and where they sit in the fed (text + kept video) sequence."""
+        seq_positions = emb.layout.seq_positions.to(emb.embeds.device)
+        kept_video = kept_video.to(seq_positions.device)
+        is_video = torch.zeros(emb.seq_len, dtype=torch.bool, device=seq_positions.device)
+        is_video[seq_positions] = True
+        fed = ~is_video
+        fed[seq_positions[kept_video]] = True
+        return {
+            "visual_pos_masks": is_video[fed].unsqueeze(0),  # (1, L_fed)
+            "deepstack_visual_embeds": [layer[kept_video] for layer in emb.deepstack],  # each (N_kept, D)
+        }
+
+
+def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen3VLConfig":
+    """A Qwen3-VL config of any size; the special token ids come from the tokenizer."""
+    from transformers import Qwen3VLConfig
+
+    head_dim = text.pop("head_dim", text["hidden_size"] // text["num_attention_heads"])
+    half = head_dim // 2
+    # Interleaved M-RoPE: height / width each take every third frequency of their section, the
+    # temporal row the rest (Qwen3-VL's [24, 20, 20] for head_dim 128, scaled to head_dim).
+    hw = half * 5 // 16
+    mrope = text.pop("mrope_section", [half - 2 * hw, hw, hw])
+    ids = tokenizer.convert_tokens_to_ids
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            head_dim=head_dim,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=mrope, mrope_interleaved=True),
+            max_position_embeddings=32768,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **text,
+        ),
+        vision_config=dict(out_hidden_size=text["hidden_size"], **vision),
+        video_token_id=ids("<|video_pad|>"),
+        image_token_id=ids("<|image_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )

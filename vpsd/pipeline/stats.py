@@ -1,0 +1,66 @@
+"""Decoding statistics with the papers' definitions.
+
+- mean accepted tokens (MAT, tau): tokens committed per verification round, INCLUDING the recovered
+  or bonus token the target adds (HIPPO, ParallelVLM, SpecVLM all report it this way), so plain
+  autoregressive decoding has MAT 1.
+- acceptance rate: accepted draft tokens / drafted tokens.
+- per-position acceptance: for draft position i, accepted / proposed at that position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceStats:
+    accepted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)
+    rollbacks: int = 0
+
+    def record(self, num_accepted: int, num_drafted: int) -> None:
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"accepted {num_accepted} of {num_drafted}")
+        self.accepted_per_round.append(num_accepted)
+        self.drafted_per_round.append(num_drafted)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted_per_round)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        if not self.rounds:
+            return 0.0
+        return (sum(self.accepted_per_round) + self.rounds) / self.rounds
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(self.drafted_per_round)
+        return sum(self.accepted_per_round) / drafted if drafted else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        """Share of rounds that accepted draft position i, among rounds that proposed it."""
+        width = max(self.drafted_per_round, default=0)
+        out = []
+        for i in range(width):
+            proposed = sum(1 for d in self.drafted_per_round if d > i)
+            accepted = sum(1 for a in self.accepted_per_round if a > i)
+            out.append(accepted / proposed if proposed else 0.0)
+        return out
+
+    def histogram(self) -> dict[int, int]:
+        """Rounds by number of accepted draft tokens (gpt-fast prints the same)."""
+        hist: dict[int, int] = {}
+        for a in self.accepted_per_round:
+            hist[a] = hist.get(a, 0) + 1
+        return dict(sorted(hist.items()))
+
+    def as_dict(self) -> dict:
+        return {
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "rounds": self.rounds,
+            "rollbacks": self.rollbacks,
+            "per_position_acceptance": self.per_position_acceptance(),
+        }

@@ -1,0 +1,71 @@
+"""Verification of a draft chunk by the target (Leviathan et al., 2023; Chen et al., 2023).
+
+For draft tokens x_1..x_k with draft probabilities q_i and target probabilities p_i (p has k+1 rows:
+row i is the target's distribution for position i, row k the bonus position):
+  - accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), stopping at the first rejection;
+  - on rejection at i, emit a token drawn from norm(max(0, p_i - q_i)) (the "recovered" token);
+  - when all k are accepted, emit a bonus token drawn from p_k.
+Greedy verification is the temperature-0 case (p and q one-hot): accept while x_i == argmax p_i, then
+emit argmax p at the first mismatch (or the bonus position). `verify_greedy` implements that case
+directly so it needs no probabilities on the wire; tests prove it equals `verify_sampling` on one-hot
+inputs. The target alone makes this decision; drafts only obey it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verification:
+    num_accepted: int  # draft tokens accepted, 0..k
+    next_token: int  # recovered token (after a rejection) or bonus token (all accepted)
+    num_drafted: int  # k
+
+    @property
+    def all_accepted(self) -> bool:
+        return self.num_accepted == self.num_drafted
+
+    def emitted(self, draft_token_ids: list[int]) -> list[int]:
+        """Tokens this round commits: the accepted prefix, then the recovered or bonus token."""
+        return list(draft_token_ids[: self.num_accepted]) + [self.next_token]
+
+
+def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor) -> Verification:
+    """target_logits (k+1, V): row i scores the token at draft position i (row k: bonus)."""
+    k = len(draft_token_ids)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need k+1={k + 1} target rows, got {target_logits.shape[0]}")
+    target_ids = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < k and draft_token_ids[n] == target_ids[n]:
+        n += 1
+    return Verification(num_accepted=n, next_token=int(target_ids[n]), num_drafted=k)
+
+
+def verify_sampling(
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor,  # (k, V) q
+    target_probs: torch.Tensor,  # (k+1, V) p
+    generator: torch.Generator | None,
+) -> Verification:
+    """The speculative sampling rule; the emitted sequence is distributed exactly as sampling from p."""
+    k = len(draft_token_ids)
+    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
+        raise ValueError(f"need q of {k} rows and p of {k + 1} rows, got {draft_probs.shape[0]} and {target_probs.shape[0]}")
+    for i, x in enumerate(draft_token_ids):
+        p, q = float(target_probs[i, x]), float(draft_probs[i, x])
+        r = float(torch.rand((), generator=generator))
+        # r < p/q, written without the division so q == 0 (a token the draft cannot emit) is safe.
+        if r * q < p:
+            continue
+        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
+        total = float(residual.sum())
+        # total == 0 only when p == q, where a rejection has probability 0; guard for float noise.
+        dist = residual / total if total > 0 else target_probs[i]
+        token = int(torch.multinomial(dist, 1, generator=generator))
+        return Verification(num_accepted=i, next_token=token, num_drafted=k)
+    token = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    return Verification(num_accepted=k, next_token=token, num_drafted=k)
