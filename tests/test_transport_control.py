@@ -1,0 +1,130 @@
+"""ControlChannel in one process: channels share an in-memory store, so no torchrun is needed (fast)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch.distributed as dist
+import zmq
+from structlog.testing import capture_logs
+
+from vpsd.pipeline.messages import DraftChunk, KeepIndices, MessageError, Shutdown
+from vpsd.transport.control import ControlChannel, PeerTimeout, advertised_host
+
+
+@pytest.fixture
+def world():
+    store = dist.HashStore()
+    chans = [ControlChannel(r, 3, role, store) for r, role in enumerate(["target", "draft", "pruner"])]
+    yield chans
+    for ch in chans:
+        ch.close()
+
+
+def test_send_recv_in_order(world):
+    t, d, _ = world
+    for i in range(5):
+        d.send(0, KeepIndices("item", i))
+    got = [t.recv(2.0) for _ in range(5)]
+    assert got == [(1, KeepIndices("item", i)) for i in range(5)]
+
+
+def test_recv_from_one_src_keeps_others_queued(world):
+    t, d, p = world
+    p.send(0, Shutdown("from pruner"))
+    d.send(0, Shutdown("from draft"))
+    assert t.poll(2.0, src=1)
+    assert t.recv(2.0, src=1) == (1, Shutdown("from draft"))
+    assert t.recv(0.0) == (2, Shutdown("from pruner"))
+
+
+def test_self_send(world):
+    t = world[0]
+    t.send(0, Shutdown("me"))
+    assert t.recv(2.0) == (0, Shutdown("me"))
+
+
+def test_timeout_names_peer_and_role(world):
+    t, d, _ = world
+    with pytest.raises(PeerTimeout) as info:
+        t.recv(0.05, src=2)
+    assert (info.value.rank, info.value.role) == (2, "pruner")
+    assert "rank 2 (pruner)" in str(info.value)
+    with pytest.raises(PeerTimeout) as info:
+        d.recv(0.0)
+    assert info.value.rank is None and "any peer" in str(info.value)
+    assert not d.poll(0.0)
+
+
+def test_bad_message_from_a_rank_is_logged_and_dropped(world):
+    t, d, _ = world
+    with capture_logs() as logs:
+        d._dealer(0).send(b"\x80\x04garbage")
+        d.send(0, KeepIndices("after", 1))
+        assert t.recv(2.0) == (1, KeepIndices("after", 1))
+    bad = [e for e in logs if e["event"] == "bad_message"]
+    assert len(bad) == 1 and bad[0]["sender"] == 1 and "msgpack" in bad[0]["error"]
+
+
+def test_stranger_is_dropped(world):
+    t = world[0]
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(t.address)
+    raw.send(msgpack.packb({"type": "Shutdown", "v": 1, "reason": "not a rank"}))
+    with capture_logs() as logs:
+        deadline = time.monotonic() + 2.0
+        while not logs and time.monotonic() < deadline:
+            t.poll(0.02)
+    raw.close(linger=0)
+    ctx.term()
+    assert logs and logs[0]["event"] == "bad_message" and logs[0]["sender"].startswith("0x")
+    assert not t.poll(0.0)
+
+
+def test_heartbeats_are_consumed_and_refresh_liveness(world):
+    t, d, p = world
+    d.heartbeat([0])
+    deadline = time.monotonic() + 2.0
+    while t.last_seen(1) is None and time.monotonic() < deadline:
+        t.poll(0.01)
+    assert t.last_seen(1) is not None
+    assert not t.poll(0.0)  # the heartbeat itself is not delivered
+    t.check_alive([1], timeout_s=5.0)
+    time.sleep(0.02)
+    with pytest.raises(PeerTimeout) as info:
+        t.check_alive([1, 2], timeout_s=0.01)
+    assert info.value.rank in (1, 2) and info.value.role in ("draft", "pruner")
+
+
+def test_unpublished_peer_times_out_by_name():
+    store = dist.HashStore()
+    with ControlChannel(0, 2, "target", store, connect_timeout_s=0.1) as ch:
+        with pytest.raises(PeerTimeout) as info:
+            ch.send(1, Shutdown("nobody there"))
+        assert info.value.rank == 1
+        with pytest.raises(ValueError):
+            ch.send(5, Shutdown("outside the world"))
+
+
+def test_invalid_message_fails_on_the_sender(world):
+    with pytest.raises(MessageError):
+        world[0].send(1, DraftChunk("i", 0, 0, ["not an int"], False))  # type: ignore[list-item]
+
+
+def test_endpoint_published_in_store(world):
+    t = world[0]
+    peer = msgpack.unpackb(t._store.get("vpsd/ctrl/2"), raw=False)
+    assert peer["role"] == "pruner" and peer["address"] == world[2].address
+    assert t.peer_role(2) == "pruner"
+
+
+def test_advertised_host(monkeypatch):
+    monkeypatch.delenv("VPSD_HOST", raising=False)
+    assert advertised_host() == "127.0.0.1"
+    monkeypatch.setenv("VPSD_HOST", "node7")
+    assert advertised_host() == "node7"
+    assert advertised_host("10.0.0.2") == "10.0.0.2"
+

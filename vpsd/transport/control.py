@@ -1,0 +1,267 @@
+"""ZeroMQ control channel between ranks: small typed messages, never tensors, never pickle.
+
+Contract:
+- One `ControlChannel` per rank. It binds a ROUTER on a random port and publishes
+  `{"address", "role"}` (msgpack) under `<namespace>/<rank>` in the torch.distributed store, so peers on
+  other nodes find it. The advertised host is `host`, else env `VPSD_HOST`, else 127.0.0.1 (standalone).
+- `send(dst, msg)` goes through one DEALER per peer whose identity is the sender's rank, so the receiver
+  knows who sent what. Sends are queued by ZeroMQ; a send that cannot be queued within `send_timeout_s`
+  raises `PeerTimeout` naming the peer.
+- `recv(timeout_s, src=None)` returns `(src_rank, message)` in arrival order, optionally only from one
+  rank (messages from others stay queued for later calls), and raises `PeerTimeout` naming the rank and
+  role waited on. A malformed, unknown or oversized message is logged (structlog event `bad_message`,
+  with the sender) and dropped: it never reaches the caller and is never acted on.
+- `Heartbeat` messages are consumed by the channel: they only refresh `last_seen`; `check_alive` turns
+  a silent peer into a `PeerTimeout`. Every valid message counts as a sign of life.
+- Not thread-safe (ZeroMQ sockets are not): use a channel from the thread that created it.
+
+Why timeouts everywhere: a rank blocked on a ZeroMQ recv while its peer waits in a torch.distributed
+collective deadlocks silently; a bounded wait turns that into an error that names the peer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Iterable
+
+import msgpack
+import structlog
+import torch.distributed as dist
+import zmq
+
+from vpsd.pipeline.messages import Heartbeat, Message, MessageError, decode, encode
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_NAMESPACE = "vpsd/ctrl"
+# Control messages are token ids and small headers; anything this large is a bug or an attack, and
+# ZeroMQ drops the connection before buffering it.
+MAX_MESSAGE_BYTES = 16 * 2**20
+_POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic showed up in the receive profile
+
+
+class PeerTimeout(TimeoutError):
+    """Waited `waited_s` seconds on rank `rank` (role `role`) in vain; rank None means any peer."""
+
+    def __init__(self, rank: int | None, role: str | None, waited_s: float, what: str = "a message from") -> None:
+        self.rank = rank
+        self.role = role
+        self.waited_s = waited_s
+        peer = "any peer" if rank is None else f"rank {rank} ({role or 'unknown role'})"
+        super().__init__(f"waited {waited_s:.3f} s for {what} {peer}")
+
+
+def advertised_host(host: str | None = None) -> str:
+    """The address peers use to reach this rank: `host`, else env VPSD_HOST, else 127.0.0.1."""
+    return host or os.environ.get("VPSD_HOST") or "127.0.0.1"
+
+
+class ControlChannel:
+    """This rank's end of the control plane: one ROUTER to receive, one DEALER per peer to send."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        role: str,
+        store: dist.Store,
+        *,
+        host: str | None = None,
+        bind_host: str | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        send_timeout_s: float = 10.0,
+        connect_timeout_s: float = 60.0,
+    ) -> None:
+        """`bind_host` defaults to the advertised host's IPv4 address; pass "*" to listen on every interface."""
+        self.rank, self.world_size, self.role = rank, world_size, role
+        self._store, self._namespace = store, namespace
+        self._send_timeout_s, self._connect_timeout_s = send_timeout_s, connect_timeout_s
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        # A peer that reconnects (restarted socket) takes its identity over instead of being ignored.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._router.setsockopt(zmq.LINGER, 0)
+        host = advertised_host(host)
+        # ZeroMQ binds interfaces or IPs, not DNS names; peers connect by name, which ZeroMQ resolves.
+        bind_ip = bind_host or socket.gethostbyname(host)
+        port = self._router.bind_to_random_port(f"tcp://{bind_ip}")
+        self.address = f"tcp://{host}:{port}"
+        self._dealers: dict[int, zmq.Socket] = {}
+        self._roles: dict[int, str] = {rank: role}
+        self._inbox: deque[tuple[int, Message]] = deque()
+        self._last_seen: dict[int, float] = {}
+        self._started = time.monotonic()
+        store.set(self._key(rank), msgpack.packb({"address": self.address, "role": role}))
+        log.debug("control_bound", rank=rank, role=role, address=self.address)
+
+    @classmethod
+    def from_process_group(cls, role: str, **kwargs) -> "ControlChannel":
+        """A channel for this rank of the default process group, published in its TCPStore."""
+        store = kwargs.pop("store", None) or dist.distributed_c10d._get_default_store()
+        return cls(dist.get_rank(), dist.get_world_size(), role, store, **kwargs)
+
+    # --- sending ----------------------------------------------------------------------------------------
+
+    def send(self, dst: int, msg: Message) -> None:
+        """Queue `msg` for rank `dst` (validated and encoded first; MessageError on a bad message)."""
+        data = encode(msg)
+        try:
+            self._dealer(dst).send(data)
+        except zmq.Again:
+            raise PeerTimeout(dst, self._roles.get(dst), self._send_timeout_s, "room in the send queue to") from None
+
+    def heartbeat(self, dsts: Iterable[int]) -> None:
+        """Tell each rank in `dsts` that this rank is alive."""
+        hb = Heartbeat(self.role, self.rank, time.time())
+        for dst in dsts:
+            self.send(dst, hb)
+
+    def _dealer(self, dst: int) -> zmq.Socket:
+        sock = self._dealers.get(dst)
+        if sock is not None:
+            return sock
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"rank {dst} is outside world of size {self.world_size}")
+        peer = self._lookup(dst, self._connect_timeout_s)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
+        # On close, give queued messages a moment to leave; a dead peer must not hang shutdown.
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(peer["address"])
+        self._dealers[dst] = sock
+        return sock
+
+    def _lookup(self, rank: int, timeout_s: float) -> dict:
+        key = self._key(rank)
+        try:
+            self._store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # the store's timeout error carries no peer name
+            raise PeerTimeout(rank, None, timeout_s, "the control endpoint of") from e
+        peer = msgpack.unpackb(self._store.get(key), raw=False)
+        self._roles[rank] = peer["role"]
+        return peer
+
+    def peer_role(self, rank: int) -> str | None:
+        """Role of `rank` if it has published its endpoint, without waiting."""
+        if rank not in self._roles and self._store.check([self._key(rank)]):
+            self._lookup(rank, 0.0)
+        return self._roles.get(rank)
+
+    # --- receiving --------------------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float | None = None, src: int | None = None) -> tuple[int, Message]:
+        """Next valid message (from `src` only, if given); PeerTimeout after `timeout_s` (None: wait forever)."""
+        if not self._wait(timeout_s, src):
+            raise PeerTimeout(src, None if src is None else self.peer_role(src), timeout_s or 0.0)
+        return self._take(src)  # type: ignore[return-value]
+
+    def poll(self, timeout_s: float | None = 0.0, src: int | None = None) -> bool:
+        """Whether a valid message (from `src`, if given) is ready within `timeout_s`; consumes nothing."""
+        return self._wait(timeout_s, src)
+
+    def _wait(self, timeout_s: float | None, src: int | None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._drain()  # even a zero timeout sees what has already arrived
+            if self._has(src):
+                return True
+            timeout_ms = None
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                timeout_ms = math.ceil(remaining * 1000)
+            # Readiness may be a bad message that _drain drops, or another rank's: loop, do not return.
+            self._router.poll(timeout_ms, zmq.POLLIN)
+
+    def _has(self, src: int | None) -> bool:
+        return any(src is None or s == src for s, _ in self._inbox)
+
+    def _take(self, src: int | None) -> tuple[int, Message] | None:
+        for i, (s, msg) in enumerate(self._inbox):
+            if src is None or s == src:
+                del self._inbox[i]
+                return s, msg
+        return None
+
+    def _drain(self) -> None:
+        """Move every message ZeroMQ holds into the inbox, dropping the bad ones."""
+        # Checking EVENTS costs half of a failed NOBLOCK recv (which raises): this is the hot path.
+        while self._router.getsockopt(zmq.EVENTS) & _POLLIN:
+            self._accept(self._router.recv_multipart(copy=False))
+
+    def _accept(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        # ZeroMQ gives identity-less peers a binary id: log those as hex, names as text.
+        sender: int | str = ident.decode() if ident.isascii() and ident.decode().isprintable() else "0x" + ident.hex()
+        try:
+            src = int(ident) if ident.isdigit() else -1
+            if not 0 <= src < self.world_size:
+                raise MessageError("sender identity is not a rank of this world")
+            sender = src
+            if len(frames) != 2:
+                raise MessageError(f"expected one payload frame, got {len(frames) - 1}")
+            msg = decode(frames[1].bytes)
+        except MessageError as e:
+            log.warning(
+                "bad_message",
+                sender=sender,
+                peer_address=_peer_address(frames[-1]),
+                rank=self.rank,
+                role=self.role,
+                nbytes=sum(len(f.bytes) for f in frames[1:]),
+                error=str(e),
+            )
+            return
+        self._last_seen[src] = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            return
+        self._inbox.append((src, msg))
+
+    # --- liveness ---------------------------------------------------------------------------------------
+
+    def last_seen(self, rank: int) -> float | None:
+        """time.monotonic() of the last valid message from `rank`, None if none yet."""
+        return self._last_seen.get(rank)
+
+    def check_alive(self, ranks: Iterable[int], timeout_s: float) -> None:
+        """Raise PeerTimeout for the first rank silent for more than `timeout_s` (counted from channel start
+        for a rank never heard from). Drains pending messages first so queued heartbeats count."""
+        self._drain()
+        now = time.monotonic()
+        for rank in ranks:
+            silent = now - self._last_seen.get(rank, self._started)
+            if silent > timeout_s:
+                raise PeerTimeout(rank, self.peer_role(rank), silent, "a sign of life from")
+
+    # --- teardown ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the sockets (queued sends get up to 1 s to leave) and the ZeroMQ context."""
+        for sock in self._dealers.values():
+            sock.close()
+        self._router.close()
+        self._ctx.term()
+
+    def __enter__(self) -> "ControlChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _key(self, rank: int) -> str:
+        return f"{self._namespace}/{rank}"
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:  # not every transport reports one
+        return None
