@@ -21,6 +21,7 @@ from vpsd.pipeline.messages import MessageError, decode, encode
 EXAMPLES: list[m.Message] = [
     m.JobStart("job-1", "item-7", 1234, 64, 5, "pruned", {"ratio": 0.7, "tags": ["a", "b"], "n": None}),
     m.TensorAnnounce("draft_probs", [[5, 151936], []], ["float32", "int64"], 1, 3),
+    m.TensorAnnounce("kept", [[480]], ["int64"], 2, 0, ["cuda"]),
     m.DraftChunk("item-7", 3, 120, [11, 22, 33, 44, 55], True),
     m.VerifyResult("item-7", 3, 120, 2, 99, 123, "pruned", False),
     m.Rollback("item-7", 4, 123, [99]),
@@ -259,7 +260,7 @@ def test_round_trip_never_touches_pickle(monkeypatch):
         assert decode(encode(msg)) == msg
 
 
-@pytest.mark.parametrize("path", ["vpsd/pipeline/messages.py"])
+@pytest.mark.parametrize("path", ["vpsd/pipeline/messages.py", "vpsd/transport/control.py", "vpsd/transport/tensors.py"])
 def test_wire_modules_do_not_import_pickle(path):
     src = Path(__file__).resolve().parents[1] / path
     tree = ast.parse(src.read_text())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, TypeVar
 
 import msgpack
@@ -97,7 +97,7 @@ def decode(data: bytes) -> Message:
         # back as ExtType/Timestamp objects, which the field checks below reject.
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises ExtraData, FormatError, StackError, ValueError, ...
-        raise MessageError(f"not a msgpack message: {type(e).__name__}: {e}") from None
+        raise MessageError(f"not a msgpack message: {type(e).__name__} {e}".rstrip()) from None
     if not isinstance(obj, dict):
         raise MessageError(f"a message must be a msgpack map, got {type(obj).__name__}")
     name = obj.get("type")
@@ -244,6 +244,9 @@ class TensorAnnounce(Message):
     dtypes: list[str]  # torch dtype names without the "torch." prefix: "float32", "bfloat16", "int64"
     src: int
     epoch: int
+    # Per tensor "cpu" or "cuda": the receiver allocates on the same device type, which picks the same
+    # backend (gloo or nccl) on both ends. Empty means all "cpu".
+    devices: list[str] = field(default_factory=list)
 
 
 @message

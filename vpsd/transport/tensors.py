@@ -1,0 +1,162 @@
+"""Point-to-point tensors over torch.distributed, announced on the control channel.
+
+Contract:
+- `init_distributed(timeout_s)` joins the process group torchrun describes (RANK, WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With CUDA it uses "cpu:gloo,cuda:nccl", so each tensor takes
+  the backend of its device: cuda tensors travel on NCCL, cpu tensors on gloo. Without CUDA: gloo.
+- `TensorChannel.send(dst, tensors, tag)` first sends a `TensorAnnounce` (shapes, dtype names, device
+  types) on the control channel, then starts one `isend` per tensor and returns a `SendHandle`: the
+  sender may overlap work and `wait()` later. The handle keeps the tensors alive until then.
+- The receiver gets the announce from its control loop and calls `recv_announced(announce)` (or
+  `recv(src, shapes, dtypes)`); tensors from one sender must be received in the order announced.
+- dtypes travel as names ("float32", "bfloat16", "int64"); unknown names raise ValueError.
+- Only tensors: never `send_object_list` and friends, which pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from vpsd.pipeline.messages import TensorAnnounce
+from vpsd.transport.control import ControlChannel
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype ("float32", ...)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the tensor channel") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """torch dtype for a wire name; ValueError for an unknown one."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, str]:
+    """Join torchrun's process group (once) and return (rank, world_size, backend)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_distributed needs torchrun's environment; missing {missing}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return rank, world_size, backend
+
+
+@dataclass
+class SendHandle:
+    """In-flight sends of one announced batch; `wait()` before reusing or freeing the tensors."""
+
+    works: list[dist.Work]
+    tensors: list[torch.Tensor] = field(repr=False)  # the wire tensors, alive until the sends complete
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        for work in self.works:
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=timeout_s))
+        self.works.clear()
+        self.tensors.clear()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class TensorChannel:
+    """Announced point-to-point tensor transfers for one rank (uses its ControlChannel for announces)."""
+
+    def __init__(self, control: ControlChannel, group: dist.ProcessGroup | None = None) -> None:
+        self.control = control
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        return self.control.rank
+
+    def send(self, dst: int, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> SendHandle:
+        """Announce `tensors` to `dst` under `tag`, then start sending them; returns the in-flight handle."""
+        wire = [t.detach().contiguous() for t in tensors]
+        announce = TensorAnnounce(
+            tag=tag,
+            shapes=[list(t.shape) for t in wire],
+            dtypes=[dtype_name(t.dtype) for t in wire],
+            src=self.rank,
+            epoch=epoch,
+            devices=[_device_type(t.device) for t in wire],
+        )
+        # Announce first: the receiver sits in its control loop and can only post the matching recvs
+        # once it knows the shapes; a large gloo/nccl send blocks until then.
+        self.control.send(dst, announce)
+        works = [dist.isend(t, dst, group=self.group) for t in wire if t.numel() > 0]
+        return SendHandle([w for w in works if w is not None], wire)
+
+    def recv(
+        self,
+        src: int,
+        shapes: Sequence[Sequence[int]],
+        dtypes: Sequence[str],
+        devices: Sequence[str] = (),
+    ) -> list[torch.Tensor]:
+        """Receive tensors of the given shapes/dtype names from `src`, allocated on `devices` (default cpu)."""
+        if len(shapes) != len(dtypes) or (devices and len(devices) != len(shapes)):
+            raise ValueError(f"{len(shapes)} shapes, {len(dtypes)} dtypes, {len(devices)} devices")
+        out = [
+            torch.empty(list(shape), dtype=dtype_from_name(dt), device=_local_device(devices[i] if devices else "cpu"))
+            for i, (shape, dt) in enumerate(zip(shapes, dtypes))
+        ]
+        works = [dist.irecv(t, src, group=self.group) for t in out if t.numel() > 0]
+        for work in works:
+            if work is not None:
+                work.wait()
+        return out
+
+    def recv_announced(self, announce: TensorAnnounce) -> list[torch.Tensor]:
+        """Receive the tensors that `announce` described, from its sender."""
+        return self.recv(announce.src, announce.shapes, announce.dtypes, announce.devices)
+
+
+def _device_type(device: torch.device) -> str:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors on {device} cannot travel on the tensor channel")
+    return device.type
+
+
+def _local_device(kind: str) -> torch.device:
+    """The receiver's device for a wire device type: cuda means this rank's current GPU."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"unknown wire device {kind!r}")
