@@ -1,0 +1,247 @@
+"""JSONL manifests: the list of (video, prompt) items a run decodes, and a checker for people.
+
+Format, one JSON object per line (blank lines and lines starting with `#` are skipped):
+    {"id": "clip-1", "video": "videos/a.mp4", "prompt": "Describe the video.",
+     "max_new_tokens": 64, "num_frames": 16, "reference": "..."}
+- `id`: non-empty string or integer, unique in the file; always handed on as a string.
+- `video`: a file or a folder of frame images; relative paths are relative to the manifest's folder.
+- `prompt`: non-empty string.
+- optional `max_new_tokens` (int > 0), and `num_frames` (int > 0) or `fps` (number > 0), not both;
+  null means absent.
+- any other field is carried untouched in `ManifestItem.extra` (references, metadata).
+
+`load_manifest` never raises for a bad line: each line either becomes an item or yields problems,
+all of them, with the line number, so one pass over a large manifest shows everything to fix. It
+raises `ManifestError` only when the manifest itself cannot be read. `check_manifest` prints those
+problems as `path:line: message` and returns an exit code (`python -m vpsd.launch.manifest FILE`).
+Files are only checked to exist and be non-empty; decoding them is the reader's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps")
+
+# Exit codes of check_manifest.
+OK, HAS_PROBLEMS, UNREADABLE = 0, 1, 2
+
+
+class ManifestError(Exception):
+    """The manifest file itself cannot be read."""
+
+
+@dataclass(frozen=True)
+class ManifestItem:
+    id: str
+    video: Path  # absolute, resolved
+    prompt: str
+    max_new_tokens: int | None
+    num_frames: int | None
+    fps: float | None
+    extra: dict[str, Any] = field(hash=False)  # every field not listed in KNOWN_FIELDS, as parsed
+    line: int  # 1-based line in the manifest
+
+
+@dataclass(frozen=True)
+class ManifestProblem:
+    line: int  # 1-based line in the manifest
+    message: str
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys silently; a manifest author meant one of them.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(obj: dict, name: str, problems: list[str]) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value <= 0:
+        problems.append(f"field '{name}' must be a positive integer, got {_json_type(value)}")
+        return None
+    return value
+
+
+def _positive_number(obj: dict, name: str, problems: list[str]) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value) or value <= 0:
+        problems.append(f"field '{name}' must be a positive number, got {_json_type(value)}")
+        return None
+    return float(value)
+
+
+def _required_text(obj: dict, name: str, problems: list[str]) -> str | None:
+    if name not in obj:
+        problems.append(f"missing field '{name}'")
+        return None
+    value = obj[name]
+    if not isinstance(value, str):
+        problems.append(f"field '{name}' must be a string, got {_json_type(value)}")
+        return None
+    if not value.strip():
+        problems.append(f"field '{name}' is empty")
+        return None
+    return value
+
+
+def _item_id(obj: dict, problems: list[str]) -> str | None:
+    if "id" not in obj:
+        problems.append("missing field 'id'")
+        return None
+    value = obj["id"]
+    if _is_int(value):
+        return str(value)
+    if not isinstance(value, str):
+        problems.append(f"field 'id' must be a string or an integer, got {_json_type(value)}")
+        return None
+    if not value.strip():
+        problems.append("field 'id' is empty")
+        return None
+    return value
+
+
+def _video_path(video: str, base_dir: Path, check_files: bool, problems: list[str]) -> Path:
+    path = Path(video).expanduser()
+    path = (path if path.is_absolute() else base_dir / path).resolve()
+    if check_files:
+        if not path.exists():
+            problems.append(f"video not found: {path}")
+        elif path.is_file() and path.stat().st_size == 0:
+            problems.append(f"video file is empty: {path}")
+    return path
+
+
+def _parse_object(
+    obj: dict, line: int, base_dir: Path, check_files: bool
+) -> tuple[str | None, ManifestItem | None, list[str]]:
+    """(id if valid, the item if the line has no problem, the line's problems)."""
+    problems: list[str] = []
+    item_id = _item_id(obj, problems)
+    video = _required_text(obj, "video", problems)
+    prompt = _required_text(obj, "prompt", problems)
+    max_new_tokens = _positive_int(obj, "max_new_tokens", problems)
+    num_frames = _positive_int(obj, "num_frames", problems)
+    fps = _positive_number(obj, "fps", problems)
+    if obj.get("num_frames") is not None and obj.get("fps") is not None:
+        problems.append("give 'num_frames' or 'fps', not both")
+    video_path = _video_path(video, base_dir, check_files, problems) if video is not None else None
+    if problems:
+        return item_id, None, problems
+    extra = {key: value for key, value in obj.items() if key not in KNOWN_FIELDS}
+    item = ManifestItem(item_id, video_path, prompt, max_new_tokens, num_frames, fps, extra, line)
+    return item_id, item, problems
+
+
+def _read_lines(path: Path) -> list[bytes]:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ManifestError(f"cannot read manifest {path}: {err.strerror or err}") from None
+    return data.split(b"\n")
+
+
+def load_manifest(
+    path: str | os.PathLike[str], *, check_files: bool = True
+) -> tuple[list[ManifestItem], list[ManifestProblem]]:
+    """Every valid item and every problem of the manifest at `path`, both in line order."""
+    path = Path(path)
+    base_dir = path.resolve().parent
+    items: list[ManifestItem] = []
+    problems: list[ManifestProblem] = []
+    first_line_of_id: dict[str, int] = {}
+    for line_no, raw in enumerate(_read_lines(path), start=1):
+        try:
+            text = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as err:
+            problems.append(ManifestProblem(line_no, f"not valid UTF-8 (byte {err.start + 1})"))
+            continue
+        if line_no == 1:
+            text = text.removeprefix("\ufeff")  # editors on Windows add a byte-order mark
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        try:
+            obj = json.loads(text, object_pairs_hook=_object_without_duplicate_keys)
+        except json.JSONDecodeError as err:
+            problems.append(ManifestProblem(line_no, f"not valid JSON: {err.msg} (column {err.colno})"))
+            continue
+        except _DuplicateKey as err:
+            problems.append(ManifestProblem(line_no, f"field '{err.args[0]}' appears twice"))
+            continue
+        if not isinstance(obj, dict):
+            problems.append(ManifestProblem(line_no, f"expected a JSON object, got {_json_type(obj)}"))
+            continue
+        item_id, item, messages = _parse_object(obj, line_no, base_dir, check_files)
+        if item_id is not None:
+            if item_id in first_line_of_id:
+                messages.insert(0, f"duplicate id '{item_id}' (first on line {first_line_of_id[item_id]})")
+                item = None
+            else:
+                first_line_of_id[item_id] = line_no
+        problems.extend(ManifestProblem(line_no, message) for message in messages)
+        if item is not None:
+            items.append(item)
+    return items, problems
+
+
+def check_manifest(path: str | os.PathLike[str], *, check_files: bool = True) -> int:
+    """Print every problem as `path:line: message` and a summary; 0 if the manifest is usable,
+    1 if it has problems or no items, 2 if it cannot be read."""
+    try:
+        items, problems = load_manifest(path, check_files=check_files)
+    except ManifestError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return UNREADABLE
+    for problem in problems:
+        print(f"{path}:{problem.line}: {problem.message}")
+    if not items and not problems:
+        print(f"{path}: no items (only blank or comment lines)")
+    print(f"{len(items)} items ok, {len(problems)} problems")
+    return OK if items and not problems else HAS_PROBLEMS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check a vpsd JSONL manifest and list its problems.")
+    parser.add_argument("manifest", type=Path, help="the JSONL manifest")
+    parser.add_argument("--no-check-files", action="store_true", help="do not check that the videos exist")
+    args = parser.parse_args(argv)
+    return check_manifest(args.manifest, check_files=not args.no_check_files)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
