@@ -1,10 +1,11 @@
-"""Layouts for the pruning tests: a plain Qwen-style grid and a LLaVA-style grid with newline tokens."""
+"""Pruning test fixtures: Qwen-style and LLaVA-style (newline) layouts, random signals, the kept contract."""
 
 from __future__ import annotations
 
 import torch
 
 from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.pruning.strategies import PruningSignals
 
 
 def grid_layout(t: int, h: int, w: int, start: int = 0) -> VideoTokenLayout:
@@ -39,3 +40,18 @@ def check_kept(kept: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> No
     fixed = torch.nonzero(~layout.prunable).squeeze(1)
     assert torch.isin(fixed, kept).all(), "every non-prunable token must be kept"
     assert int(layout.prunable[kept].sum()) == layout.budget(ratio)
+
+
+def signals_for(layout: VideoTokenLayout, seed: int) -> PruningSignals:
+    """Random signals of the right shapes: 2 layers, GQA 4/2 heads, a 2-token prefix, 3 text tokens after."""
+    gen = torch.Generator().manual_seed(seed)
+    n, nt = layout.num_tokens, 3
+    s = int(layout.seq_positions.max()) + 1 + nt
+    return PruningSignals(
+        visual_embeds=torch.randn(n, 6, generator=gen),
+        text_queries=torch.randn(2, 4, nt, 8, generator=gen),
+        keys=torch.randn(2, 2, s, 8, generator=gen),
+        query_positions=torch.arange(s - nt, s),
+        video_hidden=torch.randn(3, n, 6, generator=gen),
+        text_hidden=torch.randn(3, nt, 6, generator=gen),
+    )

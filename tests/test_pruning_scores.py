@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from pruning_layouts import grid_layout, newline_layout
+from pruning_fixtures import grid_layout, newline_layout
 
 from vpsd.pipeline.pruning.fusion import hippo_score, zscore_within_frame
 from vpsd.pipeline.pruning.spatial import spatial_score
