@@ -43,7 +43,9 @@ def ref_spatial_tile(emb, layout, crop):
     out = [0.0] * layout.num_tokens
     for (f, r, c), i in at.items():
         r0, c0 = (r // crop) * crop, (c // crop) * crop
-        crop_tokens = [at[(f, rr, cc)] for rr in range(r0, r0 + crop) for cc in range(c0, c0 + crop) if (f, rr, cc) in at]
+        crop_tokens = [
+            at[(f, rr, cc)] for rr in range(r0, r0 + crop) for cc in range(c0, c0 + crop) if (f, rr, cc) in at
+        ]
         row = [cos(emb[i], emb[k]) for k in crop_tokens]  # includes S_jj = 1
         mu = sum(row) / len(row)
         out[i] = sum((s - mu) ** 2 for s in row) / len(row)

@@ -23,7 +23,12 @@ def layouts(draw) -> VideoTokenLayout:
 
 
 @settings(max_examples=100, deadline=None)
-@given(layout=layouts(), ratio=st.floats(0.0, 0.99), seed=st.integers(0, 2**16), name=st.sampled_from(sorted(STRATEGIES)))
+@given(
+    layout=layouts(),
+    ratio=st.floats(0.0, 0.99),
+    seed=st.integers(0, 2**16),
+    name=st.sampled_from(sorted(STRATEGIES)),
+)
 def test_every_strategy_keeps_exactly_the_budget(layout, ratio, seed, name):
     kept = STRATEGIES[name].select(signals_for(layout, seed), layout, ratio, seed)
     if name == "none":

@@ -90,7 +90,7 @@ def spatial_score(
     layout: VideoTokenLayout,
     crop: int = 5,
     mode: CropMode = "tile",
-    tile_batch: int = 4096,
+    tile_batch: int = 512,
 ) -> torch.Tensor:  # (N,) float32
     unit = F.normalize(visual_embeds.float(), dim=-1)
     if mode == "tile":
