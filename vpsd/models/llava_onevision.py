@@ -56,7 +56,8 @@ def llava_video_tensor(frames: np.ndarray, spec: LlavaVisionSpec) -> torch.Tenso
     """
     t, h, w, c = frames.shape
     if (h, w) != (spec.image_size, spec.image_size):
-        raise ValueError(f"frames are {h}x{w}, the vision tower takes {spec.image_size}x{spec.image_size}; resize first")
+        side = spec.image_size
+        raise ValueError(f"frames are {h}x{w}, the vision tower takes {side}x{side}; resize first")
     x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0  # (T, C, S, S)
     mean = torch.tensor(spec.mean).view(1, c, 1, 1)
     std = torch.tensor(spec.std).view(1, c, 1, 1)
