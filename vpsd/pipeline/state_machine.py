@@ -1,0 +1,176 @@
+"""The parallel decoding state machine: pure decisions, no I/O, no models.
+
+Two machines, one per side, exchange the typed messages of pipeline/messages.py:
+
+TargetMachine (the single source of truth) holds the committed sequence and the epoch. For each draft
+chunk it answers Drop (stale epoch: sent before a rollback the draft had not yet seen) or Verify; given
+the verification it commits tokens and returns what to tell the draft.
+  - all accepted: commit the chunk; the target's row for the next position (the "bonus" row) is KEPT,
+    not sampled, and verifies the first token of the next chunk (PEARL's post-verify). Mode: optimistic.
+  - rejected at i: commit the accepted prefix and the target's own token, bump the epoch (every chunk
+    drafted before this moment is now stale) and tell the draft to roll back. Mode: conservative.
+
+DraftMachine keeps the draft's speculative sequence (committed tokens it knows + its own proposals),
+decides how large the next chunk is and how far ahead it may draft, and applies verdicts:
+  - optimistic mode (post-verify): chunks of gamma tokens, drafting the next chunk while the current
+    one is verified, up to `lookahead` tokens past the last confirmed position;
+  - conservative mode (pre-verify): after a rollback the first token goes out alone, so the target can
+    verify it while the draft continues; a rejection aborts the rest at once.
+  - synchronous prefill: the draft starts drafting from its own prefill (position 0) before the target
+    has finished prefilling; the target verifies that first token with its prefill logits.
+
+Lossless by construction: the target commits only tokens its own verification emitted, in order, and
+a chunk is verified only if it begins exactly at the committed length in the current epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Mode(str, Enum):
+    OPTIMISTIC = "optimistic"  # post-verify: keep drafting while the target verifies
+    CONSERVATIVE = "conservative"  # pre-verify: send the first token alone after a rollback
+
+
+@dataclass(frozen=True)
+class Drop:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verify:
+    start: int  # committed length the chunk begins at
+    use_kept_row: bool  # the target already holds the logits row for position `start`
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target tells the draft after verifying a chunk (fields of messages.VerifyResult)."""
+
+    epoch: int  # the epoch from now on (bumped on rollback)
+    start: int
+    num_accepted: int
+    next_token: int  # recovered token on rejection; -1 when all accepted (the bonus row is kept)
+    committed_len: int
+    mode: Mode
+    rollback: bool
+    done: bool
+
+
+PLACEHOLDER = -1  # no token: an all-accepted chunk defers its bonus token to the next chunk's first row
+
+
+@dataclass
+class TargetMachine:
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    committed: list[int] = field(default_factory=list)
+    epoch: int = 0
+    mode: Mode = Mode.OPTIMISTIC
+    # True when the target holds the logits row for position len(committed) (after the prefill and
+    # after an all-accepted chunk); False when its last committed token still has to be fed.
+    holds_next_row: bool = True
+
+    @property
+    def done(self) -> bool:
+        c = self.committed
+        return len(c) >= self.max_new_tokens or any(t in self.eos_token_ids for t in c)
+
+    def on_chunk(self, epoch: int, start: int, num_tokens: int) -> Drop | Verify:
+        if self.done:
+            return Drop("item already finished")
+        if epoch != self.epoch:
+            return Drop(f"stale epoch {epoch} (current {self.epoch})")
+        if start != len(self.committed):
+            return Drop(f"chunk starts at {start}, committed length is {len(self.committed)}")
+        if num_tokens < 1:
+            return Drop("empty chunk")
+        return Verify(start=start, use_kept_row=self.holds_next_row)
+
+    def on_verified(self, chunk: list[int], num_accepted: int, next_token: int) -> Verdict:
+        """Commits the outcome of verifying `chunk` (next_token: the target's token at the first
+        rejected position; ignored when every token was accepted)."""
+        start = len(self.committed)
+        if num_accepted == len(chunk):
+            self.committed += chunk
+            self.holds_next_row = True
+            self.mode = Mode.OPTIMISTIC
+            rollback, emitted = False, PLACEHOLDER
+        else:
+            self.committed += chunk[:num_accepted] + [next_token]
+            self.holds_next_row = False
+            self.epoch += 1
+            self.mode = Mode.CONSERVATIVE
+            rollback, emitted = True, next_token
+        return Verdict(
+            epoch=self.epoch,
+            start=start,
+            num_accepted=num_accepted,
+            next_token=emitted,
+            committed_len=len(self.committed),
+            mode=self.mode,
+            rollback=rollback,
+            done=self.done,
+        )
+
+    def output(self) -> list[int]:
+        """The committed tokens cut where plain decoding stops (max_new_tokens, first EOS inclusive)."""
+        out = self.committed[: self.max_new_tokens]
+        for i, t in enumerate(out):
+            if t in self.eos_token_ids:
+                return out[: i + 1]
+        return out
+
+
+@dataclass
+class DraftMachine:
+    gamma: int
+    lookahead: int  # most tokens the draft may run ahead of the last confirmed position
+    sequence: list[int] = field(default_factory=list)  # confirmed prefix + own proposals
+    confirmed: int = 0  # prefix of `sequence` the target has committed
+    sent: int = 0  # prefix of `sequence` already sent in chunks
+    epoch: int = 0
+    mode: Mode = Mode.OPTIMISTIC
+    chunk_sizes: list[int] = field(default_factory=list)  # sizes of the chunks still to send this block
+
+    def __post_init__(self) -> None:
+        if self.lookahead < self.gamma:
+            raise ValueError(f"lookahead {self.lookahead} must be at least gamma {self.gamma}")
+
+    def may_draft(self) -> bool:
+        return len(self.sequence) - self.confirmed < self.lookahead
+
+    def record_proposal(self, token: int) -> None:
+        self.sequence.append(token)
+
+    def next_chunk_size(self) -> int:
+        """Size of the next chunk to send: gamma, or 1 first after a rollback in conservative mode."""
+        if self.mode is Mode.CONSERVATIVE and self.sent == self.confirmed:
+            return 1
+        return self.gamma
+
+    def ready_chunk(self) -> tuple[int, list[int]] | None:
+        """(start, tokens) of a chunk ready to send, or None; marks it sent."""
+        size = self.next_chunk_size()
+        if len(self.sequence) - self.sent < size:
+            return None
+        start = self.sent
+        self.sent += size
+        return start, self.sequence[start : start + size]
+
+    def on_verdict(self, epoch: int, committed_len: int, next_token: int, rollback: bool, mode: Mode) -> bool:
+        """Applies a verdict; returns True when the draft must roll its cache back."""
+        if epoch < self.epoch:
+            return False  # an old verdict overtaken by a rollback already applied
+        self.mode = mode
+        if rollback:
+            # Everything from the rejected position on is wrong; the target's token replaces it.
+            del self.sequence[committed_len - 1 :]
+            self.sequence.append(next_token)
+            self.confirmed = self.sent = committed_len
+            self.epoch = epoch
+            return True
+        self.confirmed = max(self.confirmed, committed_len)
+        return False
