@@ -76,7 +76,8 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float = DEFAULT_FPS):
         super().__init__(model, tokenizer)
         vc = model.config.vision_config
-        self.vision_spec = vision_spec or qwen3_vision_spec(vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+        sizes = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+        self.vision_spec = vision_spec or qwen3_vision_spec(*sizes)
         self.fps = fps
 
     @property
