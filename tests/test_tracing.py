@@ -1,0 +1,299 @@
+"""Traces as JSON lines (in-process and from two real processes), and the timeline / breakdown read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from vpsd.launch import timeline
+from vpsd.launch.timeline import Row, breakdown, format_breakdown, load_spans, plot_timeline
+from vpsd.tracing import close_tracing, configure_tracing, get_logger, mark, span, trace_path
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog():
+    yield
+    close_tracing()
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- tracing ---------------------------------------------------------------------------------------
+
+ROLE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import structlog
+    from vpsd.tracing import configure_tracing, mark, span
+
+    out, role, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    configure_tracing(out, role, rank)
+    step = "verify" if role == "target" else "draft_step"
+    for r in range(3):
+        with span(step, item="clip-1", round=r, epoch=0, tokens=4):
+            pass
+    mark("rollback", item="clip-1", epoch=1)
+    structlog.get_logger("vpsd.some_module").warning("peer_slow", peer=1 - rank)
+    try:
+        with span("send", item="clip-1", round=3):
+            raise ValueError("boom")
+    except ValueError:
+        pass
+    """
+)
+
+
+def test_two_processes_write_their_own_trace(tmp_path):
+    procs = {
+        (role, rank): subprocess.Popen(
+            [sys.executable, "-c", ROLE_SCRIPT, str(tmp_path), role, str(rank)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for role, rank in [("target", 0), ("draft", 1)]
+    }
+    for (role, rank), proc in procs.items():
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        # Warnings reach stderr as one readable line; spans and marks never do.
+        assert err.splitlines() == [f"[{role} {rank}] warning peer_slow peer={1 - rank}"]
+
+        lines = read_lines(trace_path(tmp_path, role, rank))
+        assert [(d["event"], d.get("name")) for d in lines] == [
+            ("span", "verify" if role == "target" else "draft_step")] * 3 + [
+            ("mark", "rollback"), ("peer_slow", None), ("span", "send")]
+        for d in lines:
+            assert (d["role"], d["rank"]) == (role, rank)
+            assert isinstance(d["t"], float)
+        spans = [d for d in lines if d["event"] == "span"]
+        for r, d in enumerate(spans):
+            assert d["dur"] >= 0 and d["t0"] <= d["t"]
+            assert (d["item"], d["round"]) == ("clip-1", r)
+            assert d["level"] == "debug"
+        assert [d["epoch"] for d in spans[:3]] == [0, 0, 0] and spans[0]["tokens"] == 4
+        assert "error" not in spans[0]
+        assert spans[-1]["error"] == "ValueError: boom"
+        assert lines[3]["epoch"] == 1 and lines[3]["t0"] <= lines[3]["t"]
+        assert lines[4]["level"] == "warning" and lines[4]["peer"] == 1 - rank
+
+    # And the timeline reads them back in lane order.
+    spans = load_spans(tmp_path)
+    assert timeline.lanes(spans) == [("target", 0), ("draft", 1)]
+    assert sum(s.kind == "mark" for s in spans) == 2
+    png = plot_timeline(spans, tmp_path / "t.png")
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_reconfiguring_replaces_the_sink_without_duplicates(tmp_path):
+    early = structlog.get_logger("made.before.configure")  # module-level loggers must follow reconfiguration
+    configure_tracing(tmp_path, "target", 0)
+    early.info("one")
+    configure_tracing(tmp_path, "target", 0)
+    early.info("two")
+    configure_tracing(tmp_path, "draft", 1)
+    get_logger().info("three", value=np.int64(3))
+
+    assert [d["event"] for d in read_lines(trace_path(tmp_path, "target", 0))] == ["one", "two"]
+    (three,) = read_lines(trace_path(tmp_path, "draft", 1))
+    assert (three["event"], three["role"], three["rank"], three["value"]) == ("three", "draft", 1, 3)
+
+
+def test_span_logs_error_and_reraises(tmp_path):
+    configure_tracing(tmp_path, "pruner", 2)
+    with pytest.raises(KeyError):
+        with span("prune", item="a", round=0):
+            raise KeyError("k")
+    with span("prune", item="a", round=1):
+        pass
+    failed, ok = read_lines(trace_path(tmp_path, "pruner", 2))
+    assert failed["error"] == "KeyError: 'k'" and failed["round"] == 0 and failed["dur"] >= 0
+    assert "error" not in ok
+
+
+def test_stderr_only_without_out_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    configure_tracing(None, "pruner", 2)
+    with span("prune"):
+        pass
+    get_logger().info("hello", a=1)
+    get_logger().debug("quiet")
+    try:
+        raise RuntimeError("bad")
+    except RuntimeError:
+        get_logger().exception("failed")
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["[pruner 2] info hello a=1", "[pruner 2] error failed"]
+    assert err[-1] == "RuntimeError: bad"  # stderr is the only record: the whole traceback is kept
+    assert not any("prune" in line and "span" in line for line in err)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- timeline and breakdown on a hand-written trace ----------------------------------------------
+
+T = 1000.0  # every time below is exact in binary, so sums compare with ==
+
+
+def span_line(role, rank, name, start, dur, **fields):
+    return json.dumps({"event": "span", "level": "debug", "role": role, "rank": rank, "t": T + start + dur,
+                       "name": name, "t0": T + start, "dur": dur, **fields})
+
+
+def mark_line(role, rank, name, at, **fields):
+    return json.dumps({"event": "mark", "level": "debug", "role": role, "rank": rank, "t": T + at,
+                       "name": name, "t0": T + at, **fields})
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    target = [
+        span_line("target", 0, "video_read", -0.25, 0.25, item="v1"),  # before its item span, in its wall
+        span_line("target", 0, "prefill", 0.0, 1.0, item="v1"),
+        span_line("target", 0, "verify", 1.0, 0.5, item="v1", round=0),
+        span_line("target", 0, "send", 1.25, 0.25),  # nested in verify, no item: shown with v1
+        mark_line("target", 0, "rollback", 1.5, item="v1", epoch=1),
+        span_line("target", 0, "recv_wait", 1.5, 0.25, item="v1"),
+        span_line("target", 0, "verify", 1.75, 0.25, item="v1", round=1),
+        json.dumps({"event": "bad_message", "level": "warning", "role": "target", "rank": 0, "t": T}),
+        "not json{",
+        span_line("target", 0, "item", 0.0, 2.0, item="v1"),  # logged last: at its end
+        '{"event": "span", "name": "ver',  # the rank died mid-line
+    ]
+    draft = [
+        span_line("draft", 1, "recv_wait", 0.5, 0.5, item="v1"),
+        span_line("draft", 1, "draft_step", 1.0, 0.25, item="v1", round=0),
+        mark_line("draft", 1, "mode_switch", 1.25, item="v1"),
+        span_line("draft", 1, "draft_step", 1.5, 0.25, item="v1", round=1),
+        span_line("draft", 1, "item", 0.5, 1.5, item="v1"),
+        span_line("draft", 1, "draft_step", 2.5, 0.25, item="v2", round=0),
+        span_line("draft", 1, "item", 2.5, 0.5, item="v2"),
+        json.dumps({"event": "span", "role": "draft", "rank": 1, "name": "x", "t0": T}),  # no dur
+    ]
+    pruner = [  # no item span: its wall time is first-to-last span
+        span_line("pruner", 2, "vision", 0.0, 0.5, item="v1"),
+        span_line("pruner", 2, "prune", 0.5, 0.25, item="v1"),
+        span_line("pruner", 2, "send", 1.0, 0.25, item="v1"),
+    ]
+    (traces / "rank0_target.jsonl").write_text("\n".join(target))
+    (traces / "rank1_draft.jsonl").write_text("\n".join(draft) + "\n")
+    (traces / "rank2_pruner.jsonl").write_text("\n".join(pruner) + "\n")
+    return tmp_path
+
+
+def test_load_spans_skips_malformed_lines_and_counts_them(run_dir):
+    with capture_logs() as logs:
+        spans = load_spans(run_dir)
+    assert [(e["event"], e["skipped"]) for e in logs] == [("malformed_trace_lines", 3)]
+    assert len(spans) == 18 and sum(s.kind == "mark" for s in spans) == 2
+    assert [s.t0 for s in spans] == sorted(s.t0 for s in spans)
+    item = spans[1]  # at T+0 the longer span (item) sorts first
+    assert (item.role, item.rank, item.name, item.item, item.dur) == ("target", 0, "item", "v1", 2.0)
+    rollback = next(s for s in spans if s.kind == "mark" and s.name == "rollback")
+    assert (rollback.dur, rollback.fields) == (0.0, {"epoch": 1})
+    assert next(s for s in spans if s.name == "verify").round == 0
+
+
+def test_item_selection(run_dir):
+    spans = load_spans(run_dir)
+    assert timeline.first_item(spans) == "v1"
+    v1 = timeline.item_spans(spans, "v1")
+    assert {s.item for s in v1} == {"v1", None}
+    assert len(v1) == len(spans) - 2  # the two v2 spans of the draft
+    with pytest.raises(ValueError, match="nope"):
+        timeline.item_spans(spans, "nope")
+
+
+def test_breakdown_equals_hand_computed_sums(run_dir):
+    rows = breakdown(load_spans(run_dir))
+    got = [(r.role, r.rank, r.kind, r.name, r.total_s, r.count, r.mean_ms, r.share) for r in rows]
+    # video_read, prefill, verify 1-1.5 (send nested inside), verify 1.75-2
+    target_busy = 0.25 + 1.0 + 0.5 + 0.25
+    draft_busy = 0.25 * 3
+    pruner_busy = 0.5 + 0.25 + 0.25
+    assert got == [
+        ("target", 0, "span", "item", 2.0, 1, 2000.0, None),
+        ("target", 0, "span", "prefill", 1.0, 1, 1000.0, 0.5),
+        ("target", 0, "span", "verify", 0.75, 2, 375.0, 0.375),
+        ("target", 0, "span", "recv_wait", 0.25, 1, 250.0, None),
+        ("target", 0, "span", "send", 0.25, 1, 250.0, 0.125),
+        ("target", 0, "span", "video_read", 0.25, 1, 250.0, 0.125),
+        ("target", 0, "total", "wall", 2.25, None, None, 1.0),
+        ("target", 0, "total", "busy", target_busy, None, None, 2.0 / 2.25),
+        ("target", 0, "total", "idle", 0.25, None, None, 0.25 / 2.25),
+        ("target", 0, "total", "waiting", 0.25, None, None, 0.25 / 2.25),
+        ("draft", 1, "span", "item", 2.0, 2, 1000.0, None),
+        ("draft", 1, "span", "draft_step", 0.75, 3, 250.0, 1.0),
+        ("draft", 1, "span", "recv_wait", 0.5, 1, 500.0, None),
+        ("draft", 1, "total", "wall", 2.0, None, None, 1.0),  # two items: 1.5 s + 0.5 s
+        ("draft", 1, "total", "busy", draft_busy, None, None, 0.375),
+        ("draft", 1, "total", "idle", 1.25, None, None, 0.625),
+        ("draft", 1, "total", "waiting", 0.5, None, None, 0.25),
+        ("pruner", 2, "span", "vision", 0.5, 1, 500.0, 0.5),
+        ("pruner", 2, "span", "prune", 0.25, 1, 250.0, 0.25),
+        ("pruner", 2, "span", "send", 0.25, 1, 250.0, 0.25),
+        ("pruner", 2, "total", "wall", 1.25, None, None, 1.0),  # no item span: its v1 spans' extent
+        ("pruner", 2, "total", "busy", pruner_busy, None, None, 0.8),
+        ("pruner", 2, "total", "idle", 0.25, None, None, 0.2),
+        ("pruner", 2, "total", "waiting", 0.0, None, None, 0.0),
+    ]
+
+
+def test_format_breakdown():
+    rows = [
+        Row("target", 0, "span", "prefill", 1.0, 1, 1000.0, 0.5),
+        Row("target", 0, "total", "idle", 0.25, share=0.125),
+        Row("draft", 1, "span", "recv_wait", 0.5, 2, 250.0, None),
+    ]
+    lines = format_breakdown(rows).splitlines()
+    assert lines[0].split() == ["role", "span", "total", "s", "count", "mean", "ms", "share"]
+    assert lines[2].split() == ["target", "(rank", "0)", "prefill", "1.0000", "1", "1000.00", "50.0%"]
+    assert lines[3].split() == ["target", "(rank", "0)", "=", "idle", "0.2500", "12.5%", "wall"]
+    assert lines[4] == ""  # a blank line between roles
+    assert lines[5].split() == ["draft", "(rank", "1)", "recv_wait", "0.5000", "2", "250.00"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_timeline_writes_a_png(run_dir):
+    spans = load_spans(run_dir)
+    out = plot_timeline(spans, run_dir / "v2.png", item="v2", window=(0.0, 300.0))
+    width, height = png_size(out)
+    assert (width, height) == (1440, int(120 * (1.2 + 0.7 * 1)))  # 12 in wide, one lane (draft)
+    assert out.stat().st_size > 5_000
+    with pytest.raises(ValueError, match="nope"):
+        plot_timeline(spans, run_dir / "x.png", item="nope")
+
+
+def test_main_writes_timeline_and_breakdown(run_dir, capsys):
+    assert timeline.main([str(run_dir)]) == 0
+    width, height = png_size(run_dir / "timeline.png")
+    assert width == 1440 and height == int(120 * (1.2 + 0.7 * 3))  # three lanes
+    assert (run_dir / "timeline.png").stat().st_size > 10_000
+    table = (run_dir / "breakdown.txt").read_text()
+    out, err = capsys.readouterr()
+    assert out.startswith(table)
+    warning = f"[timeline 0] warning malformed_trace_lines skipped=3 run_dir={str(run_dir)!r}"
+    assert err.splitlines() == [warning]
+    assert "pruner (rank 2)" in table and "= idle" in table
+
+    assert timeline.main([str(run_dir), "--item", "v2", "--out", str(run_dir / "v2.png")]) == 0
+    assert png_size(run_dir / "v2.png")[0] == 1440
+    assert timeline.main([str(run_dir), "--item", "nope"]) == 1
+    assert timeline.main([str(run_dir / "empty")]) == 1

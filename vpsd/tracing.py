@@ -1,0 +1,174 @@
+"""Per-rank traces: every structlog event as one JSON line, plus timed spans for the timeline.
+
+Contract:
+- `configure_tracing(out_dir, role, rank)` routes every structlog event of the process (all levels,
+  including the module loggers made with `structlog.get_logger(__name__)`) to
+  `out_dir/traces/rank{rank}_{role}.jsonl`, one JSON object per line, written and flushed line by line so
+  a crashing rank loses nothing. Every line carries `role`, `rank` and `t` (time.time() at logging) and
+  `level`; these keys are reserved and overwrite fields of the same name. Warnings and errors are also
+  printed to stderr as one line `[role rank] level event key=value ...`. With `out_dir` None nothing is
+  written to disk and events of level info and above go to stderr in that same one-line form.
+  Calling it again replaces the previous configuration (and closes its file): output is never doubled.
+- The file is opened for appending, so a rank that torchrun restarts keeps the trace of the attempt that
+  crashed. A run directory therefore holds one run.
+- `span(name, **fields)` times a block and logs ONE debug event at its end, also when the block raises
+  (then with `error` = "Type: message"; the exception propagates). `mark(name, **fields)` logs an instant.
+  The lines, keys in this order:
+      {"event": "span", "level": "debug", "role": "target", "rank": 0, "t": <time.time() at logging>,
+       "name": "verify", "t0": <time.time() at entry>, "dur": <seconds, perf_counter>, **fields}
+      {"event": "mark", "level": "debug", "role": "target", "rank": 0, "t": ..., "name": "rollback",
+       "t0": <time.time()>, **fields}
+  Values JSON cannot hold are written as numbers if they have `.item()` (numpy, torch scalars), else str.
+  Usual fields: `item`, `round`, `epoch`, `tokens`. Span names used by the roles: video_read, vision,
+  prefill, prune, draft_step, verify, send, recv_wait, rollback, mode_switch, item; marks: rollback,
+  mode_switch. `vpsd.launch.timeline` reads these lines back.
+- Spans and marks are debug events: they are trace data, not messages for a person, so they never reach
+  stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import structlog
+from structlog.typing import EventDict, WrappedLogger
+
+# Numeric ranks of the levels structlog passes as method names; what reaches stderr is filtered on them.
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "exception": 40, "critical": 50}
+_STDERR_LEVEL_WITH_FILE = 30
+_STDERR_LEVEL_ALONE = 20
+
+_trace_file: IO[str] | None = None
+
+
+def trace_path(out_dir: Path, role: str, rank: int) -> Path:
+    """Where rank `rank` playing `role` writes its trace under a run directory."""
+    return Path(out_dir) / "traces" / f"rank{rank}_{role}.jsonl"
+
+
+def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
+    """Send every structlog event of this process to the rank's JSON-lines trace (see module doc)."""
+    global _trace_file
+    close_tracing()
+    identity = _Identity(role, rank)
+    shared = [
+        structlog.processors.add_log_level,
+        identity,
+        structlog.processors.format_exc_info,
+    ]
+    if out_dir is None:
+        processors = shared + [_StderrLine(identity.prefix, _STDERR_LEVEL_ALONE, drop=True)]
+        factory: Any = structlog.ReturnLoggerFactory()  # never reached: _StderrLine drops every event
+    else:
+        path = trace_path(Path(out_dir), role, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Line-buffered: each JSON line reaches the OS as it is written, so a crash loses nothing.
+        _trace_file = open(path, "a", buffering=1, encoding="utf-8")
+        processors = shared + [
+            _StderrLine(identity.prefix, _STDERR_LEVEL_WITH_FILE, drop=False),
+            structlog.processors.JSONRenderer(default=_jsonable),
+        ]
+        factory = structlog.WriteLoggerFactory(file=_trace_file)
+    # No logger caching: module-level proxies must follow a later reconfiguration (tests, restarts).
+    structlog.configure(
+        processors=processors,
+        logger_factory=factory,
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        cache_logger_on_first_use=False,
+    )
+
+
+def close_tracing() -> None:
+    """Close the trace file, if any, and put structlog back to its defaults."""
+    global _trace_file
+    if _trace_file is not None:
+        _trace_file.close()
+        _trace_file = None
+    structlog.reset_defaults()
+
+
+def get_logger() -> Any:
+    """The logger for trace events; any `structlog.get_logger()` ends up in the same place."""
+    return structlog.get_logger("vpsd")
+
+
+@contextlib.contextmanager
+def span(name: str, **fields: Any) -> Iterator[None]:
+    """Time the block; log one `span` event at its end, with `error` set if it raised."""
+    t0 = time.time()  # wall clock: comparable across ranks on the timeline
+    start = time.perf_counter()  # monotonic and precise: the duration
+    try:
+        yield
+    except BaseException as exc:
+        fields["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        get_logger().debug("span", name=name, t0=t0, dur=time.perf_counter() - start, **fields)
+
+
+def mark(name: str, **fields: Any) -> None:
+    """Log an instant event (rollback, mode switch) at the current time."""
+    get_logger().debug("mark", name=name, t0=time.time(), **fields)
+
+
+class _Identity:
+    """Processor stamping role, rank and time on every event, first in the line for people reading it."""
+
+    def __init__(self, role: str, rank: int) -> None:
+        self.role = role
+        self.rank = rank
+        self.prefix = f"[{role} {rank}]"
+
+    def __call__(self, logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+        head = {"event": event.pop("event", None), "level": event.pop("level", method)}
+        event.pop("role", None), event.pop("rank", None), event.pop("t", None)
+        return {**head, "role": self.role, "rank": self.rank, "t": time.time(), **event}
+
+
+class _StderrLine:
+    """Processor printing events at or above `min_level` to stderr as one readable line.
+
+    `drop=True` ends the chain there (stderr-only mode). sys.stderr is looked up at each write so that a
+    replaced stream (pytest capture, a redirecting launcher) is honoured.
+    """
+
+    _OMIT = ("event", "level", "role", "rank", "t", "exception")
+
+    def __init__(self, prefix: str, min_level: int, drop: bool) -> None:
+        self.prefix = prefix
+        self.min_level = min_level
+        self.drop = drop
+
+    def __call__(self, logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+        if _LEVELS.get(method, 20) >= self.min_level:
+            parts = [self.prefix, str(event.get("level", method)), str(event.get("event"))]
+            parts += [f"{k}={event[k]!r}" for k in event if k not in self._OMIT]
+            exc = event.get("exception")
+            if exc and not self.drop:
+                # The full traceback is in the trace file; one line here keeps stderr readable.
+                parts.append(f"exception={exc.rstrip().splitlines()[-1]!r}")
+            text = " ".join(parts) + "\n"
+            if exc and self.drop:
+                text += exc.rstrip() + "\n"  # stderr is the only record: keep the whole traceback
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        if self.drop:
+            raise structlog.DropEvent
+        return event
+
+
+def _jsonable(value: Any) -> Any:
+    """JSON fallback: numpy/torch scalars as numbers, everything else as its str()."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
