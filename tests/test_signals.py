@@ -1,0 +1,159 @@
+"""Prefill signals: the hooked prefill is the plain prefill, and its queries and keys rebuild the eager attention.
+
+Reference: an eager forward of the same language model with output_attentions, averaged over the first L
+layers, every head and the text tokens, read at the video key columns.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from tests.conftest import random_frames, tiny_pair
+from vpsd.config import DecodingConfig, PruningConfig
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.keep import keep_policy_for
+from vpsd.decoders.sd import decode_sd
+from vpsd.models.signals import PrefillSignals, prefill_for_strategy, prefill_with_signals, text_positions
+from vpsd.pipeline.pruning.attention import attention_to_video
+from vpsd.pipeline.pruning.strategies import PruningSignals
+
+PROMPT = "What happens in this video?"
+
+
+def _embeddings(family: str, seed: int = 0):
+    target, _ = tiny_pair(family)
+    return target, target.embed(target.prepare(random_frames(seed), PROMPT))
+
+
+@functools.lru_cache(maxsize=None)
+def _sharp_target(family: str):
+    """A copy of the tiny target with queries and keys scaled 8x: random weights give near-uniform attention,
+    which a wrong rotary phase or a wrong layer would hardly change; x64 logits make the test discriminate."""
+    target = copy.deepcopy(tiny_pair(family)[0])
+    with torch.no_grad():
+        for layer in target.language_model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (attn.q_proj, attn.k_proj):
+                for w in proj.parameters():
+                    w.mul_(8.0)
+    return target
+
+
+def _eager_attentions(adapter, emb) -> tuple[torch.Tensor, ...]:
+    """(1, Hq, S, S) attention weights of every layer from an eager forward of the full sequence."""
+    previous = adapter.language_model.config._attn_implementation
+    adapter.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = adapter.language_model(
+                inputs_embeds=emb.embeds,
+                position_ids=emb.positions if adapter.position_rows > 1 else emb.positions[0],
+                use_cache=False,
+                output_attentions=True,
+                **adapter._language_kwargs(emb, torch.arange(emb.layout.num_tokens)),
+            )
+    finally:
+        adapter.model.set_attn_implementation(previous)
+    return out.attentions
+
+
+def test_attention_matches_eager_forward(family):
+    target = _sharp_target(family)
+    emb = target.embed(target.prepare(random_frames(0), PROMPT))
+    num_layers = 3  # fewer than the tiny target's 4: only the first L layers count
+    s = prefill_with_signals(target, emb, num_layers, attention=True, hidden=False).signals
+    video, text = emb.layout.seq_positions, text_positions(emb)
+    assert torch.equal(s.query_positions, text)
+    text_cfg = target.model.config.get_text_config()
+    assert s.text_queries.shape[:3] == (num_layers, text_cfg.num_attention_heads, len(text))
+    assert s.keys.shape[:3] == (num_layers, text_cfg.num_key_value_heads, emb.seq_len)
+
+    eager = _eager_attentions(target, emb)
+    want = torch.stack([a[0][:, text][:, :, video] for a in eager[:num_layers]]).mean(dim=(0, 1, 2))
+    got = attention_to_video(s.text_queries, s.keys, video, s.query_positions, s.attn_scale)
+    assert want.max() > 1.5 * want.min()  # far from uniform, so the comparison below means something
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)
+    # the layer left out matters: averaging over all layers gives a different answer
+    all_layers = torch.stack([a[0][:, text][:, :, video] for a in eager]).mean(dim=(0, 1, 2))
+    assert (all_layers - want).abs().max() > 1e-3
+
+
+def test_text_tokens_follow_the_last_video_token(family):
+    target, emb = _embeddings(family)
+    text = text_positions(emb)
+    assert int(text[0]) > int(emb.layout.seq_positions.max())
+    assert int(text[-1]) == emb.seq_len - 1
+    assert torch.equal(text, torch.arange(int(text[0]), emb.seq_len))  # nothing but text after the video
+
+
+def test_hidden_rows_and_unchanged_prefill(family):
+    target, emb = _embeddings(family)
+    ref = target.prefill(emb, output_hidden_states=True)
+    got = prefill_with_signals(target, emb, 2, attention=True, hidden=True)
+    assert torch.equal(got.logits, ref.logits)
+    assert got.state.length == ref.state.length and got.state.position_offset == ref.state.position_offset
+    for a, b in zip(got.state.cache.layers, ref.state.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    s = got.signals
+    video, text = emb.layout.seq_positions, text_positions(emb)
+    assert s.video_hidden.shape[0] == s.text_hidden.shape[0] == 3  # embeddings + 2 layers
+    for i in range(3):
+        assert torch.equal(s.video_hidden[i], ref.hidden_states[i][0, video])
+        assert torch.equal(s.text_hidden[i], ref.hidden_states[i][0, text])
+    assert got.hidden_states is None  # only the rows travel on, in the signals
+
+
+def test_layers_clamped_and_only_requested_fields():
+    target, emb = _embeddings("qwen2_5_vl")
+    num_layers = len(target.language_model.layers)
+    s = prefill_with_signals(target, emb, 20, attention=True, hidden=False).signals
+    assert s.text_queries.shape[0] == s.keys.shape[0] == num_layers
+    assert s.video_hidden is None and s.text_hidden is None
+    assert s.attn_scale == pytest.approx(s.keys.shape[-1] ** -0.5)
+
+    h = prefill_with_signals(target, emb, 20, attention=False, hidden=True).signals
+    assert h.text_queries is None and h.keys is None and h.query_positions is None
+    assert h.video_hidden.shape[0] == num_layers + 1
+
+    sent = s.as_tensors()
+    assert set(sent) == {"text_queries", "keys", "query_positions", "attn_scale"}
+    assert sent["attn_scale"].dim() == 0
+    merged = s.merged_into(PruningSignals(visual_embeds=emb.visual_embeds))
+    assert merged.visual_embeds is not None and merged.keys is s.keys and merged.attn_scale == s.attn_scale
+    assert PrefillSignals().as_tensors() == {}
+
+
+class _SignalsTarget:
+    """The target adapter whose full prefill captures the strategy's signals (what decode_sd needs wired in)."""
+
+    def __init__(self, adapter, cfg: PruningConfig):
+        self._adapter, self._cfg = adapter, cfg
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def prefill(self, emb, keep=None, output_hidden_states=False):
+        return prefill_for_strategy(self._adapter, emb, self._cfg)
+
+
+@pytest.mark.parametrize("strategy", ["hippo", "uv"])
+def test_signal_strategies_end_to_end_are_lossless(family, strategy):
+    target, draft = tiny_pair(family)
+    frames = random_frames(3)
+    cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.0)
+    pruning = PruningConfig(strategy, 0.5)
+    ref = decode_ar(target, frames, PROMPT, cfg)
+    got = decode_sd(_SignalsTarget(target, pruning), draft, frames, PROMPT, cfg, keep_policy_for(pruning))
+    assert got.token_ids == ref.token_ids
+    assert got.num_kept < got.num_video_tokens
+
+
+def test_plain_prefill_when_the_strategy_reads_no_prefill_signals():
+    target, emb = _embeddings("llava_onevision")
+    assert prefill_for_strategy(target, emb, PruningConfig("uniform", 0.5)).signals is None
+    assert prefill_for_strategy(target, emb, PruningConfig("hippo", 0.0)).signals is None
+    assert prefill_for_strategy(target, emb, PruningConfig("uv", 0.5)).signals.keys is None
