@@ -151,10 +151,11 @@ class DraftMachine:
             return 1
         return self.gamma
 
-    def ready_chunk(self) -> tuple[int, list[int]] | None:
-        """(start, tokens) of a chunk ready to send, or None; marks it sent."""
-        size = self.next_chunk_size()
-        if len(self.sequence) - self.sent < size:
+    def ready_chunk(self, flush: bool = False) -> tuple[int, list[int]] | None:
+        """(start, tokens) of a chunk ready to send, or None; marks it sent. `flush` sends a short
+        chunk too (the draft stopped: it proposed EOS or reached max_new_tokens)."""
+        size = min(self.next_chunk_size(), len(self.sequence) - self.sent)
+        if size <= 0 or (size < self.next_chunk_size() and not flush):
             return None
         start = self.sent
         self.sent += size

@@ -1,0 +1,50 @@
+"""Launching real vpsd jobs through torchrun from tests, and reading what they wrote."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def world_manifest(root: str, count: int = 2) -> Path:
+    """A small manifest of procedural world videos (written once per session)."""
+    from vpsd.world.dataset import write_manifest
+
+    out = Path(root) / f"world{count}"
+    if not (out / "manifest.jsonl").exists():
+        write_manifest(out, seeds=list(range(count)), num_frames=8, size=(112, 112), max_new_tokens=24)
+    return out / "manifest.jsonl"
+
+
+def torchrun_cmd(nproc: int, *, extra: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *(extra or ["--standalone"]), "--nproc-per-node", str(nproc)]
+
+
+def job_args(config: str, manifest: Path, out: Path, method: str, *more: str) -> list[str]:
+    return ["-m", "vpsd.launch.entry", "--config", str(ROOT / "configs" / config), "--manifest", str(manifest),
+            "--out", str(out), "--method", method, *more]
+
+
+def run_job(config: str, manifest: Path, out: Path, method: str, *more: str, nproc: int = 3, timeout: float = 180):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(torchrun_cmd(nproc) + job_args(config, manifest, out, method, *more),
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def results(out: Path) -> dict[str, dict]:
+    path = Path(out) / "results.jsonl"
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,175 @@
+"""The torchrun entry point: one process per rank, each playing the role the config assigns it.
+
+    torchrun --nproc-per-node 3 -m vpsd.launch.entry --config C --manifest M --out DIR [--method ...]
+
+Rank roles come from the config's `roles:` section (default target 0, draft 1, pruner 2; serial methods
+need only the target, extra ranks exit at once). The target rank owns the item loop and the results
+file; a failure on one item is written as that item's error and the job goes on; a role that dies or
+falls silent ends the job with an error naming it, within `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+
+from vpsd.config import RunConfig, load_config
+from vpsd.launch.manifest import load_manifest
+from vpsd.launch.results import ResultsFile
+from vpsd.models.registry import load_adapter
+from vpsd.pipeline.messages import Shutdown
+from vpsd.pipeline.methods import get_method
+from vpsd.roles.context import ROLES, RoleContext, RoleFailure
+from vpsd.roles.draft import run_draft
+from vpsd.roles.pruner import run_pruner
+from vpsd.roles.target import WorkItem, decode_item, finish_item
+from vpsd.tracing import configure_tracing, get_logger
+from vpsd.transport.control import ControlChannel
+from vpsd.transport.tensors import TensorChannel, init_distributed
+from vpsd.video.errors import VideoError
+
+EXIT_ITEMS_FAILED = 3  # the job ran to the end but some items have errors
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="vpsd.launch.entry", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--method", default="hippo")
+    p.add_argument("--pruning", default=None, help="override the method's pruning strategy")
+    p.add_argument("--ratio", type=float, default=None)
+    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="seconds a role waits for a peer")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set draft=self --set video.num_frames=16")
+    p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    method = get_method(args.method)
+    overrides = {}
+    for kv in args.set:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--set needs KEY=VALUE, got {kv!r}")
+        overrides[key] = yaml.safe_load(value)
+    overrides["pruning.strategy"] = args.pruning or method.default_strategy
+    ratio = args.ratio if args.ratio is not None else method.default_ratio
+    if ratio is not None:
+        overrides["pruning.ratio"] = ratio
+    if args.gamma is not None:
+        overrides["decoding.gamma"] = args.gamma
+    if args.temperature is not None:
+        overrides["decoding.temperature"] = args.temperature
+    return load_config(args.config, overrides)
+
+
+def role_ranks(cfg: RunConfig) -> dict[str, int]:
+    ranks = dict(cfg.extra.get("roles") or {"target": 0, "draft": 1, "pruner": 2})
+    if sorted(ranks) != sorted(ROLES) or len(set(ranks.values())) != len(ROLES):
+        raise ValueError(f"roles must map target, draft and pruner to distinct ranks, got {ranks}")
+    return ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = resolve_config(args)
+    method = get_method(args.method)
+    out = Path(args.out)
+    timeout_s = float(args.timeout or cfg.extra.get("timeout_s", 120.0))
+    rank, world, backend = init_distributed(timeout_s=timeout_s)
+    ranks = role_ranks(cfg)
+    role = next((r for r, k in ranks.items() if k == rank), "spare")
+    configure_tracing(out, role, rank)
+    log = get_logger()
+    if method.parallel and world < len(ROLES):
+        raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
+    if role == "spare" or (not method.parallel and role != "target"):
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    ctrl = ControlChannel.from_process_group(role)
+    ctx = RoleContext(rank, role, ranks, ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
+                      extra={"job_id": out.name, "idle_timeout_s": cfg.extra.get("idle_timeout_s", 3600.0)})
+    log.info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
+             pid=os.getpid(), host=os.uname().nodename)
+
+    def on_sigterm(signum, frame):  # torchrun stops the survivors when a rank dies: say so, and where
+        msg = f"{role} (rank {rank}) stopped by torchrun while on item {ctx.item_id or '-'}: another rank failed"
+        log.error("role_stopped", error=msg)
+        print(f"vpsd: {msg}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    code = 0
+    try:
+        if role == "target":
+            code = _run_target(ctx, args, cfg, out)
+        elif role == "draft":
+            device_cfg = cfg.draft or cfg.target
+            run_draft(ctx, load_adapter(cfg.family, device_cfg))
+        else:
+            run_pruner(ctx)
+    except RoleFailure as e:
+        log.error("role_failed", error=str(e))
+        print(f"vpsd: {e}", file=sys.stderr)
+        os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
+    ctrl.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+def _run_target(ctx: RoleContext, args, cfg: RunConfig, out: Path) -> int:
+    log = get_logger()
+    results = ResultsFile(out)
+    (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
+    items, problems = load_manifest(args.manifest, check_files=False)
+    done = results.finished(ctx.method.name, include_failed=not args.retry_failed)
+    for p in problems:
+        log.error("manifest_problem", line=p.line, message=p.message)
+        results.append({"id": f"line:{p.line}", "method": ctx.method.name, "token_ids": [], "text": "",
+                        "stats": {}, "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
+    target = load_adapter(cfg.family, cfg.target)
+    draft = None
+    if ctx.method.uses_draft and not ctx.method.parallel:
+        draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
+    failed = len(problems)
+    todo = [it for it in items if it.id not in done]
+    start = time.perf_counter()
+    for it in todo:
+        ctx.item_id = it.id
+        work = WorkItem(it.id, str(it.video), it.prompt, it.max_new_tokens or cfg.decoding.max_new_tokens,
+                        it.num_frames, it.fps, it.extra)
+        row = {"id": it.id, "method": ctx.method.name, "strategy": cfg.pruning.strategy, **it.extra}
+        try:
+            res = decode_item(ctx, target, draft, work)
+            row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
+                       stats=res.stats_dict(), error=None)
+        except (VideoError, ValueError) as e:
+            failed += 1
+            log.error("item_failed", item=it.id, error=str(e))
+            row.update(token_ids=[], text="", stats={}, error={"type": type(e).__name__, "message": str(e)})
+        finish_item(ctx, it.id, row["token_ids"], row["error"])
+        results.append(row)
+        log.info("item_done", item=it.id, tokens=len(row["token_ids"]), error=row["error"])
+    if ctx.method.parallel:
+        for r in ("draft", "pruner"):
+            ctx.send(r, Shutdown("job finished"))
+    log.info("job_done", items=len(todo), failed=failed, wall_s=time.perf_counter() - start)
+    return EXIT_ITEMS_FAILED if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

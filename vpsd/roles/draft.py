@@ -1,0 +1,129 @@
+"""The draft role: pruned prefill, then drafting ahead of the target and obeying its verdicts.
+
+Per item: JobStart (target) -> read the video, run the draft's vision tower -> kept indices (pruner)
+-> pruned prefill -> loop: apply every verdict that has arrived (rollback at once: that is the
+abort of conservative mode), send ready chunks, propose one more token if the DraftMachine allows,
+else block for the next verdict. Stops at ItemDone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vpsd.models.base import VideoLMAdapter
+from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
+from vpsd.pipeline.sampling import probs_from_logits, sample
+from vpsd.pipeline.state_machine import DraftMachine, Mode
+from vpsd.roles.context import RoleContext, RoleFailure
+from vpsd.tracing import get_logger, mark, span
+from vpsd.video.errors import VideoError
+from vpsd.video.item import load_item_frames
+
+log = get_logger()
+
+
+def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
+    while True:
+        _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, (ItemDone, VerifyResult, DraftChunk)):
+            continue  # leftovers of a finished item
+        if not isinstance(msg, JobStart):
+            raise RoleFailure(f"draft: unexpected {type(msg).__name__} between items")
+        ctx.item_id = msg.item_id
+        _draft_item(ctx, draft, msg)
+
+
+def _wait_keep(ctx: RoleContext, item_id: str) -> torch.Tensor | None:
+    """Kept indices from the pruner; None when the target gave the item up first."""
+    while True:
+        src, msg = ctx.recv()
+        if isinstance(msg, TensorAnnounce) and msg.tag == f"keep:{item_id}":
+            return ctx.tensors.recv_announced(msg)[0]
+        if isinstance(msg, ItemDone) and msg.item_id == item_id:
+            return None
+        if isinstance(msg, Shutdown):
+            raise RoleFailure("draft: shutdown while waiting for kept indices")
+
+
+def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart) -> None:
+    cfg = ctx.config
+    extra = job.extra
+    try:
+        with span("video_read", item=job.item_id):
+            frames = load_item_frames(extra["video"], extra.get("num_frames"), extra.get("fps"), cfg.video.max_side)
+        with span("vision", item=job.item_id):
+            emb = draft.embed(draft.prepare(frames, extra["prompt"]))
+    except VideoError:
+        # The target reads the same file and reports the error; wait for its ItemDone.
+        emb = None
+    keep = _wait_keep(ctx, job.item_id)
+    if keep is None or emb is None:
+        _drain_until_done(ctx, job.item_id)
+        return
+    with span("prefill", item=job.item_id, kept=int(keep.numel())):
+        pre = draft.prefill(emb, keep=keep)
+    temperature = cfg.decoding.temperature
+    gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
+    machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma))
+    cursor = CacheCursor(pre.state.length)
+    eos = set(draft.eos_token_ids)
+    logits = pre.logits
+    probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
+
+    def stopped() -> bool:
+        seq = machine.sequence
+        return len(seq) >= job.max_new_tokens or (bool(seq) and seq[-1] in eos)
+
+    while True:
+        # 1. Verdicts first: a rollback must abort drafting at once.
+        while ctx.ctrl.poll(0.0, src=ctx.ranks["target"]):
+            _, msg = ctx.recv("target")
+            if isinstance(msg, ItemDone) and msg.item_id == job.item_id:
+                return
+            if isinstance(msg, Shutdown):
+                raise RoleFailure("draft: shutdown in the middle of an item")
+            if isinstance(msg, VerifyResult) and msg.item_id == job.item_id:
+                if machine.on_verdict(msg.epoch, msg.committed_len, msg.next_token, msg.rollback, Mode(msg.mode)):
+                    mark("rollback", item=job.item_id, epoch=msg.epoch, committed=msg.committed_len)
+                    with span("rollback", item=job.item_id, epoch=msg.epoch):
+                        length, pending = cursor.sync(machine.sequence)
+                        draft.rollback(pre.state, length)
+                        logits = draft.step(pre.state, torch.tensor(pending))[-1]
+                        cursor.feed(pending)
+        # 2. Everything ready goes out.
+        while (chunk := machine.ready_chunk(flush=stopped())) is not None:
+            start, tokens = chunk
+            has_probs = temperature > 0
+            ctx.send("target", DraftChunk(job.item_id, machine.epoch, start, tokens, has_probs))
+            if has_probs:
+                q = torch.stack([probs[start + i] for i in range(len(tokens))])
+                ctx.tensors.send(ctx.ranks["target"], [q], tag="draft_probs", epoch=machine.epoch).wait()
+        # 3. Draft one more token, or wait for the target.
+        if machine.may_draft() and not stopped():
+            pos = len(machine.sequence)
+            with span("draft_step", item=job.item_id, pos=pos, epoch=machine.epoch):
+                if temperature == 0.0:
+                    token = int(logits.argmax())
+                else:
+                    probs[pos] = probs_from_logits(logits, temperature)
+                    token = sample(probs[pos], gen)
+                machine.record_proposal(token)
+                logits = draft.step(pre.state, torch.tensor([token]))[-1]
+                cursor.feed([token])
+        else:
+            with span("recv_wait", item=job.item_id):
+                ctx.ctrl.poll(ctx.timeout_s, src=ctx.ranks["target"])
+            if not ctx.ctrl.poll(0.0, src=ctx.ranks["target"]):
+                raise RoleFailure(
+                    f"draft (rank {ctx.rank}) heard nothing from target for {ctx.timeout_s:.0f} s on item {job.item_id}"
+                )
+
+
+def _drain_until_done(ctx: RoleContext, item_id: str) -> None:
+    while True:
+        _, msg = ctx.recv("target")
+        if isinstance(msg, ItemDone) and msg.item_id == item_id:
+            return

@@ -1,0 +1,34 @@
+"""How pruning signals and the video token layout travel between ranks as tensors.
+
+The tag of the tensor announce names the fields in order ("signals:visual_embeds,layout,grid"), so
+the receiver rebuilds them without any shared state. Pure packing; the roles do the sending.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.pruning.strategies import PruningSignals
+
+PREFIX = "signals:"
+
+
+def pack(signals: dict[str, torch.Tensor], layout: VideoTokenLayout) -> tuple[str, list[torch.Tensor]]:
+    names = list(signals) + ["layout", "grid"]
+    rows = torch.stack([layout.seq_positions, layout.frame, layout.row, layout.col, layout.prunable.long()])
+    tensors = [t.contiguous() for t in signals.values()] + [rows, torch.tensor(layout.grid, dtype=torch.long)]
+    return PREFIX + ",".join(names), tensors
+
+
+def unpack(tag: str, tensors: list[torch.Tensor]) -> tuple[PruningSignals, VideoTokenLayout]:
+    if not tag.startswith(PREFIX):
+        raise ValueError(f"not a signals tag: {tag!r}")
+    named = dict(zip(tag[len(PREFIX) :].split(","), tensors))
+    rows, grid = named.pop("layout"), named.pop("grid")
+    layout = VideoTokenLayout(
+        seq_positions=rows[0], frame=rows[1], row=rows[2], col=rows[3], prunable=rows[4].bool(),
+        grid=tuple(int(v) for v in grid),
+    )
+    signals = PruningSignals(**{k: (v.float() if v.is_floating_point() else v) for k, v in named.items()})
+    return signals, layout
