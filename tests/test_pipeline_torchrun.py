@@ -44,6 +44,12 @@ CASES = [
     ("qwen3_vl", "pearl", ["--pruning", "uniform", "--ratio", "0.9", "--set", "draft=self"]),
     ("llava_onevision", "sd", ["--pruning", "random", "--ratio", "0.9"]),
     ("llava_onevision", "pearl", ["--pruning", "spatial", "--ratio", "0.5", "--set", "draft=self"]),
+    ("qwen2_5_vl", "hippo", ["--set", "draft=self"]),
+    ("qwen2_5_vl", "parallelvlm", []),
+    ("qwen3_vl", "hippo", ["--pruning", "hippo_no_attn", "--ratio", "0.5"]),
+    ("qwen3_vl", "parallelvlm", ["--set", "draft=self"]),
+    ("llava_onevision", "specvlm", []),
+    ("llava_onevision", "hippo", ["--pruning", "attn", "--set", "draft=self"]),
 ]
 
 

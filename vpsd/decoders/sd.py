@@ -14,9 +14,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vpsd.config import DecodingConfig
+from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.result import DecodeResult, finished, truncate
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
@@ -62,14 +63,17 @@ def decode_sd(
     prompt: str,
     cfg: DecodingConfig,
     keep_policy: KeepPolicy,
+    pruning: PruningConfig | None = None,
 ) -> DecodeResult:
+    """`pruning`: the strategy whose prefill signals (attention, hidden states) the keep policy reads."""
     t0 = time.perf_counter()
     t_emb = target.embed(target.prepare(frames, prompt))
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt))
     if d_emb.layout.grid != t_emb.layout.grid:
         raise ValueError(f"draft video grid {d_emb.layout.grid} differs from the target's {t_emb.layout.grid}")
-    t_pre = target.prefill(t_emb)
+    t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)
     keep = keep_policy(t_emb, t_pre, d_emb)
+    t_pre.signals = None  # the copied keys are not needed while decoding
     d_pre = draft.prefill(d_emb, keep=keep)
     verify_gen = torch.Generator().manual_seed(cfg.seed)
     draft_gen = torch.Generator().manual_seed(cfg.seed + 1)

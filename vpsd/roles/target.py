@@ -18,6 +18,7 @@ from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Message, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
@@ -56,7 +57,7 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
         with span("item", item=item.id, method=ctx.method.name):
             if not ctx.method.uses_draft:
                 return decode_ar(target, frames, item.prompt, dec)
-            return decode_sd(target, draft or target, frames, item.prompt, dec, keep_policy_for(cfg.pruning))
+            return decode_sd(target, draft or target, frames, item.prompt, dec, keep_policy_for(cfg.pruning), cfg.pruning)
     return _decode_parallel(ctx, target, frames, item, dec)
 
 
@@ -80,13 +81,20 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
             emb = target.embed(target.prepare(frames, item.prompt))
         strategy = STRATEGIES[ctx.config.pruning.strategy]
         signals = {"visual_embeds": emb.visual_embeds.float()} if strategy.needs_visual_embeds else {}
-        if strategy.needs_attention or strategy.needs_hidden_states:
-            raise RoleFailure(f"strategy {strategy.name!r} needs prefill signals, which the parallel target does not stream yet")
+        # Signals measured by the prefill itself (attention, hidden states) go out after it; the
+        # others before it, so pruning and the draft's prefill overlap the target's prefill.
+        needs_prefill = strategy.needs_attention or strategy.needs_hidden_states
+        if needs_prefill:
+            with span("prefill", item=item.id, tokens=emb.seq_len):
+                pre = prefill_for_strategy(target, emb, ctx.config.pruning)
+            signals.update(pre.signals.as_tensors() if pre.signals is not None else {})
+            pre.signals = None
         tag, tensors = pack(signals, emb.layout)
         with span("send", item=item.id, what="signals"):
             ctx.tensors.send(ctx.ranks["pruner"], tensors, tag=tag).wait()
-        with span("prefill", item=item.id, tokens=emb.seq_len):
-            pre = target.prefill(emb)
+        if not needs_prefill:
+            with span("prefill", item=item.id, tokens=emb.seq_len):
+                pre = target.prefill(emb)
         t1 = time.perf_counter()
         result = _verify_loop(ctx, target, pre, item, dec)
     result.prefill_s = t1 - t0
