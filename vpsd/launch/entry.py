@@ -24,6 +24,7 @@ import yaml
 from vpsd.config import RunConfig, load_config
 from vpsd.launch.manifest import load_manifest
 from vpsd.launch.results import ResultsFile
+from vpsd.launch.summary import summarize
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.messages import Shutdown
 from vpsd.pipeline.methods import get_method
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
+    cpus = (cfg.extra.get("cpu_affinity") or {}).get(role)
+    if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
+        os.sched_setaffinity(0, cpus)
     ctrl = ControlChannel.from_process_group(role)
     ctx = RoleContext(rank, role, ranks, ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
                       extra={"job_id": out.name, "idle_timeout_s": cfg.extra.get("idle_timeout_s", 3600.0)})
@@ -167,7 +171,9 @@ def _run_target(ctx: RoleContext, args, cfg: RunConfig, out: Path) -> int:
     if ctx.method.parallel:
         for r in ("draft", "pruner"):
             ctx.send(r, Shutdown("job finished"))
-    log.info("job_done", items=len(todo), failed=failed, wall_s=time.perf_counter() - start)
+    summary = summarize(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("job_done", items=len(todo), failed=failed, wall_s=time.perf_counter() - start, **summary)
     return EXIT_ITEMS_FAILED if failed else 0
 
 

@@ -1,0 +1,32 @@
+"""`vpsd` command: the tools around a run (jobs themselves start with ./torchrun.sh run ...).
+
+    vpsd check MANIFEST          validate a manifest without loading models
+    vpsd summary DIR [--baseline AR_DIR]
+    vpsd timeline DIR [--item ID] [--out PNG]
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "check":
+        from vpsd.launch.manifest import main as run
+    elif command == "summary":
+        from vpsd.launch.summary import main as run
+    elif command == "timeline":
+        from vpsd.launch.timeline import main as run
+    else:
+        print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Run summaries: what a results.jsonl adds up to, and how a run compares with an `ar` run.
+
+    python -m vpsd.launch.summary RUN_DIR [--baseline AR_RUN_DIR]
+
+The comparison is measured, never claimed: speedup is the baseline's total decode wall time over
+the run's, on the ids both finished, and the lossless check counts ids whose tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "results.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def summarize(run_dir: Path) -> dict:
+    rows = _rows(run_dir)
+    ok = [r for r in rows if r.get("error") is None]
+    rounds = sum(r["stats"]["rounds"] for r in ok)
+    tokens = sum(len(r["token_ids"]) for r in ok)
+    wall = sum(r["stats"]["wall_s"] for r in ok)
+    drafted_accepted = [(r["stats"]["acceptance_rate"], r["stats"]["rounds"]) for r in ok]
+    return {
+        "items_done": len(ok),
+        "items_failed": len(rows) - len(ok),
+        "tokens": tokens,
+        "mean_accepted_tokens": tokens / rounds if rounds else 0.0,
+        "acceptance_rate": (sum(a * n for a, n in drafted_accepted) / rounds) if rounds else 0.0,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "decode_wall_s": wall,
+        "prefill_s": sum(r["stats"]["prefill_s"] for r in ok),
+    }
+
+
+def compare(baseline_dir: Path, run_dir: Path) -> dict:
+    base = {r["id"]: r for r in _rows(baseline_dir) if r.get("error") is None}
+    run = {r["id"]: r for r in _rows(run_dir) if r.get("error") is None}
+    common = sorted(set(base) & set(run))
+    base_wall = sum(base[i]["stats"]["wall_s"] for i in common)
+    run_wall = sum(run[i]["stats"]["wall_s"] for i in common)
+    return {
+        "items_compared": len(common),
+        "identical_outputs": sum(base[i]["token_ids"] == run[i]["token_ids"] for i in common),
+        "speedup_vs_baseline": base_wall / run_wall if run_wall else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vpsd.launch.summary")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--baseline", type=Path, default=None, help="an `ar` run of the same manifest")
+    args = p.parse_args(argv)
+    summary = summarize(args.run_dir)
+    if args.baseline is not None:
+        summary.update(compare(args.baseline, args.run_dir))
+    (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    width = max(map(len, summary))
+    for k, v in summary.items():
+        print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.baseline is not None and summary["identical_outputs"] != summary["items_compared"]:
+        print("vpsd: outputs differ from the baseline", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
