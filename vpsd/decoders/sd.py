@@ -21,7 +21,7 @@ from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
-from vpsd.pipeline.verification import verify_greedy, verify_sampling
+from vpsd.pipeline.verification import verify_chunk
 
 # Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
 KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings], "torch.Tensor | None"]
@@ -91,10 +91,7 @@ def decode_sd(
         target.rollback(t_pre.state, length)
         logits = target.step(t_pre.state, torch.tensor(pending + drafts))[len(pending) - 1 :]
         t_cur.feed(pending + drafts)
-        if cfg.temperature == 0.0:
-            v = verify_greedy(drafts, logits)
-        else:
-            v = verify_sampling(drafts, q, probs_from_logits(logits, cfg.temperature), verify_gen)
+        v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(not v.all_accepted)
         committed += v.emitted(drafts)

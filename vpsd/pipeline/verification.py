@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vpsd.pipeline.sampling import probs_from_logits
+
 
 @dataclass(frozen=True)
 class Verification:
@@ -69,3 +71,16 @@ def verify_sampling(
         return Verification(num_accepted=i, next_token=token, num_drafted=k)
     token = int(torch.multinomial(target_probs[k], 1, generator=generator))
     return Verification(num_accepted=k, next_token=token, num_drafted=k)
+
+
+def verify_chunk(
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor | None,  # (k, V) q; None when greedy
+    target_logits: torch.Tensor,  # (k+1, V)
+    temperature: float,
+    generator: torch.Generator | None,
+) -> Verification:
+    """The one entry point decoders use: the greedy rule at temperature 0, else speculative sampling."""
+    if temperature == 0.0:
+        return verify_greedy(draft_token_ids, target_logits)
+    return verify_sampling(draft_token_ids, draft_probs, probs_from_logits(target_logits, temperature), generator)

@@ -20,12 +20,11 @@ from vpsd.decoders.sd import decode_sd
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Message, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
-from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
-from vpsd.pipeline.verification import verify_greedy, verify_sampling
+from vpsd.pipeline.verification import verify_chunk
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import pack
 from vpsd.tracing import get_logger, mark, span
@@ -143,10 +142,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
                 target.rollback(pre.state, length)
                 rows = target.step(pre.state, torch.tensor(pending + tokens))[len(pending) - 1 :]
                 cursor.feed(pending + tokens)
-            if dec.temperature == 0.0:
-                v = verify_greedy(tokens, rows)
-            else:
-                v = verify_sampling(tokens, q, probs_from_logits(rows, dec.temperature), gen)
+            v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
         if not verdict.rollback:
             kept_row = rows[-1]
