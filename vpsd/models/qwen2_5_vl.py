@@ -102,6 +102,19 @@ class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
         )
 
 
+def qwen_token_ids(tokenizer) -> dict[str, int]:
+    """The Qwen vision placeholder and chat token ids a model config needs, read from the tokenizer."""
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        video_token_id=ids("<|video_pad|>"),
+        image_token_id=ids("<|image_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen2_5_VLConfig":
     """A Qwen2.5-VL config of any size; the special token ids come from the tokenizer."""
     from transformers import Qwen2_5_VLConfig
@@ -110,7 +123,6 @@ def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen2_5_VLConfig":
     half = head_dim // 2
     # M-RoPE splits the rotary half-dimension into temporal / height / width sections (sum = head_dim / 2).
     mrope = text.pop("mrope_section", [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8])
-    ids = tokenizer.convert_tokens_to_ids
     return Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
@@ -124,10 +136,5 @@ def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen2_5_VLConfig":
             **text,
         ),
         vision_config=dict(out_hidden_size=text["hidden_size"], **vision),
-        video_token_id=ids("<|video_pad|>"),
-        image_token_id=ids("<|image_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **qwen_token_ids(tokenizer),
     )

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
-from vpsd.models.qwen2_5_vl import VIDEO_TYPE_ID, QwenAdapterMixin
+from vpsd.models.qwen2_5_vl import VIDEO_TYPE_ID, QwenAdapterMixin, qwen_token_ids
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
 from vpsd.pipeline.layout import VideoTokenLayout
 
@@ -151,7 +151,6 @@ def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen3VLConfig":
     # temporal row the rest (Qwen3-VL's [24, 20, 20] for head_dim 128, scaled to head_dim).
     hw = half * 5 // 16
     mrope = text.pop("mrope_section", [half - 2 * hw, hw, hw])
-    ids = tokenizer.convert_tokens_to_ids
     return Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
@@ -164,11 +163,6 @@ def tiny_config(text: dict, vision: dict, tokenizer) -> "Qwen3VLConfig":
             **text,
         ),
         vision_config=dict(out_hidden_size=text["hidden_size"], **vision),
-        video_token_id=ids("<|video_pad|>"),
-        image_token_id=ids("<|image_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **qwen_token_ids(tokenizer),
         tie_word_embeddings=False,
     )
