@@ -1,0 +1,264 @@
+"""Trains the embedded default pair on the procedural world: a tiny Qwen2.5-VL target and a smaller draft.
+
+Contract:
+- `python -m vpsd.world.train --out checkpoints/world_qwen2_5_vl` trains both models from scratch on CPU
+  (seeded; fresh examples every step, never a held-out seed) and writes `target/` and `draft/`, each a
+  transformers checkpoint (safetensors, bfloat16 on disk to keep the repo small) with the shared tokenizer.
+- Training sees exactly what inference sees: every example goes through an mp4 encode and the real PyAV
+  decode path (`load_item_frames`, 4:2:0 chroma and all), the adapters' chat prompt, and video tensors
+  built by `qwen_video_tensors`. The loss is next-token cross-entropy on the answer (caption + <|im_end|>).
+- The draft also trains on pruned video (random video tokens dropped, each kept token at its original
+  rotary position, as a pruned prefill feeds it), so it keeps agreeing with the target when the pruner
+  leaves it 10% of the video. The target always sees the whole video.
+- Held-out seeds (`HELD_OUT_SEEDS`) are never trained on; `vpsd.world.evaluate` measures on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vpsd.models.qwen2_5_vl import qwen_chat_prompt, tiny_config
+from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors
+from vpsd.models.tokenizer import build_tokenizer
+from vpsd.video.item import load_item_frames
+from vpsd.world.caption import PROMPTS, caption
+from vpsd.world.dataset import make_example, write_video
+from vpsd.world.scene import sample_scene
+
+# Seeds: training draws from TRAIN_SEED_BASE upwards; held-out items (demo, evaluation) live below it.
+TRAIN_SEED_BASE = 1_000_000
+HELD_OUT_SEEDS = range(1000, 1200)
+VIDEO_FRAMES = 16  # frames per generated video
+NUM_FRAMES = 8  # frames sampled per item (configs/world_qwen2_5_vl.yaml uses the same)
+SIZE = (112, 112)
+
+VISION = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56)
+TARGET = dict(
+    text=dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    vision=dict(depth=2, hidden_size=96, intermediate_size=192, num_heads=2, fullatt_block_indexes=[1], **VISION),
+)
+DRAFT = dict(
+    text=dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+    vision=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, fullatt_block_indexes=[0], **VISION),
+)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1500
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    draft_prune_prob: float = 0.5  # share of draft batches trained on pruned video
+    draft_keep_range: tuple[float, float] = (0.08, 0.6)  # kept share of video tokens in those batches
+    log_every: int = 25
+    save_every: int = 250  # checkpoints along the way, so a long run can be evaluated (and resumed by hand)
+    threads: int = 1
+    sizes: dict = field(default_factory=lambda: {"target": TARGET, "draft": DRAFT})
+
+
+def world_tokenizer():
+    """The shared tokenizer: byte-level BPE whose corpus includes captions, so caption words are single tokens."""
+    rng = random.Random(0)
+    corpus = [caption(sample_scene(TRAIN_SEED_BASE + rng.randrange(10**6), VIDEO_FRAMES, SIZE)) for _ in range(3000)]
+    return build_tokenizer(vocab_size=768, extra_corpus=corpus + list(PROMPTS))
+
+
+@dataclass
+class Example:
+    frames: np.ndarray  # (NUM_FRAMES, H, W, 3) uint8 as the real decode path returns them
+    prompt: str
+    answer: str
+
+
+def roundtrip_example(seed: int, workdir: Path) -> Example:
+    """Renders a world example and passes it through mp4 and PyAV, as a manifest item would be."""
+    ex = make_example(seed, VIDEO_FRAMES, SIZE)
+    path = workdir / f"{seed}.mp4"
+    write_video(path, ex.frames)
+    frames = load_item_frames(path, NUM_FRAMES, None, None)
+    path.unlink()
+    return Example(frames, ex.prompt, ex.caption)
+
+
+class ExampleStream(torch.utils.data.IterableDataset):
+    """Batches of fresh round-tripped examples, made in a DataLoader worker so the mp4 work overlaps training."""
+
+    def __init__(self, first_seed: int, batch_size: int, steps: int):
+        self.first_seed, self.batch_size, self.steps = first_seed, batch_size, steps
+
+    def __iter__(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for step in range(self.steps):
+                seed = self.first_seed + step * self.batch_size
+                yield [roundtrip_example(seed + i, Path(tmp)) for i in range(self.batch_size)]
+
+
+class Batcher:
+    """Token ids, labels, rotary positions and video tensors for a list of examples (right-padded)."""
+
+    def __init__(self, tokenizer, model_config):
+        self.tok = tokenizer
+        self.video_token_id = model_config.video_token_id
+        self.spec = QwenVisionSpec()
+
+    def __call__(self, examples: list[Example], rope_index) -> dict:
+        pixels, grids, seqs, labels, types = [], [], [], [], []
+        for ex in examples:
+            pv, grid = qwen_video_tensors(ex.frames, self.spec)
+            t, h, w = (int(v) for v in grid[0])
+            n = t * (h // 2) * (w // 2)
+            prompt_ids = self.tok.encode(qwen_chat_prompt(ex.prompt, n), add_special_tokens=False)
+            answer_ids = self.tok.encode(ex.answer + "<|im_end|>", add_special_tokens=False)
+            ids = torch.tensor(prompt_ids + answer_ids)
+            pixels.append(pv)
+            grids.append(grid)
+            seqs.append(ids)
+            labels.append(torch.tensor([-100] * len(prompt_ids) + answer_ids))
+            types.append(torch.where(ids == self.video_token_id, 2, 0).to(torch.int32))
+        grid = torch.cat(grids)
+        positions = []
+        for ids, ty, g in zip(seqs, types, grid):
+            pos, _ = rope_index(ids[None], mm_token_type_ids=ty[None], video_grid_thw=g[None],
+                                second_per_grid_ts=torch.tensor([1.0]))
+            positions.append(pos[:, 0])  # (3, L)
+        return dict(ids=seqs, labels=labels, positions=positions, pixels=torch.cat(pixels), grid=grid)
+
+
+def forward_loss(model, batch: dict, video_token_id: int, keep_share: float | None,
+                 rng: torch.Generator) -> torch.Tensor:
+    """Cross-entropy on the answers; with keep_share, each item keeps that share of its video tokens."""
+    feats = torch.cat(list(model.model.get_video_features(batch["pixels"], batch["grid"]).pooler_output))
+    embed = model.model.get_input_embeddings()
+    rows, offset = [], 0
+    for ids, labels, pos in zip(batch["ids"], batch["labels"], batch["positions"]):
+        is_video = ids == video_token_id
+        n = int(is_video.sum())
+        e = embed(ids).masked_scatter(is_video[:, None], feats[offset : offset + n])
+        offset += n
+        sel = torch.ones_like(ids, dtype=torch.bool)
+        if keep_share is not None:
+            k = max(1, round(keep_share * n))
+            kept = torch.randperm(n, generator=rng)[:k]
+            drop = torch.ones(n, dtype=torch.bool)
+            drop[kept] = False
+            sel[torch.nonzero(is_video).squeeze(1)[drop]] = False
+        rows.append((e[sel], labels[sel], pos[:, sel]))
+    length = max(r[0].shape[0] for r in rows)
+    b, d = len(rows), rows[0][0].shape[1]
+    embeds = torch.zeros(b, length, d)
+    targets = torch.full((b, length), -100, dtype=torch.long)
+    positions = torch.zeros(3, b, length, dtype=torch.long)
+    mask = torch.zeros(b, length, dtype=torch.long)
+    for i, (e, lab, pos) in enumerate(rows):
+        n = e.shape[0]
+        embeds[i, :n], targets[i, :n], positions[:, i, :n], mask[i, :n] = e, lab, pos, 1
+    out = model.model.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask)
+    logits = model.lm_head(out.last_hidden_state)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_models(tokenizer, cfg: TrainConfig):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    models = {}
+    for i, name in enumerate(("target", "draft")):
+        size = cfg.sizes[name]
+        torch.manual_seed(cfg.seed + i)
+        config = tiny_config(dict(size["text"]), dict(size["vision"]), tokenizer)
+        config._attn_implementation = "sdpa"
+        models[name] = Qwen2_5_VLForConditionalGeneration(config)
+    return models
+
+
+def train(out: Path, cfg: TrainConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    tokenizer = world_tokenizer()
+    models = build_models(tokenizer, cfg)
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+            for n, m in models.items()}
+    batcher = Batcher(tokenizer, models["target"].config)
+    rope_index = models["target"].model.get_rope_index  # positions depend only on the token layout
+    vid = models["target"].config.video_token_id
+    rng = torch.Generator().manual_seed(cfg.seed)
+    pyrng = random.Random(cfg.seed)
+    history = []
+    t0 = time.time()
+    stream = ExampleStream(TRAIN_SEED_BASE + cfg.seed * 10_000_000, cfg.batch_size, cfg.steps)
+    # One worker process makes the data; torch's own threads stay at cfg.threads (1 is best on a busy
+    # 2-core machine: OpenMP threads spin-wait for each other when one of them is preempted).
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1, prefetch_factor=4)
+    for step, examples in enumerate(loader):
+        batch = batcher(examples, rope_index)
+        lr = lr_at(step, cfg)
+        keep = pyrng.uniform(*cfg.draft_keep_range) if pyrng.random() < cfg.draft_prune_prob else None
+        losses = {}
+        for name, model in models.items():
+            model.train()
+            for g in opts[name].param_groups:
+                g["lr"] = lr
+            loss = forward_loss(model, batch, vid, keep if name == "draft" else None, rng)
+            opts[name].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opts[name].step()
+            losses[name] = loss.item()
+        history.append({"step": step, "lr": lr, "draft_keep": keep, **losses})
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            el = time.time() - t0
+            print(f"step {step:5d}  target {losses['target']:.4f}  draft {losses['draft']:.4f}  "
+                  f"lr {lr:.2e}  {el / (step + 1):.2f} s/step  elapsed {el / 60:.1f} min", flush=True)
+        if (step + 1) % cfg.save_every == 0:
+            for name, model in models.items():
+                save(model, tokenizer, out / name)
+    for name, model in models.items():
+        save(model.eval(), tokenizer, out / name)
+    meta = {"config": asdict(cfg), "train_seconds": time.time() - t0, "final": history[-1]}
+    (out / "train_log.json").write_text(json.dumps({"meta": meta, "history": history}))
+    return meta
+
+
+def save(model, tokenizer, path: Path) -> None:
+    """bfloat16 on disk halves the repo's footprint; loading upcasts to float32, which decoding then uses."""
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.save_pretrained(path, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--threads", type=int, default=TrainConfig.threads)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, threads=a.threads, seed=a.seed)
+    meta = train(a.out, cfg)
+    print(f"trained in {meta['train_seconds'] / 60:.1f} min; wrote {a.out}/target and {a.out}/draft")
+
+
+if __name__ == "__main__":
+    main()
