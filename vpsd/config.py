@@ -96,8 +96,13 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Reads a YAML config; `overrides` maps dotted keys ("decoding.gamma") to values."""
+    """Reads a YAML config; `overrides` maps dotted keys ("decoding.gamma") to values.
+
+    A relative checkpoint `path` in the file is relative to the file's folder, so a config and the
+    checkpoints it names move together; a path given as an override is relative to the working directory.
+    """
     data = yaml.safe_load(Path(path).read_text())
+    _resolve_model_paths(data, Path(path).resolve().parent)
     for key, value in (overrides or {}).items():
         node = data
         *parents, leaf = key.split(".")
@@ -105,3 +110,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
             node = node.setdefault(p, {})
         node[leaf] = value
     return config_from_dict(data)
+
+
+def _resolve_model_paths(data: dict, base: Path) -> None:
+    for role in ("target", "draft"):
+        spec = data.get(role)
+        if isinstance(spec, dict) and spec.get("path") and not Path(spec["path"]).is_absolute():
+            spec["path"] = str((base / spec["path"]).resolve())
