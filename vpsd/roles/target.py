@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.result import DecodeResult
-from vpsd.decoders.sd import decode_sd
+from vpsd.decoders.serial import decode_serial
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
@@ -54,9 +52,7 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
         frames = load_item_frames(item.video, item.num_frames or cfg.video.num_frames, item.fps, cfg.video.max_side)
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
-            if not ctx.method.uses_draft:
-                return decode_ar(target, frames, item.prompt, dec)
-            return decode_sd(target, draft or target, frames, item.prompt, dec, keep_policy_for(cfg.pruning), cfg.pruning)
+            return decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
     return _decode_parallel(ctx, target, frames, item, dec)
 
 
