@@ -17,9 +17,11 @@ from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
+from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
+from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.verification import verify_chunk
@@ -120,6 +122,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
     kept_row = pre.logits  # the target's row for position len(committed)
     gen = torch.Generator().manual_seed(int(dec.seed))
     stats = AcceptanceStats()
+    with_target_probs = verdicts_carry_target_probs(ctx.method.draft, ctx.config.extra.get("tabed"), dec.temperature)
     while not machine.done:
         chunk, q = _recv_chunk(ctx)
         if chunk.item_id != item.id:
@@ -151,7 +154,17 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
             VerifyResult(item.id, verdict.epoch, verdict.start, verdict.num_accepted, verdict.next_token,
                          verdict.committed_len, verdict.mode.value, verdict.rollback),
         )
+        if with_target_probs:  # TABED soft labels: p at the verified positions (pipeline/ensemble.py)
+            _send_target_probs(ctx, probs_from_logits(rows[: v.num_accepted + int(not v.all_accepted)], dec.temperature))
     return DecodeResult(token_ids=machine.output(), stats=stats)
+
+
+def _send_target_probs(ctx: RoleContext, rows: torch.Tensor) -> None:
+    """Sends without waiting: the draft may itself be blocked sending a chunk's q to us, so waiting here
+    could deadlock; the draft receives these right after each verdict. Handles stay referenced until done."""
+    inflight = [h for h in ctx.extra.get("target_probs_sends", []) if not h.is_completed()]
+    inflight.append(ctx.tensors.send(ctx.ranks["draft"], [rows], tag="target_probs"))
+    ctx.extra["target_probs_sends"] = inflight
 
 
 def finish_item(ctx: RoleContext, item_id: str, token_ids: list[int], error: dict | None) -> None:
