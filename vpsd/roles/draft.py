@@ -139,7 +139,8 @@ def _recv_target_probs(ctx: RoleContext) -> torch.Tensor:
     _, announce = ctx.recv("target")
     if not isinstance(announce, TensorAnnounce) or announce.tag != "target_probs":
         raise RoleFailure(f"draft: a verdict announced the target's probabilities, got {type(announce).__name__}")
-    return ctx.tensors.recv_announced(announce)[0]
+    with span("recv", item=ctx.item_id, what="target_probs", shape=announce.shapes[0]):
+        return ctx.tensors.recv_announced(announce)[0]
 
 
 def _drain_until_done(ctx: RoleContext, item_id: str) -> None:
