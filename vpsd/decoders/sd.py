@@ -16,7 +16,7 @@ import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.result import DecodeResult, finished, truncate
-from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
@@ -76,30 +76,47 @@ def decode_sd(
     t_pre.signals = None  # the copied keys are not needed while decoding
     d_pre = draft.prefill(d_emb, keep=keep)
     verify_gen = torch.Generator().manual_seed(cfg.seed)
-    draft_gen = torch.Generator().manual_seed(cfg.seed + 1)
     committed = [next_token(t_pre.logits, cfg.temperature, verify_gen)]
     t1 = time.perf_counter()
-
-    t_cur, d_cur = CacheCursor(t_pre.state.length), CacheCursor(d_pre.state.length)
-    stats = AcceptanceStats()
-    eos = target.eos_token_ids
-    while not finished(committed, cfg.max_new_tokens, eos):
-        # Never draft past max_new_tokens: the round's own token fills the last slot.
-        k = min(cfg.gamma, cfg.max_new_tokens - len(committed) - 1)
-        drafts, q = draft_chunk(draft, d_pre.state, d_cur, committed, k, cfg.temperature, draft_gen)
-        length, pending = t_cur.sync(committed)
-        target.rollback(t_pre.state, length)
-        logits = target.step(t_pre.state, torch.tensor(pending + drafts))[len(pending) - 1 :]
-        t_cur.feed(pending + drafts)
-        v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
-        stats.record(v.num_accepted, v.num_drafted)
-        stats.rollbacks += int(not v.all_accepted)
-        committed += v.emitted(drafts)
+    committed, stats = speculate(target, t_pre.state, draft, d_pre.state, committed, cfg, verify_gen)
     return DecodeResult(
-        token_ids=truncate(committed, cfg.max_new_tokens, eos),
+        token_ids=committed,
         stats=stats,
         prefill_s=t1 - t0,
         decode_s=time.perf_counter() - t1,
         num_kept=int(keep.numel()) if keep is not None else d_emb.layout.num_tokens,
         num_video_tokens=t_emb.layout.num_tokens,
     )
+
+
+def speculate(
+    target: VideoLMAdapter,
+    t_state: DecodeState,
+    draft: VideoLMAdapter,
+    d_state: DecodeState,
+    committed: list[int],
+    cfg: DecodingConfig,
+    verify_gen: torch.Generator,
+) -> tuple[list[int], AcceptanceStats]:
+    """The serial draft / verify loop from both prefills and the target's first token, to the end.
+
+    The draft is any (adapter, state) pair: a smaller model, the target fed pruned video (sd, specvlm),
+    or the target on a sparse KV cache (std). Returns the committed tokens, cut where `ar` stops.
+    """
+    draft_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
+    stats = AcceptanceStats()
+    eos = target.eos_token_ids
+    while not finished(committed, cfg.max_new_tokens, eos):
+        # Never draft past max_new_tokens: the round's own token fills the last slot.
+        k = min(cfg.gamma, cfg.max_new_tokens - len(committed) - 1)
+        drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, cfg.temperature, draft_gen)
+        length, pending = t_cur.sync(committed)
+        target.rollback(t_state, length)
+        logits = target.step(t_state, torch.tensor(pending + drafts))[len(pending) - 1 :]
+        t_cur.feed(pending + drafts)
+        v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
+        stats.record(v.num_accepted, v.num_drafted)
+        stats.rollbacks += int(not v.all_accepted)
+        committed += v.emitted(drafts)
+    return truncate(committed, cfg.max_new_tokens, eos), stats

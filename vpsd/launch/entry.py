@@ -147,7 +147,7 @@ def _run_target(ctx: RoleContext, args, cfg: RunConfig, out: Path) -> int:
                         "stats": {}, "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
     target = load_adapter(cfg.family, cfg.target)
     draft = None
-    if ctx.method.uses_draft and not ctx.method.parallel:
+    if ctx.method.loads_draft_model and not ctx.method.parallel:
         draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
     failed = len(problems)
     todo = [it for it in items if it.id not in done]

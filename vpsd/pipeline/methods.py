@@ -17,6 +17,15 @@ class Method:
     uses_draft: bool
     default_strategy: str  # pruning strategy when the run does not name one
     default_ratio: float | None = None  # None: the config's ratio
+    # How the draft sees the video: "pruned_input" (a draft model, or the target with `draft: self`, prefilled
+    # with the kept video tokens), "sparse_kv" (the target's own weights on a per-head top-K subset of its
+    # prefill KV cache, Sparse-to-Dense), "views" (TABED: several drafting views of the draft model, ensembled).
+    draft: str = "pruned_input"
+
+    @property
+    def loads_draft_model(self) -> bool:
+        """Whether the run loads the config's draft model (sparse_kv drafts with the target's weights)."""
+        return self.uses_draft and self.draft != "sparse_kv"
 
 
 METHODS: dict[str, Method] = {
@@ -28,6 +37,11 @@ METHODS: dict[str, Method] = {
         Method("specvlm", parallel=False, uses_draft=True, default_strategy="specvlm"),
         Method("parallelvlm", parallel=True, uses_draft=True, default_strategy="uv"),
         Method("hippo", parallel=True, uses_draft=True, default_strategy="hippo"),
+        # STD reads only the ratio (K per KV head); it prunes no input, so its strategy is "none".
+        Method("std", parallel=False, uses_draft=True, default_strategy="none", draft="sparse_kv"),
+        # TABED's multimodal view sees the video pruned by `uniform` (no target signals: its prefill
+        # overlaps the target's); `--pruning` picks another strategy for that view.
+        Method("tabed", parallel=True, uses_draft=True, default_strategy="uniform", draft="views"),
     ]
 }
 

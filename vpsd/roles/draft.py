@@ -4,6 +4,7 @@ Per item: JobStart (target) -> read the video, run the draft's vision tower -> k
 -> pruned prefill -> loop: apply every verdict that has arrived (rollback at once: that is the
 abort of conservative mode), send ready chunks, propose one more token if the DraftMachine allows,
 else block for the next verdict. Stops at ItemDone.
+What it drafts with (one pruned prefix, or TABED's ensemble of views) is a drafter (roles/drafters.py).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from vpsd.models.base import VideoLMAdapter
+from vpsd.pipeline.ensemble import TabedConfig, verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
-from vpsd.pipeline.sampling import probs_from_logits, sample
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.roles.context import RoleContext, RoleFailure
+from vpsd.roles.drafters import SingleDrafter, TabedDrafter
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
 from vpsd.video.item import load_item_frames
@@ -63,14 +65,19 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart) -> None:
     if keep is None or emb is None:
         _drain_until_done(ctx, job.item_id)
         return
-    with span("prefill", item=job.item_id, kept=int(keep.numel())):
-        pre = draft.prefill(emb, keep=keep)
+    method = ctx.method
+    tabed_section = cfg.extra.get("tabed")
+    with span("prefill", item=job.item_id, kept=int(keep.numel()), draft=method.draft):
+        if method.draft == "views":
+            drafter = TabedDrafter(draft, emb, keep, TabedConfig.from_dict(tabed_section), job.gamma)
+        else:
+            drafter = SingleDrafter(draft, emb, keep)
     temperature = cfg.decoding.temperature
+    with_target_probs = verdicts_carry_target_probs(method.draft, tabed_section, temperature)
     gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
     machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma))
-    cursor = CacheCursor(pre.state.length)
+    cursor = CacheCursor(drafter.length)
     eos = set(draft.eos_token_ids)
-    logits = pre.logits
     probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
 
     def stopped() -> bool:
@@ -82,16 +89,23 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart) -> None:
         while ctx.ctrl.poll(0.0, src=ctx.ranks["target"]):
             _, msg = ctx.recv("target")
             if isinstance(msg, ItemDone) and msg.item_id == job.item_id:
+                if isinstance(drafter, TabedDrafter):  # w* of every block: how the views were weighed
+                    log.info("tabed_weights", item=job.item_id, views=list(drafter.cfg.views), blocks=drafter.weight_log)
                 return
             if isinstance(msg, Shutdown):
                 raise RoleFailure("draft: shutdown in the middle of an item")
             if isinstance(msg, VerifyResult) and msg.item_id == job.item_id:
+                target_probs = _recv_target_probs(ctx) if with_target_probs else None
+                if msg.epoch >= machine.epoch:  # verified positions: the accepted ones and the rejected one
+                    labels = machine.sequence[msg.start : msg.start + msg.num_accepted]
+                    drafter.observe(msg.start, labels + ([msg.next_token] if msg.rollback else []), target_probs)
                 if machine.on_verdict(msg.epoch, msg.committed_len, msg.next_token, msg.rollback, Mode(msg.mode)):
                     mark("rollback", item=job.item_id, epoch=msg.epoch, committed=msg.committed_len)
+                    drafter.forget_from(msg.committed_len - 1)
                     with span("rollback", item=job.item_id, epoch=msg.epoch):
                         length, pending = cursor.sync(machine.sequence)
-                        draft.rollback(pre.state, length)
-                        logits = draft.step(pre.state, torch.tensor(pending))[-1]
+                        drafter.rollback(length)
+                        drafter.feed(pending)
                         cursor.feed(pending)
         # 2. Everything ready goes out.
         while (chunk := machine.ready_chunk(flush=stopped())) is not None:
@@ -105,13 +119,11 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart) -> None:
         if machine.may_draft() and not stopped():
             pos = len(machine.sequence)
             with span("draft_step", item=job.item_id, pos=pos, epoch=machine.epoch):
-                if temperature == 0.0:
-                    token = int(logits.argmax())
-                else:
-                    probs[pos] = probs_from_logits(logits, temperature)
-                    token = sample(probs[pos], gen)
+                token, q = drafter.propose(pos, temperature, gen)
+                if q is not None:
+                    probs[pos] = q
                 machine.record_proposal(token)
-                logits = draft.step(pre.state, torch.tensor([token]))[-1]
+                drafter.feed([token])
                 cursor.feed([token])
         else:
             with span("recv_wait", item=job.item_id):
@@ -120,6 +132,15 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart) -> None:
                 raise RoleFailure(
                     f"draft (rank {ctx.rank}) heard nothing from target for {ctx.timeout_s:.0f} s on item {job.item_id}"
                 )
+
+
+def _recv_target_probs(ctx: RoleContext) -> torch.Tensor:
+    """The target's p rows that follow a VerifyResult (TABED's soft labels, see pipeline/ensemble.py)."""
+    _, announce = ctx.recv("target")
+    if not isinstance(announce, TensorAnnounce) or announce.tag != "target_probs":
+        raise RoleFailure(f"draft: a verdict announced the target's probabilities, got {type(announce).__name__}")
+    with span("recv", item=ctx.item_id, what="target_probs", shape=announce.shapes[0]):
+        return ctx.tensors.recv_announced(announce)[0]
 
 
 def _drain_until_done(ctx: RoleContext, item_id: str) -> None:

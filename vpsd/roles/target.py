@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.result import DecodeResult
-from vpsd.decoders.sd import decode_sd
+from vpsd.decoders.serial import decode_serial
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
+from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
+from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.verification import verify_chunk
@@ -54,9 +54,7 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
         frames = load_item_frames(item.video, item.num_frames or cfg.video.num_frames, item.fps, cfg.video.max_side)
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
-            if not ctx.method.uses_draft:
-                return decode_ar(target, frames, item.prompt, dec)
-            return decode_sd(target, draft or target, frames, item.prompt, dec, keep_policy_for(cfg.pruning), cfg.pruning)
+            return decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
     return _decode_parallel(ctx, target, frames, item, dec)
 
 
@@ -124,6 +122,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
     kept_row = pre.logits  # the target's row for position len(committed)
     gen = torch.Generator().manual_seed(int(dec.seed))
     stats = AcceptanceStats()
+    with_target_probs = verdicts_carry_target_probs(ctx.method.draft, ctx.config.extra.get("tabed"), dec.temperature)
     while not machine.done:
         chunk, q = _recv_chunk(ctx)
         if chunk.item_id != item.id:
@@ -155,7 +154,17 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
             VerifyResult(item.id, verdict.epoch, verdict.start, verdict.num_accepted, verdict.next_token,
                          verdict.committed_len, verdict.mode.value, verdict.rollback),
         )
+        if with_target_probs:  # TABED soft labels: p at the verified positions (pipeline/ensemble.py)
+            _send_target_probs(ctx, probs_from_logits(rows[: v.num_accepted + int(not v.all_accepted)], dec.temperature))
     return DecodeResult(token_ids=machine.output(), stats=stats)
+
+
+def _send_target_probs(ctx: RoleContext, rows: torch.Tensor) -> None:
+    """Sends without waiting: the draft may itself be blocked sending a chunk's q to us, so waiting here
+    could deadlock; the draft receives these right after each verdict. Handles stay referenced until done."""
+    inflight = [h for h in ctx.extra.get("target_probs_sends", []) if not h.is_completed()]
+    inflight.append(ctx.tensors.send(ctx.ranks["draft"], [rows], tag="target_probs"))
+    ctx.extra["target_probs_sends"] = inflight
 
 
 def finish_item(ctx: RoleContext, item_id: str, token_ids: list[int], error: dict | None) -> None:

@@ -1,0 +1,83 @@
+"""`std`: Sparse-to-Dense self-speculation (serial, one process, the target's own weights).
+
+The target prefills once, with hooks capturing its text queries in EVERY layer (models/signals.py).
+From them, per layer and per KV head, the K video entries the text attended to most are chosen
+(pipeline/pruning/sparse_kv.py, Sec. 3.2; GQA query heads of a group summed). The draft's cache is
+then gathered from the target's own prefill cache: all non-video entries plus each head's K video
+entries. Cached keys already carry their rotary phase, so a gathered entry keeps its position; decoded
+tokens continue from the full sequence's positions (position_offset), and every head keeps K entries so
+the cache stays rectangular. Drafting runs the target's weights on that sparse cache; verification
+runs them on the dense cache (the shared speculate loop of sd.py). Rollback of either cache is a crop.
+
+K = the pruning ratio's budget of prunable video tokens (layout.budget): `--ratio 0.9` keeps 10% per
+head. The paper sets K + m_t = 1024; a ratio keeps the knob comparable with the other methods.
+Memory: the sparse cache is a copy, (non-video + K) / sequence of the dense one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from vpsd.config import DecodingConfig, PruningConfig
+from vpsd.decoders.result import DecodeResult
+from vpsd.decoders.sd import speculate
+from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.signals import prefill_with_signals
+from vpsd.pipeline.pruning.sparse_kv import gather_heads, sparse_cache_indices, std_topk_per_head
+from vpsd.pipeline.sampling import next_token
+
+
+def std_prefill(target: VideoLMAdapter, emb: SequenceEmbeddings) -> PrefillResult:
+    """The target's full prefill with text queries and keys of every layer (Cache_s[l] needs each l)."""
+    return prefill_with_signals(target, emb, num_layers=len(target.language_model.layers), attention=True, hidden=False)
+
+
+def std_cache_indices(pre: PrefillResult, emb: SequenceEmbeddings, ratio: float) -> torch.Tensor:
+    """(L, Hkv, S') dense-cache entries the sparse drafter keeps, from the prefill's signals."""
+    sig = pre.signals
+    layout = emb.layout
+    scored = layout.seq_positions[layout.prunable]
+    topk = std_topk_per_head(
+        sig.text_queries, sig.keys, scored, sig.query_positions, layout.budget(ratio), sig.attn_scale
+    )
+    return sparse_cache_indices(topk, scored, emb.seq_len)
+
+
+def sparse_state(target: VideoLMAdapter, dense: DecodeState, indices: torch.Tensor, next_position: int) -> DecodeState:
+    """A new cache holding, per layer and KV head, the dense prefill entries `indices` selects."""
+    cache = DynamicCache(config=target.model.config.get_text_config())
+    for layer, (src, idx) in enumerate(zip(dense.cache.layers, indices)):
+        cache.update(gather_heads(src.keys, idx), gather_heads(src.values, idx), layer)
+    n = int(indices.shape[-1])
+    return DecodeState(cache=cache, position_offset=next_position - n, prefill_len=n)
+
+
+def decode_std(
+    target: VideoLMAdapter, frames: np.ndarray, prompt: str, cfg: DecodingConfig, pruning: PruningConfig
+) -> DecodeResult:
+    if pruning.strategy != "none":
+        raise ValueError(f"std chooses its own KV entries per head; pruning strategy {pruning.strategy!r} does not apply")
+    t0 = time.perf_counter()
+    emb = target.embed(target.prepare(frames, prompt))
+    pre = std_prefill(target, emb)
+    indices = std_cache_indices(pre, emb, pruning.ratio)
+    pre.signals = None
+    d_state = sparse_state(target, pre.state, indices, emb.next_position)
+    verify_gen = torch.Generator().manual_seed(cfg.seed)
+    committed = [next_token(pre.logits, cfg.temperature, verify_gen)]
+    t1 = time.perf_counter()
+    committed, stats = speculate(target, pre.state, target, d_state, committed, cfg, verify_gen)
+    num_layers, hkv, width = indices.shape
+    kept_video = width - (emb.seq_len - emb.layout.num_tokens)  # per head, non-prunable video included
+    return DecodeResult(
+        token_ids=committed,
+        stats=stats,
+        prefill_s=t1 - t0,
+        decode_s=time.perf_counter() - t1,
+        num_kept=kept_video,
+        num_video_tokens=emb.layout.num_tokens,
+    )
