@@ -22,6 +22,7 @@ from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.verification import verify_chunk
+from vpsd.tracing import span
 
 # Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
 KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings], "torch.Tensor | None"]
@@ -39,7 +40,8 @@ def draft_chunk(
     """Brings the draft cache in line with `committed`, then proposes k tokens (and their q when sampling)."""
     length, pending = cursor.sync(committed)
     draft.rollback(state, length)
-    logits = draft.step(state, torch.tensor(pending))[-1]
+    with span("draft_step", tokens=len(pending)):
+        logits = draft.step(state, torch.tensor(pending))[-1]
     cursor.feed(pending)
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
@@ -51,7 +53,8 @@ def draft_chunk(
             probs.append(q)
             tokens.append(sample(q, generator))
         if i < k - 1:  # the last proposal is never fed: verification decides what comes next
-            logits = draft.step(state, torch.tensor(tokens[-1:]))[-1]
+            with span("draft_step", tokens=1):
+                logits = draft.step(state, torch.tensor(tokens[-1:]))[-1]
             cursor.feed(tokens[-1:])
     return tokens, (torch.stack(probs) if probs else None)
 
@@ -113,7 +116,9 @@ def speculate(
         drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, cfg.temperature, draft_gen)
         length, pending = t_cur.sync(committed)
         target.rollback(t_state, length)
-        logits = target.step(t_state, torch.tensor(pending + drafts))[len(pending) - 1 :]
+        # Same span names as the parallel roles, so benchmarks read T_p and T_q the same way.
+        with span("verify", tokens=len(pending) + len(drafts)):
+            logits = target.step(t_state, torch.tensor(pending + drafts))[len(pending) - 1 :]
         t_cur.feed(pending + drafts)
         v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
         stats.record(v.num_accepted, v.num_drafted)
