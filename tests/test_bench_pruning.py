@@ -19,8 +19,8 @@ def test_every_strategy_on_the_same_items(tmp_path):
     manifest = write_manifest(tmp_path / "data", seeds=[0, 1], num_frames=8, size=(112, 112), max_new_tokens=24)
     out = tmp_path / "bench"
     # draft=self: with strategy none the draft IS the target, so every draft token is accepted.
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_pruning.py"), "--config", str(ROOT / "configs" / "tiny_qwen2_5_vl.yaml"),
-           "--manifest", str(manifest), "--out", str(out), "--max-new-tokens", "8", "--repeats", "1",
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_pruning.py"),
+           "--config", str(ROOT / "configs" / "tiny_qwen2_5_vl.yaml"), "--manifest", str(manifest), "--out", str(out), "--max-new-tokens", "8", "--repeats", "1",
            "--set", "draft=self", "--set", "decoding.gamma=4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
