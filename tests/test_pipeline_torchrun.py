@@ -14,7 +14,9 @@ from tests.conftest import tiny_pair
 from tests.torchrun_jobs import ROOT, free_port, job_args, results, run_job, torchrun_cmd, world_manifest
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
+from vpsd.launch.kept_log import read_kept
 from vpsd.launch.manifest import load_manifest
+from vpsd.pipeline.methods import get_method
 from vpsd.video.item import load_item_frames
 
 pytestmark = pytest.mark.torchrun
@@ -44,12 +46,13 @@ CASES = [
     ("qwen3_vl", "pearl", ["--pruning", "uniform", "--ratio", "0.9", "--set", "draft=self"]),
     ("llava_onevision", "sd", ["--pruning", "random", "--ratio", "0.9"]),
     ("llava_onevision", "pearl", ["--pruning", "spatial", "--ratio", "0.5", "--set", "draft=self"]),
-    ("qwen2_5_vl", "hippo", ["--set", "draft=self"]),
+    # pruning.layers below the tiny target's 4 layers: the signals leave mid-prefill (streaming).
+    ("qwen2_5_vl", "hippo", ["--set", "draft=self", "--set", "pruning.layers=2"]),
     ("qwen2_5_vl", "parallelvlm", []),
     ("qwen3_vl", "hippo", ["--pruning", "hippo_no_attn", "--ratio", "0.5"]),
-    ("qwen3_vl", "parallelvlm", ["--set", "draft=self"]),
+    ("qwen3_vl", "parallelvlm", ["--set", "draft=self", "--set", "pruning.layers=3"]),
     ("llava_onevision", "specvlm", []),
-    ("llava_onevision", "hippo", ["--pruning", "attn", "--set", "draft=self"]),
+    ("llava_onevision", "hippo", ["--pruning", "attn", "--set", "draft=self", "--set", "pruning.layers=1"]),
 ]
 
 
@@ -68,6 +71,12 @@ def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
         assert row["token_ids"] == tokens, f"{method} differs from ar on {item_id}"
         stats = row["stats"]
         assert stats["rounds"] >= 1 and 0.0 <= stats["acceptance_rate"] <= 1.0
+        if method != "ar":  # every path with a draft reports what it kept, and under which strategy
+            assert 1 <= stats["num_kept"] <= stats["num_video_tokens"]
+            assert row["strategy"] == json.loads((out / "config.json").read_text())["config"]["pruning"]["strategy"]
+    if get_method(method).parallel:  # the pruner logged the kept set the target reported
+        kept = {r.item_id: r for r in read_kept(out)}
+        assert {k: int(r.kept.numel()) for k, r in kept.items()} == {k: r["stats"]["num_kept"] for k, r in got.items()}
     traces = sorted(p.name for p in (out / "traces").iterdir())
     assert "rank0_target.jsonl" in traces
     if method == "pearl":

@@ -157,3 +157,42 @@ def test_plain_prefill_when_the_strategy_reads_no_prefill_signals():
     assert prefill_for_strategy(target, emb, PruningConfig("uniform", 0.5)).signals is None
     assert prefill_for_strategy(target, emb, PruningConfig("hippo", 0.0)).signals is None
     assert prefill_for_strategy(target, emb, PruningConfig("uv", 0.5)).signals.keys is None
+
+
+@pytest.mark.parametrize("num_layers", [1, 3, 20])
+def test_signals_are_handed_over_right_after_layer_l(family, num_layers):
+    """on_ready fires once, after exactly min(L, depth) decoder layers and before the next one runs, with
+    the signals the result carries; the logits are those of a plain prefill (the hooks change nothing)."""
+    target, emb = _embeddings(family)
+    layers = target.language_model.layers
+    ran: list[int] = []
+    counters = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    seen = []
+
+    def on_ready(signals):
+        seen.append((list(ran), signals))
+
+    try:
+        got = prefill_with_signals(target, emb, num_layers, attention=True, hidden=True, on_ready=on_ready)
+    finally:
+        for h in counters:
+            h.remove()
+    expect = min(num_layers, len(layers))
+    assert len(seen) == 1
+    layers_run, signals = seen[0]
+    assert layers_run == list(range(expect))  # layers L.. had not run yet
+    assert ran == list(range(len(layers)))  # the prefill went on through every layer
+    assert signals is got.signals
+    assert signals.text_queries.shape[0] == signals.keys.shape[0] == expect
+    assert signals.video_hidden.shape[0] == expect + 1
+    assert torch.equal(got.logits, target.prefill(emb).logits)
+
+
+def test_prefill_for_strategy_streams_only_what_the_strategy_reads():
+    target, emb = _embeddings("qwen2_5_vl")
+    seen = []
+    prefill_for_strategy(target, emb, PruningConfig("uv", 0.5, layers=2), on_ready=seen.append)
+    assert len(seen) == 1 and seen[0].keys is None and seen[0].video_hidden.shape[0] == 3
+    prefill_for_strategy(target, emb, PruningConfig("uniform", 0.5), on_ready=seen.append)
+    prefill_for_strategy(target, emb, PruningConfig("hippo", 0.0), on_ready=seen.append)
+    assert len(seen) == 1  # a plain prefill never calls back: those signals leave before it

@@ -3,6 +3,7 @@
     vpsd check MANIFEST          validate a manifest without loading models
     vpsd summary DIR [--baseline AR_DIR]
     vpsd timeline DIR [--item ID] [--out PNG]
+    vpsd bias DIR [--strategy S] [--band 0.1] [--out PNG]   position bias of the kept tokens per frame
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.launch.summary import main as run
     elif command == "timeline":
         from vpsd.launch.timeline import main as run
+    elif command == "bias":
+        from vpsd.launch.bias import main as run
     else:
         print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2

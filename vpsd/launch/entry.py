@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, cpus)
     ctrl = ControlChannel.from_process_group(role)
     ctx = RoleContext(rank, role, ranks, ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
-                      extra={"job_id": out.name, "idle_timeout_s": cfg.extra.get("idle_timeout_s", 3600.0)})
+                      extra={"job_id": out.name, "out": str(out), "idle_timeout_s": cfg.extra.get("idle_timeout_s", 3600.0)})
     log.info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
              pid=os.getpid(), host=os.uname().nodename)
 

@@ -1,14 +1,19 @@
-"""Pruning signals captured during the target's full prefill, without any attention matrix.
+"""Pruning signals captured during the target's full prefill, without any attention matrix, streamed mid-prefill.
 
-`prefill_with_signals` runs the adapter's ordinary full prefill with pre-hooks on the self-attention of
-the first L decoder layers. Each hook reads the attention input (`hidden_states`, already normed) and the
-rotary `position_embeddings` the layer is given, and recomputes the queries of the TEXT rows only, exactly
-as the attention module does: q_proj, q_norm where the layer has one (Qwen3-VL), split into heads, then
-the rotary function of the layer's own modeling file. The multimodal rotary (Qwen's M-RoPE, interleaved
-for Qwen3-VL) is already folded into (cos, sin) by the model's rotary module, so every family applies it
-with the plain `apply_rotary_pos_emb`. Keys are read from the KV cache afterwards (rotary applied, key j at
-sequence position j). Memory: L x (Hq, Nt, d) queries plus a copy of L layers' keys; the text-to-video
-attention itself is rebuilt in chunks by pipeline/pruning/attention.py.
+`prefill_with_signals` runs the adapter's ordinary full prefill with hooks on the first L decoder layers.
+A pre-hook on each layer's self-attention reads the attention input (`hidden_states`, already normed) and
+the rotary `position_embeddings` the layer is given, and recomputes the queries of the TEXT rows only,
+exactly as the attention module does: q_proj, q_norm where the layer has one (Qwen3-VL), split into heads,
+then the rotary function of the layer's own modeling file. The multimodal rotary (Qwen's M-RoPE,
+interleaved for Qwen3-VL) is already folded into (cos, sin) by the model's rotary module, so every family
+applies it with the plain `apply_rotary_pos_emb`. Keys are read from the KV cache (rotary applied, key j
+at sequence position j) once layer L-1 has written them. Hidden-state rows (UV-Prune) are read by hooks
+on the decoder layers too, so no layer's full hidden states are kept.
+
+As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
+layers after L are still to run (the target starts the send to the pruner in it). Memory: L x (Hq, Nt, d)
+queries plus a copy of L layers' keys; the text-to-video attention itself is rebuilt in chunks by
+pipeline/pruning/attention.py.
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -70,26 +76,50 @@ def _text_queries(attn: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor
     return q[0]
 
 
+SignalsReady = Callable[[PrefillSignals], None]
+
+
+def _layer_output(out) -> torch.Tensor:
+    """A decoder layer's output hidden states (transformers 5 layers return a tensor; older ones a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def prefill_with_signals(
     adapter: VideoLMAdapter,
     emb: SequenceEmbeddings,
     num_layers: int,
     attention: bool,
     hidden: bool,
+    on_ready: SignalsReady | None = None,
 ) -> PrefillResult:
     """A full prefill (as `adapter.prefill(emb)`) whose result carries `PrefillSignals` of the first L layers.
 
-    attention: text queries, keys, query positions and scale; hidden: video / text rows of hidden_states[0..L].
-    L = num_layers, or every layer if the model has fewer. The full per-layer hidden states are not kept in the
-    result (only their video and text rows, in the signals).
+    attention: text queries, keys, query positions and scale; hidden: video / text rows of the input of
+    layer 0 and the outputs of layers 0..L-1 (L+1 rows; a layer's raw output, so the last one is before the
+    final norm even when L is every layer). L = num_layers, or every layer if the model has fewer.
+
+    Streaming: the signals are complete as soon as layer L-1 has run (its keys are in the cache, every
+    query and row was captured on the way), so a forward hook on layer L-1 builds them there and calls
+    `on_ready(signals)` while the remaining layers have yet to run. The caller starts a non-blocking send
+    in it and the prefill goes on. Hooks, not a forward split at layer L: the model's own forward runs
+    unchanged (masks, rotary, Qwen3-VL deepstack injection), so the logits and cache are bit-identical to
+    a plain prefill and nothing here re-implements a family's decoder loop.
     """
     layers = adapter.language_model.layers
     num_layers = min(num_layers, len(layers))
     text_pos = text_positions(emb).to(emb.embeds.device)
+    video_pos = emb.layout.seq_positions.to(text_pos.device)
     queries: list[torch.Tensor | None] = [None] * num_layers
+    video_rows: list[torch.Tensor] = []  # hidden state i: input of layer 0, then output of layer i-1
+    text_rows: list[torch.Tensor] = []
+    ready: list[PrefillSignals] = []
     handles = []
 
-    def capture(i: int):
+    def capture_queries(i: int):
         def hook(module, args, kwargs):
             rows = kwargs["hidden_states"][:, text_pos]
             cos, sin = (t[:, text_pos] for t in kwargs["position_embeddings"])
@@ -97,36 +127,70 @@ def prefill_with_signals(
 
         return hook
 
+    def keep_rows(h: torch.Tensor) -> None:
+        video_rows.append(h[0, video_pos])
+        text_rows.append(h[0, text_pos])
+
+    def capture_input(module, args, kwargs):
+        keep_rows(_layer_input(args, kwargs))
+
+    def capture_output(module, args, kwargs, out):
+        keep_rows(_layer_output(out))
+
+    def signals_done(module, args, kwargs, out):
+        # Runs after layer L-1 (and after capture_output, registered earlier on the same layer).
+        signals = PrefillSignals()
+        if attention:
+            cache = kwargs.get("past_key_values")
+            signals.text_queries = torch.stack(queries)
+            signals.keys = torch.stack([layer.keys[0] for layer in cache.layers[:num_layers]])
+            signals.query_positions = text_pos.cpu()
+            signals.attn_scale = float(layers[0].self_attn.scaling)
+        if hidden:
+            signals.video_hidden = torch.stack(video_rows)
+            signals.text_hidden = torch.stack(text_rows)
+        ready.append(signals)
+        if on_ready is not None:
+            on_ready(signals)
+
     try:
         if attention:
             for i in range(num_layers):
-                handles.append(layers[i].self_attn.register_forward_pre_hook(capture(i), with_kwargs=True))
-        result = adapter.prefill(emb, output_hidden_states=hidden)
+                handles.append(layers[i].self_attn.register_forward_pre_hook(capture_queries(i), with_kwargs=True))
+        if hidden:
+            handles.append(layers[0].register_forward_pre_hook(capture_input, with_kwargs=True))
+            for i in range(num_layers):
+                handles.append(layers[i].register_forward_hook(capture_output, with_kwargs=True))
+        handles.append(layers[num_layers - 1].register_forward_hook(signals_done, with_kwargs=True))
+        result = adapter.prefill(emb)
     finally:
         for h in handles:
             h.remove()
-
-    signals = PrefillSignals()
-    if attention:
-        cache_layers = result.state.cache.layers[:num_layers]
-        signals.text_queries = torch.stack(queries)
-        signals.keys = torch.stack([layer.keys[0] for layer in cache_layers])
-        signals.query_positions = text_pos.cpu()
-        signals.attn_scale = float(layers[0].self_attn.scaling)
-    if hidden:
-        states = result.hidden_states[: num_layers + 1]  # L+1 of (1, S, D)
-        video_pos = emb.layout.seq_positions.to(text_pos.device)
-        signals.video_hidden = torch.stack([h[0, video_pos] for h in states])
-        signals.text_hidden = torch.stack([h[0, text_pos] for h in states])
-        result.hidden_states = None
-    result.signals = signals
+    if len(ready) != 1:
+        raise RuntimeError(f"layer {num_layers - 1} ran {len(ready)} times in one prefill; expected once")
+    result.signals = ready[0]
     return result
 
 
-def prefill_for_strategy(adapter: VideoLMAdapter, emb: SequenceEmbeddings, cfg: PruningConfig) -> PrefillResult:
-    """The target's full prefill with exactly the signals `cfg.strategy` reads (a plain prefill when none)."""
+def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:
+    """(attention, hidden states): what `cfg.strategy` reads from the target's prefill; neither if it prunes nothing."""
     strategy = STRATEGIES[cfg.strategy]
-    attention, hidden = strategy.needs_attention, strategy.needs_hidden_states
-    if cfg.strategy == "none" or cfg.ratio == 0.0 or not (attention or hidden):
+    if cfg.strategy == "none" or cfg.ratio == 0.0:
+        return False, False
+    return strategy.needs_attention, strategy.needs_hidden_states
+
+
+def prefill_for_strategy(
+    adapter: VideoLMAdapter,
+    emb: SequenceEmbeddings,
+    cfg: PruningConfig,
+    on_ready: SignalsReady | None = None,
+) -> PrefillResult:
+    """The target's full prefill with exactly the signals `cfg.strategy` reads (a plain prefill when none).
+
+    `on_ready` is called mid-prefill with those signals (see `prefill_with_signals`); never for a plain prefill.
+    """
+    attention, hidden = signals_needed(cfg)
+    if not (attention or hidden):
         return adapter.prefill(emb)
-    return prefill_with_signals(adapter, emb, cfg.layers, attention, hidden)
+    return prefill_with_signals(adapter, emb, cfg.layers, attention, hidden, on_ready)

@@ -300,7 +300,7 @@ class ModeSwitch(Message):
 @message
 @dataclass(frozen=True)
 class KeepIndices(Message):
-    """Pruner -> draft: `num_kept` kept video token indices follow as an int64 tensor."""
+    """Pruner -> target: the draft was sent `num_kept` kept video token indices (an int64 tensor, tag "keep:<item>")."""
 
     item_id: str
     num_kept: int

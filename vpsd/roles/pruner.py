@@ -1,15 +1,24 @@
 """The pruner role: turns the target's signals into kept video-token indices for the draft.
 
 Loop: JobStart (from the target) -> signals announced by the target -> strategy.select -> kept
-indices sent to the draft. It runs while the target is still prefilling, so the draft's pruned
-prefill overlaps the target's full one (synchronous draft-target prefill).
+indices sent to the draft -> a KeepIndices report (the count) to the target. The target streams the
+signals from inside its prefill (right after layer L), so this runs while the target is still
+prefilling and the draft's pruned prefill overlaps the target's full one (synchronous draft-target
+prefill). Before anything leaves, the kept set is checked against the contract of
+pipeline/pruning/select.py (sorted, unique, every non-prunable token plus exactly the budget). When the
+run has an output directory (ctx.extra["out"]) each item's kept set and layout are appended to
+RUN_DIR/kept.jsonl (launch/kept_log.py) for `vpsd bias`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vpsd.pipeline.messages import ItemDone, JobStart, Shutdown, TensorAnnounce
+from pathlib import Path
+
+from vpsd.launch.kept_log import KeptRecord, append_kept
+from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Shutdown, TensorAnnounce
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import unpack
@@ -37,10 +46,38 @@ def run_pruner(ctx: RoleContext) -> None:
             raise RoleFailure(f"pruner: expected the signals of item {msg.item_id}, got {type(announce).__name__}")
         tensors = ctx.tensors.recv_announced(announce)
         signals, layout = unpack(announce.tag, tensors)
+        ratio = 0.0 if cfg.strategy == "none" else cfg.ratio
         with span("prune", item=msg.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
-            if cfg.strategy == "none" or cfg.ratio == 0.0:
+            if ratio == 0.0:
                 keep = torch.arange(layout.num_tokens)
             else:
-                keep = strategy.select(signals, layout, cfg.ratio, cfg.seed + msg.seed)
+                keep = strategy.select(signals, layout, ratio, cfg.seed + msg.seed)
+        keep = keep.long()
+        check_keep(keep, layout, ratio)
         with span("send", item=msg.item_id, what="keep"):
-            ctx.tensors.send(ctx.ranks["draft"], [keep.long()], tag=f"keep:{msg.item_id}").wait()
+            ctx.tensors.send(ctx.ranks["draft"], [keep], tag=f"keep:{msg.item_id}").wait()
+        ctx.send("target", KeepIndices(msg.item_id, int(keep.numel())))
+        if ctx.extra.get("out"):
+            append_kept(Path(ctx.extra["out"]), KeptRecord(msg.item_id, cfg.strategy, ratio, keep, layout))
+
+
+def check_keep(keep: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> None:
+    """Raises RoleFailure unless `keep` is sorted, unique, in range, and holds every non-prunable token
+    plus exactly `layout.budget(ratio)` prunable ones (the contract of pipeline/pruning/select.py)."""
+    n = layout.num_tokens
+    problem = None
+    if keep.dim() != 1 or keep.dtype != torch.long:
+        problem = f"shape {tuple(keep.shape)} dtype {keep.dtype}"
+    elif keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
+        problem = f"indices outside [0, {n})"
+    elif keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+        problem = "not sorted and unique"
+    else:
+        prunable = layout.prunable.cpu()[keep]
+        if int((~prunable).sum()) != n - layout.num_prunable:
+            problem = "non-prunable tokens missing"
+        elif int(prunable.sum()) != layout.budget(ratio):
+            problem = f"{int(prunable.sum())} prunable tokens kept, budget {layout.budget(ratio)}"
+    if problem is not None:
+        raise RoleFailure(f"pruner: kept indices break the contract: {problem}")
+

@@ -1,8 +1,9 @@
 """The target role: the single source of truth. Full prefill, verification, what is committed.
 
-Per item: read the video, run the vision tower, send the pruner its signals (before the prefill,
-so pruning and the draft's prefill overlap the target's own prefill), prefill, then verify draft
-chunks until the TargetMachine is done. Serial methods (`ar`, `sd`, `specvlm`) run here alone,
+Per item: read the video, run the vision tower, prefill while streaming the pruner its signals (before
+the prefill, or from inside it once layer L has run, so pruning and the draft's prefill overlap the
+target's own prefill), then verify draft chunks until the TargetMachine is done, and take the pruner's
+KeepIndices report (num_kept for the results). Serial methods (`ar`, `sd`, `specvlm`) run here alone,
 through the reference decoders, so every method is measured through the same launcher.
 """
 
@@ -16,10 +17,10 @@ import torch
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.signals import prefill_for_strategy
+from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, KeepIndices, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
@@ -76,28 +77,52 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
     with span("item", item=item.id, method=ctx.method.name):
         with span("vision", item=item.id):
             emb = target.embed(target.prepare(frames, item.prompt))
-        strategy = STRATEGIES[ctx.config.pruning.strategy]
-        signals = {"visual_embeds": emb.visual_embeds.float()} if strategy.needs_visual_embeds else {}
-        # Signals measured by the prefill itself (attention, hidden states) go out after it; the
-        # others before it, so pruning and the draft's prefill overlap the target's prefill.
-        needs_prefill = strategy.needs_attention or strategy.needs_hidden_states
-        if needs_prefill:
-            with span("prefill", item=item.id, tokens=emb.seq_len):
-                pre = prefill_for_strategy(target, emb, ctx.config.pruning)
-            signals.update(pre.signals.as_tensors() if pre.signals is not None else {})
-            pre.signals = None
-        tag, tensors = pack(signals, emb.layout)
-        with span("send", item=item.id, what="signals"):
-            ctx.tensors.send(ctx.ranks["pruner"], tensors, tag=tag).wait()
-        if not needs_prefill:
-            with span("prefill", item=item.id, tokens=emb.seq_len):
-                pre = target.prefill(emb)
+        pre = _prefill_streaming_signals(ctx, target, emb, item)
         t1 = time.perf_counter()
         result = _verify_loop(ctx, target, pre, item, dec)
+        with span("recv_wait", item=item.id, what="keep_report"):
+            result.num_kept = _recv_keep_report(ctx, item.id)
     result.prefill_s = t1 - t0
     result.decode_s = time.perf_counter() - t1
     result.num_video_tokens = emb.layout.num_tokens
     return result
+
+
+def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, item: WorkItem):
+    """Full prefill; the pruner's signals leave as early as they exist, so it and the draft's pruned prefill
+    overlap the rest of this prefill (HIPPO's synchronous draft-target prefill, ParallelVLM's streaming).
+
+    Signals measured by the prefill (attention, hidden states) leave from inside it, right after layer L-1
+    (models/signals.py calls back there; the send is non-blocking and the prefill goes on); a strategy that
+    reads none of them gets its signals before the prefill starts. Returns the PrefillResult.
+    """
+    cfg = ctx.config.pruning
+    base = {"visual_embeds": emb.visual_embeds.float()} if STRATEGIES[cfg.strategy].needs_visual_embeds else {}
+    in_flight = []
+
+    def send(measured: dict[str, torch.Tensor]) -> None:
+        tag, tensors = pack({**base, **measured}, emb.layout)
+        with span("send", item=item.id, what="signals"):
+            in_flight.append(ctx.tensors.send(ctx.ranks["pruner"], tensors, tag=tag))
+
+    attention, hidden = signals_needed(cfg)
+    if not (attention or hidden):
+        send({})
+    with span("prefill", item=item.id, tokens=emb.seq_len):
+        pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()))
+    pre.signals = None  # the copied keys are not needed while decoding
+    for handle in in_flight:
+        handle.wait()
+    return pre
+
+
+def _recv_keep_report(ctx: RoleContext, item_id: str) -> int:
+    """How many video tokens the pruner gave the draft for this item (its KeepIndices report)."""
+    while True:
+        _, msg = ctx.recv("pruner")
+        if isinstance(msg, KeepIndices) and msg.item_id == item_id:
+            return msg.num_kept
+        # anything else is the report of an earlier item that failed after its signals went out
 
 
 def _recv_chunk(ctx: RoleContext) -> tuple[DraftChunk, torch.Tensor | None]:

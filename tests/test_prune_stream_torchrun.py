@@ -1,0 +1,79 @@
+"""Streaming prefill signals through real torchrun: the kept indices reach the draft while the target still prefills.
+
+The target here is deep (48 layers) and the pruner reads only its first 2, so the target's prefill runs ~46
+layers after the signals left; the draft is the small tiny draft. The order is read back from the ranks'
+traces (vpsd.tracing spans; all ranks run on this host, so their clocks agree).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.torchrun_jobs import ROOT, results, run_job
+from vpsd.config import DecodingConfig, load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.launch.kept_log import read_kept
+from vpsd.launch.manifest import load_manifest
+from vpsd.launch.timeline import load_spans
+from vpsd.models.registry import load_adapter
+from vpsd.video.item import load_item_frames
+from vpsd.world.dataset import write_manifest
+
+pytestmark = pytest.mark.torchrun
+
+DEEP = {
+    "pruning.layers": 2,
+    "video.num_frames": 16,
+    "video.max_side": 224,
+    "target.tiny.text.num_hidden_layers": 48,
+    "target.tiny.text.hidden_size": 128,
+    "target.tiny.text.intermediate_size": 256,
+}
+
+
+def _span(spans, role: str, name: str, item: str, **fields):
+    found = [s for s in spans if s.role == role and s.name == name and s.item == item
+             and all(s.fields.get(k) == v for k, v in fields.items())]
+    assert len(found) == 1, f"{role}/{name} {item} {fields}: {len(found)} spans"
+    return found[0]
+
+
+@pytest.mark.parametrize("method", ["parallelvlm", "hippo"])
+def test_keep_reaches_the_draft_before_the_target_prefill_ends(tmp_path, method):
+    manifest = write_manifest(tmp_path / "data", seeds=[3], num_frames=16, size=(224, 224), max_new_tokens=8)
+    out = tmp_path / "run"
+    sets = [a for k, v in DEEP.items() for a in ("--set", f"{k}={v}")]
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, method, *sets, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    spans = load_spans(out)
+    item = next(iter(results(out)))
+    prefill = _span(spans, "target", "prefill", item=item)
+    prefill_end = prefill.t1
+    signals = _span(spans, "target", "send", item=item, what="signals")
+    prune = _span(spans, "pruner", "prune", item=item)
+    keep = _span(spans, "pruner", "send", item=item, what="keep")
+    draft_prefill = _span(spans, "draft", "prefill", item=item)
+    # The signals left from inside the target's prefill, not after it ...
+    assert prefill.t0 < signals.t0 and signals.t1 < prefill_end
+    # ... so pruning, the transfer of the kept indices and the start of the draft's pruned prefill all
+    # happened while the target was still running its later layers.
+    assert prune.t1 < prefill_end
+    assert keep.t1 < prefill_end
+    assert draft_prefill.t0 < prefill_end
+
+    # Still lossless, and the parallel path reports what it kept.
+    row = results(out)[item]
+    cfg = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", DEEP)
+    target = load_adapter(cfg.family, cfg.target)
+    it = load_manifest(manifest)[0][0]
+    frames = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
+    ref = decode_ar(target, frames, it.prompt, DecodingConfig(max_new_tokens=8))
+    assert row["token_ids"] == ref.token_ids
+    assert row["strategy"] == {"parallelvlm": "uv", "hippo": "hippo"}[method]
+    (record,) = read_kept(out)
+    assert record.strategy == row["strategy"] and record.item_id == item
+    assert row["stats"]["num_kept"] == record.kept.numel() == record.layout.budget(0.9)
+    assert json.loads((out / "config.json").read_text())["config"]["pruning"]["layers"] == 2
