@@ -122,6 +122,14 @@ def test_span_logs_error_and_reraises(tmp_path):
     assert "error" not in ok
 
 
+def test_fields_set_inside_a_span_are_logged_with_it(tmp_path):
+    configure_tracing(tmp_path, "target", 0)
+    with span("verify", item="a", drafted=4) as fields:
+        fields["accepted"] = 2  # known only once the block has verified
+    (line,) = read_lines(trace_path(tmp_path, "target", 0))
+    assert (line["name"], line["item"], line["drafted"], line["accepted"]) == ("verify", "a", 4, 2)
+
+
 def test_stderr_only_without_out_dir(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     configure_tracing(None, "pruner", 2)

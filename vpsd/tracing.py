@@ -12,14 +12,17 @@ Contract:
 - The file is opened for appending, so a rank that torchrun restarts keeps the trace of the attempt that
   crashed. A run directory therefore holds one run.
 - `span(name, **fields)` times a block and logs ONE debug event at its end, also when the block raises
-  (then with `error` = "Type: message"; the exception propagates). `mark(name, **fields)` logs an instant.
+  (then with `error` = "Type: message"; the exception propagates). It yields its fields dict: what the
+  block learns (the verify span's `accepted`) is added there and logged with the span. `mark(name, **fields)` logs an instant.
   The lines, keys in this order:
       {"event": "span", "level": "debug", "role": "target", "rank": 0, "t": <time.time() at logging>,
        "name": "verify", "t0": <time.time() at entry>, "dur": <seconds, perf_counter>, **fields}
       {"event": "mark", "level": "debug", "role": "target", "rank": 0, "t": ..., "name": "rollback",
        "t0": <time.time()>, **fields}
   Values JSON cannot hold are written as numbers if they have `.item()` (numpy, torch scalars), else str.
-  Usual fields: `item`, `round`, `epoch`, `tokens`. Span names used by the roles: video_read, vision,
+  Usual fields: `item`, `round`, `epoch`, `tokens`; `verify` spans also carry `drafted` and `accepted`
+  (draft tokens verified and accepted; the parallel target adds `start` and the `mode` the round was
+  verified in), which `vpsd.launch.acceptance` plots. Span names used by the roles: video_read, vision,
   prefill, prune, draft_step, verify, send, recv_wait, rollback, mode_switch, item; marks: rollback,
   mode_switch. `vpsd.launch.timeline` reads these lines back.
 - Spans and marks are debug events: they are trace data, not messages for a person, so they never reach
@@ -98,12 +101,15 @@ def get_logger() -> Any:
 
 
 @contextlib.contextmanager
-def span(name: str, **fields: Any) -> Iterator[None]:
-    """Time the block; log one `span` event at its end, with `error` set if it raised."""
+def span(name: str, **fields: Any) -> Iterator[dict[str, Any]]:
+    """Time the block; log one `span` event at its end, with `error` set if it raised.
+
+    Yields the span's fields: keys the block sets are logged too (an outcome known only inside it).
+    """
     t0 = time.time()  # wall clock: comparable across ranks on the timeline
     start = time.perf_counter()  # monotonic and precise: the duration
     try:
-        yield
+        yield fields
     except BaseException as exc:
         fields["error"] = f"{type(exc).__name__}: {exc}"
         raise

@@ -117,10 +117,12 @@ def speculate(
         length, pending = t_cur.sync(committed)
         target.rollback(t_state, length)
         # Same span names as the parallel roles, so benchmarks read T_p and T_q the same way.
-        with span("verify", tokens=len(pending) + len(drafts)):
+        # Verification sits inside the span, as in the target role, so the span can carry `accepted`.
+        with span("verify", tokens=len(pending) + len(drafts), drafted=len(drafts)) as verify_fields:
             logits = target.step(t_state, torch.tensor(pending + drafts))[len(pending) - 1 :]
+            v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
+            verify_fields["accepted"] = v.num_accepted
         t_cur.feed(pending + drafts)
-        v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(not v.all_accepted)
         committed += v.emitted(drafts)

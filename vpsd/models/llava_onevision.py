@@ -22,7 +22,7 @@ import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
 from vpsd.pipeline.layout import VideoTokenLayout
-from vpsd.video import resize_frames
+from vpsd.video import normalized_frames, resize_frames
 
 # Every llava-hf OneVision checkpoint normalises with SigLIP's statistics (its processors were converted from
 # google/siglip-so400m-patch14-384, as was LLaVA-NeXT's own SigLipImageProcessor). The transformers class default
@@ -54,14 +54,11 @@ def llava_video_tensor(frames: np.ndarray, spec: LlavaVisionSpec) -> torch.Tenso
 
     Exactly what the official video processor does after its resize: rescale by 1/255, then normalise per channel.
     """
-    t, h, w, c = frames.shape
+    _, h, w, _ = frames.shape
     if (h, w) != (spec.image_size, spec.image_size):
         side = spec.image_size
         raise ValueError(f"frames are {h}x{w}, the vision tower takes {side}x{side}; resize first")
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0  # (T, C, S, S)
-    mean = torch.tensor(spec.mean).view(1, c, 1, 1)
-    std = torch.tensor(spec.std).view(1, c, 1, 1)
-    return ((x - mean) / std).unsqueeze(0).contiguous()
+    return normalized_frames(frames, spec.mean, spec.std).unsqueeze(0).contiguous()
 
 
 def llava_video_layout(seq_positions: torch.Tensor, num_frames: int, side: int) -> VideoTokenLayout:

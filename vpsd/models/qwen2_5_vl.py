@@ -7,6 +7,8 @@ paired by the temporal patch (2). Positions come from the model's own `get_rope_
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import torch
 
@@ -28,34 +30,61 @@ def qwen_chat_prompt(prompt: str, num_video_tokens: int) -> str:
 
 
 class QwenAdapterMixin:
-    """Preparation shared by the Qwen families (they differ in vision spec and deepstack)."""
+    """What the Qwen families share: construction, video preparation, video features, positions.
 
+    A family sets `default_vision_spec` (its spec from the checkpoint's patch, merge and temporal patch
+    sizes) and `default_fps`, and renders its own prompt around the video tokens (`_prepare_qwen`).
+    """
+
+    default_vision_spec: Callable[[int, int, int], QwenVisionSpec]
+    default_fps: float
     vision_spec: QwenVisionSpec
     model: torch.nn.Module
     tokenizer: object
 
-    def _prepare_qwen(self, frames: np.ndarray, prompt: str, fps: float) -> VideoInputs:
-        frames = resize_for_qwen(frames, self.vision_spec)
-        pixel_values, grid = qwen_video_tensors(frames, self.vision_spec)
-        ms = self.vision_spec.merge_size
+    def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float | None = None):
+        super().__init__(model, tokenizer)
+        vc = model.config.vision_config
+        sizes = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+        self.vision_spec = vision_spec or type(self).default_vision_spec(*sizes)
+        self.fps = self.default_fps if fps is None else fps
+
+    @property
+    def position_rows(self) -> int:
+        return 3  # M-RoPE: temporal, height, width
+
+    def _prepare_qwen(
+        self, frames: np.ndarray, chat_text: Callable[[tuple[int, int, int]], str], **pixel_extra: torch.Tensor
+    ) -> VideoInputs:
+        """Video tensors, then `chat_text(token_grid)` (the family's prompt with the video tokens expanded)
+        tokenized and checked against the grid; `pixel_extra` joins the pixel inputs."""
+        spec = self.vision_spec
+        pixel_values, grid = qwen_video_tensors(resize_for_qwen(frames, spec), spec)
         t, h, w = (int(v) for v in grid[0])
-        token_grid = (t, h // ms, w // ms)
+        token_grid = (t, h // spec.merge_size, w // spec.merge_size)
         n = token_grid[0] * token_grid[1] * token_grid[2]
-        text = qwen_chat_prompt(prompt, n)
+        text = chat_text(token_grid)
         input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
-        video_token_id = self.model.config.video_token_id
-        is_video = input_ids[0] == video_token_id
+        is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
-        mm_types = torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0)
         layout = VideoTokenLayout.from_grid(torch.nonzero(is_video).squeeze(1), token_grid)
         pixel_inputs = {
             "pixel_values_videos": pixel_values.to(self.model.dtype),
             "video_grid_thw": grid,
-            "mm_token_type_ids": mm_types,
-            "second_per_grid_ts": torch.tensor([self.vision_spec.temporal_patch_size / fps]),
+            "mm_token_type_ids": torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0),
+            **pixel_extra,
         }
         return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout)
+
+    def _embed_video(self, inputs: VideoInputs) -> tuple[torch.Tensor, Any]:
+        """Token embeddings with the vision tower's merged video features in place; and the tower's output."""
+        device = self.device
+        p = inputs.pixel_inputs
+        embeds = self.model.model.get_input_embeddings()(inputs.input_ids.to(device))
+        feats = self.model.model.get_video_features(p["pixel_values_videos"].to(device), p["video_grid_thw"].to(device))
+        embeds[0, inputs.layout.seq_positions.to(device)] = torch.cat(list(feats.pooler_output)).to(embeds.dtype)
+        return embeds, feats
 
     def _rope(self, inputs: VideoInputs, with_seconds: bool) -> tuple[torch.Tensor, int]:
         p = inputs.pixel_inputs
@@ -71,34 +100,23 @@ class QwenAdapterMixin:
 
 class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     family = "qwen2_5_vl"
-
-    def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float = DEFAULT_FPS):
-        super().__init__(model, tokenizer)
-        vc = model.config.vision_config
-        self.vision_spec = vision_spec or QwenVisionSpec(
-            patch_size=vc.patch_size, merge_size=vc.spatial_merge_size, temporal_patch_size=vc.temporal_patch_size
-        )
-        self.fps = fps
-
-    @property
-    def position_rows(self) -> int:
-        return 3
+    default_vision_spec = QwenVisionSpec  # CLIP normalisation; patch sizes from the checkpoint
+    default_fps = DEFAULT_FPS
 
     def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
-        return self._prepare_qwen(frames, prompt, self.fps)
+        return self._prepare_qwen(
+            frames,
+            lambda grid: qwen_chat_prompt(prompt, grid[0] * grid[1] * grid[2]),
+            # Time is in the rotary phase: seconds per temporal patch space the frames.
+            second_per_grid_ts=torch.tensor([self.vision_spec.temporal_patch_size / self.fps]),
+        )
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
-        device = self.device
-        ids = inputs.input_ids.to(device)
-        p = inputs.pixel_inputs
-        embeds = self.model.model.get_input_embeddings()(ids)
-        feats = self.model.model.get_video_features(p["pixel_values_videos"].to(device), p["video_grid_thw"].to(device))
-        video = torch.cat(list(feats.pooler_output), dim=0).to(embeds.dtype)
-        embeds[0, inputs.layout.seq_positions.to(device)] = video
+        embeds, _ = self._embed_video(inputs)
         positions, next_position = self._rope(inputs, with_seconds=True)
         return SequenceEmbeddings(
-            embeds=embeds, positions=positions.to(device), next_position=next_position, layout=inputs.layout
+            embeds=embeds, positions=positions.to(self.device), next_position=next_position, layout=inputs.layout
         )
 
 

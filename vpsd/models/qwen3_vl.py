@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
-from vpsd.models.qwen2_5_vl import VIDEO_TYPE_ID, QwenAdapterMixin, qwen_token_ids
-from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
-from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.models.qwen2_5_vl import QwenAdapterMixin, qwen_token_ids
+from vpsd.models.qwen_video import QwenVisionSpec
 
 DEFAULT_FPS = 2.0  # Qwen3VLVideoProcessor's sampling rate; sets the timestamps when none are given
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)  # Qwen3VLVideoProcessor's image_mean and image_std
@@ -72,56 +71,28 @@ def qwen3_chat_prompt(prompt: str, video_text: str) -> str:
 
 class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     family = "qwen3_vl"
-
-    def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float = DEFAULT_FPS):
-        super().__init__(model, tokenizer)
-        vc = model.config.vision_config
-        sizes = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
-        self.vision_spec = vision_spec or qwen3_vision_spec(*sizes)
-        self.fps = fps
-
-    @property
-    def position_rows(self) -> int:
-        return 3
+    default_vision_spec = staticmethod(qwen3_vision_spec)
+    default_fps = DEFAULT_FPS
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
         """frame_times: (T,) seconds of each frame in the source video (VideoClip.timestamps);
         by default the frames are taken as sampled at `fps` from time 0."""
-        spec = self.vision_spec
-        frames = resize_for_qwen(frames, spec)
-        pixel_values, grid = qwen_video_tensors(frames, spec)
-        t, h, w = (int(v) for v in grid[0])
-        token_grid = (t, h // spec.merge_size, w // spec.merge_size)
         if frame_times is None:
             frame_times = np.arange(frames.shape[0]) / self.fps
-        stamps = group_timestamps(frame_times, spec.temporal_patch_size)
-        text = qwen3_chat_prompt(prompt, qwen3_video_text(stamps, token_grid[1] * token_grid[2]))
-        input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
-        is_video = input_ids[0] == self.model.config.video_token_id
-        n = token_grid[0] * token_grid[1] * token_grid[2]
-        if int(is_video.sum()) != n:
-            raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
-        pixel_inputs = {
-            "pixel_values_videos": pixel_values.to(self.model.dtype),
-            "video_grid_thw": grid,
-            "mm_token_type_ids": torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0),
-        }
-        layout = VideoTokenLayout.from_grid(torch.nonzero(is_video).squeeze(1), token_grid)
-        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout)
+        stamps = group_timestamps(frame_times, self.vision_spec.temporal_patch_size)
+        return self._prepare_qwen(
+            frames, lambda grid: qwen3_chat_prompt(prompt, qwen3_video_text(stamps, grid[1] * grid[2]))
+        )
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
-        device = self.device
-        p = inputs.pixel_inputs
-        embeds = self.model.model.get_input_embeddings()(inputs.input_ids.to(device))
-        feats = self.model.model.get_video_features(p["pixel_values_videos"].to(device), p["video_grid_thw"].to(device))
-        embeds[0, inputs.layout.seq_positions.to(device)] = torch.cat(list(feats.pooler_output)).to(embeds.dtype)
+        embeds, feats = self._embed_video(inputs)
         # One (N_video, D) tensor per deepstack layer, rows in video token order.
         deepstack = [torch.cat(list(layer)).to(embeds.dtype) for layer in feats.deepstack_features]
         positions, next_position = self._rope(inputs, with_seconds=False)
         return SequenceEmbeddings(
             embeds=embeds,
-            positions=positions.to(device),
+            positions=positions.to(self.device),
             next_position=next_position,
             layout=inputs.layout,
             deepstack=deepstack,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vpsd.video.resize import resize_frames, smart_resize
+from vpsd.video.resize import normalized_frames, resize_frames, smart_resize
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ def qwen_video_tensors(frames: np.ndarray, spec: QwenVisionSpec) -> tuple[torch.
     ps, ms, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     if h % (ps * ms) or w % (ps * ms):
         raise ValueError(f"frame size {h}x{w} is not a multiple of {ps * ms}; resize first")
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0  # (T, C, H, W)
-    mean = torch.tensor(spec.mean).view(1, c, 1, 1)
-    std = torch.tensor(spec.std).view(1, c, 1, 1)
-    x = (x - mean) / std
+    x = normalized_frames(frames, spec.mean, spec.std)  # (T, C, H, W)
     if t % tp:
         x = torch.cat([x, x[-1:].expand(tp - t % tp, -1, -1, -1)], dim=0)
     grid_t, grid_h, grid_w = x.shape[0] // tp, h // ps, w // ps

@@ -157,7 +157,8 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
             log.debug("chunk_dropped", item=item.id, reason=decision.reason, epoch=chunk.epoch, start=chunk.start)
             continue
         tokens = list(chunk.token_ids)
-        with span("verify", item=item.id, round=stats.rounds, start=chunk.start, tokens=len(tokens), epoch=machine.epoch):
+        with span("verify", item=item.id, round=stats.rounds, start=chunk.start, tokens=len(tokens), epoch=machine.epoch,
+                  drafted=len(tokens), mode=machine.mode.value) as verify_fields:
             if decision.use_kept_row:
                 rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens))])
                 cursor.feed(tokens)
@@ -168,6 +169,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
                 cursor.feed(pending + tokens)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
+            verify_fields["accepted"] = v.num_accepted  # per-round acceptance for vpsd.launch.acceptance
         if not verdict.rollback:
             kept_row = rows[-1]
         stats.record(v.num_accepted, v.num_drafted)

@@ -3,12 +3,14 @@
 Qwen2-VL / Qwen2.5-VL / Qwen3-VL cut frames into 14 px patches merged 2x2, so both sides must be
 multiples of 28 (`factor`) and the area must stay within a pixel budget; `smart_resize` computes
 that size while keeping the aspect ratio as closely as it can. LLaVA-OneVision simply wants 384x384.
-`resize_frames` does the pixel work for either.
+`resize_frames` does the pixel work for either; `normalized_frames` is the video processors' next step
+(rescale to [0, 1], normalise per channel), the same for every family.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -73,3 +75,10 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
         # Bicubic overshoots at edges; clamp before the cast so 255 + ringing does not wrap to 0.
         out[start : start + _CHUNK] = resized.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return out
+
+
+def normalized_frames(frames: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """(T, H, W, C) uint8 -> (T, C, H, W) float32 rescaled by 1/255, then (x - mean) / std per channel."""
+    c = frames.shape[-1]
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0
+    return (x - torch.tensor(mean).view(1, c, 1, 1)) / torch.tensor(std).view(1, c, 1, 1)
