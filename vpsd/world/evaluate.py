@@ -23,6 +23,7 @@ from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter
+from vpsd.tracing import configure_tracing
 from vpsd.video.item import load_item_frames
 from vpsd.world.caption import words
 from vpsd.world.dataset import write_manifest
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     overrides = dict(kv.split("=", 1) for kv in a.set)
     cfg = load_config(a.config, overrides)
+    configure_tracing(None, "evaluate", 0)  # spans of the decoders are trace data, not console output
     report = evaluate(cfg, a.workdir, a.count)
     s = report["summary"]
     print(f"held-out items: {s['count']}")

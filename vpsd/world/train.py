@@ -67,6 +67,7 @@ class TrainConfig:
     log_every: int = 25
     save_every: int = 250  # checkpoints along the way, so a long run can be evaluated (and resumed by hand)
     threads: int = 1
+    init: str | None = None  # continue from a checkpoint directory written by this trainer (fresh optimizer)
     sizes: dict = field(default_factory=lambda: {"target": TARGET, "draft": DRAFT})
 
 
@@ -183,6 +184,9 @@ def build_models(tokenizer, cfg: TrainConfig):
 
     models = {}
     for i, name in enumerate(("target", "draft")):
+        if cfg.init is not None:
+            models[name] = Qwen2_5_VLForConditionalGeneration.from_pretrained(Path(cfg.init) / name, dtype=torch.float32)
+            continue
         size = cfg.sizes[name]
         torch.manual_seed(cfg.seed + i)
         config = tiny_config(dict(size["text"]), dict(size["vision"]), tokenizer)
@@ -253,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="also picks the training seeds: use a new one when continuing")
+    p.add_argument("--init", help="continue from the target/ and draft/ checkpoints in this directory")
     a = p.parse_args(argv)
-    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, threads=a.threads, seed=a.seed)
+    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, threads=a.threads, seed=a.seed, init=a.init)
     meta = train(a.out, cfg)
     print(f"trained in {meta['train_seconds'] / 60:.1f} min; wrote {a.out}/target and {a.out}/draft")
 
