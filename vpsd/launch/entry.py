@@ -4,40 +4,32 @@
 
 Rank roles come from the config's `roles:` section (default target 0, draft 1, pruner 2; serial methods
 need only the target, extra ranks exit at once). The target rank owns the item loop and the results
-file; a failure on one item is written as that item's error and the job goes on; a role that dies or
-falls silent ends the job with an error naming it, within `timeout_s`.
+file (vpsd.launch.batch): a failure on one item is written as that item's error and the job goes on;
+a role that dies or falls silent ends the job with an error naming it, within `timeout_s`. Under
+`torchrun --max-restarts N` the restarted ranks resume from the results file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch.distributed as dist
 import yaml
 
 from vpsd.config import RunConfig, load_config
-from vpsd.launch.manifest import load_manifest
-from vpsd.launch.results import ResultsFile
-from vpsd.launch.summary import summarize
+from vpsd.launch.batch import run_batch
 from vpsd.models.registry import load_adapter
-from vpsd.pipeline.messages import Shutdown
 from vpsd.pipeline.methods import get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
-from vpsd.roles.target import WorkItem, decode_item, finish_item
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.control import ControlChannel
 from vpsd.transport.tensors import TensorChannel, init_distributed
-from vpsd.video.errors import VideoError
-
-EXIT_ITEMS_FAILED = 3  # the job ran to the end but some items have errors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set draft=self --set video.num_frames=16")
     p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
     return p.parse_args(argv)
 
 
@@ -119,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         if role == "target":
-            code = _run_target(ctx, args, cfg, out)
+            code = run_batch(ctx, args, cfg, out)
         elif role == "draft":
             device_cfg = cfg.draft or cfg.target
             run_draft(ctx, load_adapter(cfg.family, device_cfg))
@@ -133,48 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return code
-
-
-def _run_target(ctx: RoleContext, args, cfg: RunConfig, out: Path) -> int:
-    log = get_logger()
-    results = ResultsFile(out)
-    (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
-    items, problems = load_manifest(args.manifest, check_files=False)
-    done = results.finished(ctx.method.name, include_failed=not args.retry_failed)
-    for p in problems:
-        log.error("manifest_problem", line=p.line, message=p.message)
-        results.append({"id": f"line:{p.line}", "method": ctx.method.name, "token_ids": [], "text": "",
-                        "stats": {}, "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
-    target = load_adapter(cfg.family, cfg.target)
-    draft = None
-    if ctx.method.uses_draft and not ctx.method.parallel:
-        draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
-    failed = len(problems)
-    todo = [it for it in items if it.id not in done]
-    start = time.perf_counter()
-    for it in todo:
-        ctx.item_id = it.id
-        work = WorkItem(it.id, str(it.video), it.prompt, it.max_new_tokens or cfg.decoding.max_new_tokens,
-                        it.num_frames, it.fps, it.extra)
-        row = {"id": it.id, "method": ctx.method.name, "strategy": cfg.pruning.strategy, **it.extra}
-        try:
-            res = decode_item(ctx, target, draft, work)
-            row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
-                       stats=res.stats_dict(), error=None)
-        except (VideoError, ValueError) as e:
-            failed += 1
-            log.error("item_failed", item=it.id, error=str(e))
-            row.update(token_ids=[], text="", stats={}, error={"type": type(e).__name__, "message": str(e)})
-        finish_item(ctx, it.id, row["token_ids"], row["error"])
-        results.append(row)
-        log.info("item_done", item=it.id, tokens=len(row["token_ids"]), error=row["error"])
-    if ctx.method.parallel:
-        for r in ("draft", "pruner"):
-            ctx.send(r, Shutdown("job finished"))
-    summary = summarize(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("job_done", items=len(todo), failed=failed, wall_s=time.perf_counter() - start, **summary)
-    return EXIT_ITEMS_FAILED if failed else 0
 
 
 if __name__ == "__main__":
