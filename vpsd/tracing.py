@@ -20,7 +20,8 @@ Contract:
        "t0": <time.time()>, **fields}
   Values JSON cannot hold are written as numbers if they have `.item()` (numpy, torch scalars), else str.
   Usual fields: `item`, `round`, `epoch`, `tokens`. Span names used by the roles: video_read, vision,
-  prefill, prune, draft_step, verify, send, recv_wait, rollback, mode_switch, item; marks: rollback,
+  prefill, prune, draft_step, verify, send, recv_wait, rollback, mode_switch, item, and preprocess and
+  video_wait (vpsd.video.prefetch; video_read and preprocess run on its thread); marks: rollback,
   mode_switch. `vpsd.launch.timeline` reads these lines back.
 - Spans and marks are debug events: they are trace data, not messages for a person, so they never reach
   stderr.

@@ -6,7 +6,8 @@ Rank roles come from the config's `roles:` section (default target 0, draft 1, p
 need only the target, extra ranks exit at once). The target rank owns the item loop and the results
 file (vpsd.launch.batch): a failure on one item is written as that item's error and the job goes on;
 a role that dies or falls silent ends the job with an error naming it, within `timeout_s`. Under
-`torchrun --max-restarts N` the restarted ranks resume from the results file.
+`torchrun --max-restarts N` the restarted ranks resume from the results file. A job that ran to the end
+exits 0 on every rank, failed items or not: torchrun takes any other code for a crash (and restarts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import torch.distributed as dist
 import yaml
@@ -77,12 +79,31 @@ def role_ranks(cfg: RunConfig) -> dict[str, int]:
     return ranks
 
 
+def restart_problem(env: Mapping[str, str]) -> str | None:
+    """Why this torchrun restart cannot work, if it cannot.
+
+    torchrun shares its agent's TCPStore with the ranks by default, across restarts too: a restarted
+    rank then finds the dead ranks' addresses in it and hangs in init_process_group
+    (pytorch/pytorch#135712). Said at once, and how to avoid it, instead of hanging.
+    """
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"torchrun restarted the ranks (attempt {restart}) with the store it shares across attempts, "
+                "where the process group hangs (pytorch/pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "for torchrun (./torchrun.sh does)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
     method = get_method(args.method)
     out = Path(args.out)
     timeout_s = float(args.timeout or cfg.extra.get("timeout_s", 120.0))
+    problem = restart_problem(os.environ)
+    if problem is not None:
+        print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+        return 2
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     ranks = role_ranks(cfg)
     role = next((r for r, k in ranks.items() if k == rank), "spare")
@@ -110,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    code = 0
     try:
         if role == "target":
-            code = run_batch(ctx, args, cfg, out)
+            run_batch(ctx, args, cfg, out)
         elif role == "draft":
             device_cfg = cfg.draft or cfg.target
             run_draft(ctx, load_adapter(cfg.family, device_cfg))
@@ -126,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ctrl.close()
     dist.barrier()
     dist.destroy_process_group()
-    return code
+    return 0
 
 
 if __name__ == "__main__":

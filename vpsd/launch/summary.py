@@ -1,6 +1,7 @@
 """Run summaries: what a results.jsonl adds up to, and how a run compares with an `ar` run.
 
     python -m vpsd.launch.summary RUN_DIR [--baseline AR_RUN_DIR]
+    python -m vpsd.launch.summary RUN_DIR --status   # exit 3 if the results hold failed items, else 0
 
 The comparison is measured, never claimed: speedup is the baseline's total decode wall time over
 the run's, on the ids both finished, and the lossless check counts ids whose tokens differ.
@@ -32,6 +33,10 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 VIDEO_TIMINGS = ("video_read_s", "preprocess_s", "video_wait_s")
+# The job's exit status when it ran to the end but some items have errors. The ranks themselves exit 0
+# then (torchrun reports any other code as a crash, 1, and restarts the job if it may); ./torchrun.sh
+# turns the finished job's summary into this status with `--status`.
+EXIT_ITEMS_FAILED = 3
 
 
 def summarize(run_dir: Path) -> dict:
@@ -71,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vpsd.launch.summary")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--baseline", type=Path, default=None, help="an `ar` run of the same manifest")
+    p.add_argument("--status", action="store_true",
+                   help=f"print nothing; exit {EXIT_ITEMS_FAILED} if the results hold failed items, else 0")
     args = p.parse_args(argv)
+    if args.status:
+        return EXIT_ITEMS_FAILED if summarize(args.run_dir)["items_failed"] else 0
     summary = summarize(args.run_dir)
     previous = args.run_dir / "summary.json"
     if previous.exists():
