@@ -3,6 +3,7 @@
 #
 # Every torchrun option placed before `run` passes through, e.g. multi-node:
 #   ./torchrun.sh --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --rdzv-id job1 run --config ...
+# Exit status: 0 all items done, 3 the job finished but some items failed, other: the job failed.
 # Environment: NPROC (ranks on this node, default 3), VPSD_HOST (address peers use to reach this node's
 # control sockets, default 127.0.0.1), LOG_RANK (ranks whose output is shown, default all).
 set -euo pipefail
@@ -15,7 +16,20 @@ shift
 if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   torchrun_args=(--standalone "${torchrun_args[@]}")
 fi
+# Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
+# attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 extra=()
 [ -n "${LOG_RANK:-}" ] && extra+=(--local-ranks-filter "$LOG_RANK")
-exec python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
+python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
   -m vpsd.launch.entry "$@"
+# torchrun says 0 or 1. A job that ran to the end but has failed items exits 3, read from its summary
+# (on the node that holds the output directory; elsewhere 0).
+out=""; prev=""
+for a in "$@"; do
+  case "$a" in --out=*) out="${a#--out=}" ;; esac
+  [ "$prev" = "--out" ] && out="$a"
+  prev="$a"
+done
+[ -n "$out" ] && [ -f "$out/summary.json" ] && exec python -m vpsd.launch.summary "$out" --status
+exit 0

@@ -39,6 +39,18 @@ def run_job(config: str, manifest: Path, out: Path, method: str, *more: str, npr
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def launcher_cmd(config: str, manifest: Path, out: Path, method: str, *more: str,
+                 torchrun_opts: tuple[str, ...] = ()) -> list[str]:
+    """The job through ./torchrun.sh, the users' launcher (3 standalone ranks unless told otherwise)."""
+    return [str(ROOT / "torchrun.sh"), *torchrun_opts, "run", *job_args(config, manifest, out, method, *more)[2:]]
+
+
+def run_launcher(config: str, manifest: Path, out: Path, method: str, *more: str, timeout: float = 180):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(launcher_cmd(config, manifest, out, method, *more), capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
 def results(out: Path) -> dict[str, dict]:
     path = Path(out) / "results.jsonl"
     return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}

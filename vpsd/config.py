@@ -23,6 +23,10 @@ class VideoConfig:
     num_frames: int | None = 8  # uniform sampling by count (None: use fps or every frame)
     fps: float | None = None
     max_side: int | None = None  # longest side after resizing, before the family's own sizing rule
+    # Tokens a sequence may hold (prompt + video + max_new_tokens); None: the target's
+    # max_position_embeddings. A clip over it fails as VideoError("too_long")...
+    context_limit: int | None = None
+    subsample_to_fit: bool = False  # ...unless this is set: then frames are dropped evenly until it fits
 
 
 @dataclass

@@ -4,40 +4,34 @@
 
 Rank roles come from the config's `roles:` section (default target 0, draft 1, pruner 2; serial methods
 need only the target, extra ranks exit at once). The target rank owns the item loop and the results
-file; a failure on one item is written as that item's error and the job goes on; a role that dies or
-falls silent ends the job with an error naming it, within `timeout_s`.
+file (vpsd.launch.batch): a failure on one item is written as that item's error and the job goes on;
+a role that dies or falls silent ends the job with an error naming it, within `timeout_s`. Under
+`torchrun --max-restarts N` the restarted ranks resume from the results file. A job that ran to the end
+exits 0 on every rank, failed items or not: torchrun takes any other code for a crash (and restarts).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
+from typing import Mapping
 
 import torch.distributed as dist
 import yaml
 
 from vpsd.config import RunConfig, load_config
-from vpsd.launch.manifest import load_manifest
-from vpsd.launch.results import ResultsFile
-from vpsd.launch.summary import summarize
+from vpsd.launch.batch import run_batch
 from vpsd.models.registry import load_adapter
-from vpsd.pipeline.messages import Shutdown
 from vpsd.pipeline.methods import get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
-from vpsd.roles.target import WorkItem, decode_item, finish_item
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.control import ControlChannel
 from vpsd.transport.tensors import TensorChannel, init_distributed
-from vpsd.video.errors import VideoError
-
-EXIT_ITEMS_FAILED = 3  # the job ran to the end but some items have errors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set draft=self --set video.num_frames=16")
     p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
     return p.parse_args(argv)
 
 
@@ -83,12 +79,31 @@ def role_ranks(cfg: RunConfig) -> dict[str, int]:
     return ranks
 
 
+def restart_problem(env: Mapping[str, str]) -> str | None:
+    """Why this torchrun restart cannot work, if it cannot.
+
+    torchrun shares its agent's TCPStore with the ranks by default, across restarts too: a restarted
+    rank then finds the dead ranks' addresses in it and hangs in init_process_group
+    (pytorch/pytorch#135712). Said at once, and how to avoid it, instead of hanging.
+    """
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"torchrun restarted the ranks (attempt {restart}) with the store it shares across attempts, "
+                "where the process group hangs (pytorch/pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "for torchrun (./torchrun.sh does)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
     method = get_method(args.method)
     out = Path(args.out)
     timeout_s = float(args.timeout or cfg.extra.get("timeout_s", 120.0))
+    problem = restart_problem(os.environ)
+    if problem is not None:
+        print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+        return 2
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     ranks = role_ranks(cfg)
     role = next((r for r, k in ranks.items() if k == rank), "spare")
@@ -116,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    code = 0
     try:
         if role == "target":
-            code = _run_target(ctx, args, cfg, out)
+            run_batch(ctx, args, cfg, out)
         elif role == "draft":
             device_cfg = cfg.draft or cfg.target
             run_draft(ctx, load_adapter(cfg.family, device_cfg))
@@ -132,49 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ctrl.close()
     dist.barrier()
     dist.destroy_process_group()
-    return code
-
-
-def _run_target(ctx: RoleContext, args, cfg: RunConfig, out: Path) -> int:
-    log = get_logger()
-    results = ResultsFile(out)
-    (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
-    items, problems = load_manifest(args.manifest, check_files=False)
-    done = results.finished(ctx.method.name, include_failed=not args.retry_failed)
-    for p in problems:
-        log.error("manifest_problem", line=p.line, message=p.message)
-        results.append({"id": f"line:{p.line}", "method": ctx.method.name, "token_ids": [], "text": "",
-                        "stats": {}, "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
-    target = load_adapter(cfg.family, cfg.target)
-    draft = None
-    if ctx.method.loads_draft_model and not ctx.method.parallel:
-        draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
-    failed = len(problems)
-    todo = [it for it in items if it.id not in done]
-    start = time.perf_counter()
-    for it in todo:
-        ctx.item_id = it.id
-        work = WorkItem(it.id, str(it.video), it.prompt, it.max_new_tokens or cfg.decoding.max_new_tokens,
-                        it.num_frames, it.fps, it.extra)
-        row = {"id": it.id, "method": ctx.method.name, "strategy": cfg.pruning.strategy, **it.extra}
-        try:
-            res = decode_item(ctx, target, draft, work)
-            row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
-                       stats=res.stats_dict(), error=None)
-        except (VideoError, ValueError) as e:
-            failed += 1
-            log.error("item_failed", item=it.id, error=str(e))
-            row.update(token_ids=[], text="", stats={}, error={"type": type(e).__name__, "message": str(e)})
-        finish_item(ctx, it.id, row["token_ids"], row["error"])
-        results.append(row)
-        log.info("item_done", item=it.id, tokens=len(row["token_ids"]), error=row["error"])
-    if ctx.method.parallel:
-        for r in ("draft", "pruner"):
-            ctx.send(r, Shutdown("job finished"))
-    summary = summarize(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("job_done", items=len(todo), failed=failed, wall_s=time.perf_counter() - start, **summary)
-    return EXIT_ITEMS_FAILED if failed else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,14 @@
 """results.jsonl: one line per finished item, appended and flushed, so a crash loses at most the item
-in flight; a rerun with the same output directory skips the ids already done."""
+in flight; a rerun with the same output directory skips the ids already done.
+
+Only the target rank writes it. `resume` is called once at the start of every run (and of every
+torchrun restart) before anything is appended:
+- a last line cut by a crash (no trailing newline) is cut off, so the next append starts a line of its
+  own instead of gluing onto the fragment; that item simply runs again;
+- with `retry_failed`, the error rows of the method are removed (rewritten to a temporary file and
+  renamed over, so a crash leaves the old file or the new one, never half of one): the file keeps
+  exactly one line per id and those ids run again.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +23,17 @@ class ResultsFile:
         self.path = Path(out_dir) / "results.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
+    def resume(self, method: str, retry_failed: bool = False) -> set[str]:
+        """Repair and compact the file as the module docstring says; the ids not to run again."""
+        self._drop_cut_tail()
+        if retry_failed:
+            self._drop_errors(method)
+        return self.finished(method)
+
     def finished(self, method: str, include_failed: bool = True) -> set[str]:
         """Ids with a result for `method` (failed ones too unless include_failed is False)."""
         done: set[str] = set()
-        if not self.path.exists():
-            return done
-        for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash: that item runs again
+        for row in self._rows():
             if row.get("method") == method and (include_failed or row.get("error") is None):
                 done.add(str(row["id"]))
         return done
@@ -33,3 +43,43 @@ class ResultsFile:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def _rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash: that item runs again
+        return rows
+
+    def _drop_cut_tail(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with self.path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+                os.fsync(f.fileno())
+
+    def _drop_errors(self, method: str) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                if not _is_error_of(line, method)]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with tmp.open("w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def _is_error_of(line: str, method: str) -> bool:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return row.get("method") == method and row.get("error") is not None

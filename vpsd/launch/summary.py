@@ -1,9 +1,16 @@
 """Run summaries: what a results.jsonl adds up to, and how a run compares with an `ar` run.
 
     python -m vpsd.launch.summary RUN_DIR [--baseline AR_RUN_DIR]
+    python -m vpsd.launch.summary RUN_DIR --status   # exit 3 if the results hold failed items, else 0
 
 The comparison is measured, never claimed: speedup is the baseline's total decode wall time over
 the run's, on the ids both finished, and the lossless check counts ids whose tokens differ.
+
+`summarize` adds up the results file, whatever number of runs wrote it; reading the videos is
+reported apart from decoding: `video_read_s` (demux + decode), `preprocess_s` (scaling, patchify,
+fitting the context) and `video_wait_s` (the part of both that the model waited for, i.e. that the
+read-ahead did not hide). The launcher adds a `run` section about the run that wrote the file last
+(its total time, items, failures); the command keeps that section when it rewrites summary.json.
 """
 
 from __future__ import annotations
@@ -25,6 +32,13 @@ def _rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+VIDEO_TIMINGS = ("video_read_s", "preprocess_s", "video_wait_s")
+# The job's exit status when it ran to the end but some items have errors. The ranks themselves exit 0
+# then (torchrun reports any other code as a crash, 1, and restarts the job if it may); ./torchrun.sh
+# turns the finished job's summary into this status with `--status`.
+EXIT_ITEMS_FAILED = 3
+
+
 def summarize(run_dir: Path) -> dict:
     rows = _rows(run_dir)
     ok = [r for r in rows if r.get("error") is None]
@@ -41,6 +55,7 @@ def summarize(run_dir: Path) -> dict:
         "tokens_per_s": tokens / wall if wall else 0.0,
         "decode_wall_s": wall,
         "prefill_s": sum(r["stats"]["prefill_s"] for r in ok),
+        **{key: sum(float((r.get("stats") or {}).get(key, 0.0)) for r in rows) for key in VIDEO_TIMINGS},
     }
 
 
@@ -61,13 +76,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vpsd.launch.summary")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--baseline", type=Path, default=None, help="an `ar` run of the same manifest")
+    p.add_argument("--status", action="store_true",
+                   help=f"print nothing; exit {EXIT_ITEMS_FAILED} if the results hold failed items, else 0")
     args = p.parse_args(argv)
+    if args.status:
+        return EXIT_ITEMS_FAILED if summarize(args.run_dir)["items_failed"] else 0
     summary = summarize(args.run_dir)
+    previous = args.run_dir / "summary.json"
+    if previous.exists():
+        run = json.loads(previous.read_text()).get("run")
+        if run is not None:
+            summary["run"] = run
     if args.baseline is not None:
         summary.update(compare(args.baseline, args.run_dir))
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     width = max(map(len, summary))
     for k, v in summary.items():
+        if isinstance(v, dict):
+            v = " ".join(f"{name}={x:.3f}" if isinstance(x, float) else f"{name}={x}" for name, x in v.items())
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     if args.baseline is not None and summary["identical_outputs"] != summary["items_compared"]:
         print("vpsd: outputs differ from the baseline", file=sys.stderr)

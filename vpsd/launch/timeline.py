@@ -13,12 +13,12 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
   Default item: the one that starts first.
 - `breakdown(spans)` over the whole run, per (role, rank):
     * one `span` row per span name: total s, count, mean ms, share of the role's busy time
-      (share None for `item` and `recv_wait`, which are not work; nested spans are counted both in their
+      (share None for `item`, `recv_wait` and `video_wait`, which are not work; nested spans are counted both in their
       own row and inside their parent, so shares can add up to more than 1);
     * `total` rows: `wall` = for each item, the role's first to last span naming that item (the `item`
       span, and work for the item outside it, such as a video_read before it), united over items; a role
-      whose spans name no item: its first to last span. `busy` = union of all spans but `item` and
-      `recv_wait`, inside the wall time (nested and overlapping spans counted once); `idle` = wall - busy;
+      whose spans name no item: its first to last span. `busy` = union of all spans but the
+      not-work ones, inside the wall time (nested and overlapping spans counted once); `idle` = wall - busy;
       `waiting` = recv_wait time inside the wall time and outside busy time, the part of idle spent
       blocked on a peer. Shares of totals are of wall time.
 - `python -m vpsd.launch.timeline RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/timeline.png (or
@@ -39,11 +39,13 @@ import structlog
 from vpsd.tracing import configure_tracing, get_logger
 
 ROLE_ORDER = ("target", "draft", "pruner")
-NOT_WORK = ("item", "recv_wait")  # spans that are not busy time
+# Spans that are not busy time: the item frame, and blocking on a peer or on the video read ahead
+# (that read is its own video_read span, on the prefetch thread).
+NOT_WORK = ("item", "recv_wait", "video_wait")
 # Fixed colours for the known names keep one colour per name across plots of different runs.
 KNOWN_NAMES = (
     "video_read", "vision", "prefill", "prune", "draft_step", "verify",
-    "send", "recv_wait", "rollback", "mode_switch", "item",
+    "send", "recv_wait", "rollback", "mode_switch", "item", "preprocess", "video_wait",
 )
 _RESERVED = ("event", "level", "role", "rank", "t", "name", "t0", "dur", "item", "round")
 

@@ -1,6 +1,7 @@
 """The draft role: pruned prefill, then drafting ahead of the target and obeying its verdicts.
 
-Per item: JobStart (target) -> read the video, run the draft's vision tower -> kept indices (pruner)
+Per item: JobStart (target) -> take the video (read ahead while the previous item was drafted, see
+vpsd.video.prefetch), run the draft's vision tower -> kept indices (pruner)
 -> pruned prefill -> loop: apply every verdict that has arrived (rollback at once: that is the
 abort of conservative mode), send ready chunks, propose one more token if the DraftMachine allows,
 else block for the next verdict. Stops at ItemDone.
@@ -20,22 +21,26 @@ from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.drafters import SingleDrafter, TabedDrafter
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
-from vpsd.video.item import load_item_frames
+from vpsd.video.prefetch import FramePrefetcher
 
 log = get_logger()
 
 
 def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
-    while True:
-        _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
-        if isinstance(msg, Shutdown):
-            return
-        if isinstance(msg, (ItemDone, VerifyResult, DraftChunk)):
-            continue  # leftovers of a finished item
-        if not isinstance(msg, JobStart):
-            raise RoleFailure(f"draft: unexpected {type(msg).__name__} between items")
-        ctx.item_id = msg.item_id
-        _draft_item(ctx, draft, msg)
+    videos = FramePrefetcher()  # reads the next item's video while this one is drafted
+    try:
+        while True:
+            _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, (ItemDone, VerifyResult, DraftChunk)):
+                continue  # leftovers of a finished item
+            if not isinstance(msg, JobStart):
+                raise RoleFailure(f"draft: unexpected {type(msg).__name__} between items")
+            ctx.item_id = msg.item_id
+            _draft_item(ctx, draft, msg, videos)
+    finally:
+        videos.close()
 
 
 def _wait_keep(ctx: RoleContext, item_id: str) -> torch.Tensor | None:
@@ -50,17 +55,18 @@ def _wait_keep(ctx: RoleContext, item_id: str) -> torch.Tensor | None:
             raise RoleFailure("draft: shutdown while waiting for kept indices")
 
 
-def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart) -> None:
+def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: FramePrefetcher) -> None:
     cfg = ctx.config
     extra = job.extra
+    emb = None
     try:
-        with span("video_read", item=job.item_id):
-            frames = load_item_frames(extra["video"], extra.get("num_frames"), extra.get("fps"), cfg.video.max_side)
+        frames, _ = videos.take(extra["video"])  # the target's frames: same request, same cap
+    except VideoError:
+        frames = None  # the target read the same file and reports any error; wait for its ItemDone
+    videos.ahead(extra.get("next_video"))  # read the next item's video while this one is drafted
+    if frames is not None:
         with span("vision", item=job.item_id):
             emb = draft.embed(draft.prepare(frames, extra["prompt"]))
-    except VideoError:
-        # The target reads the same file and reports the error; wait for its ItemDone.
-        emb = None
     keep = _wait_keep(ctx, job.item_id)
     if keep is None or emb is None:
         _drain_until_done(ctx, job.item_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vpsd.decoders.result import DecodeResult
@@ -29,30 +30,30 @@ from vpsd.pipeline.verification import verify_chunk
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import pack
 from vpsd.tracing import get_logger, mark, span
-from vpsd.video.item import load_item_frames
 
 log = get_logger()
 
 
 @dataclass
 class WorkItem:
-    """One manifest item as the target needs it (the launcher builds these)."""
+    """One manifest item as the target needs it (the launcher builds these, video already read)."""
 
     id: str
-    video: str
     prompt: str
     max_new_tokens: int
-    num_frames: int | None = None
-    fps: float | None = None
+    frames: np.ndarray  # (T, H, W, 3) uint8, read, scaled and fitted to the context by the launcher
+    # How the draft reads the same frames, and the next item's so it can read that one ahead
+    # (vpsd.video.item.FrameRequest.to_wire; see vpsd.video.prefetch).
+    video: dict = field(default_factory=dict)
+    next_video: dict | None = None
     extra: dict = field(default_factory=dict)
 
 
 def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter | None, item: WorkItem) -> DecodeResult:
-    """Decodes one item with the run's method; raises VideoError for a bad video."""
+    """Decodes one item with the run's method."""
     cfg = ctx.config
     dec = cfg.decoding.__class__(**{**cfg.decoding.__dict__, "max_new_tokens": item.max_new_tokens})
-    with span("video_read", item=item.id):
-        frames = load_item_frames(item.video, item.num_frames or cfg.video.num_frames, item.fps, cfg.video.max_side)
+    frames = item.frames
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
             return decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
@@ -69,8 +70,7 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
         max_new_tokens=item.max_new_tokens,
         gamma=dec.gamma,
         mode="optimistic",
-        extra={"video": item.video, "prompt": item.prompt, "num_frames": item.num_frames or ctx.config.video.num_frames,
-               "fps": item.fps},
+        extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt},
     )
     ctx.send("draft", job)
     ctx.send("pruner", job)

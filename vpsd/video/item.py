@@ -1,13 +1,99 @@
-"""Frames for one manifest item: the item's own sampling request, else the run's video config."""
+"""Frames for one manifest item: which frames of which video (`FrameRequest`), and reading them.
+
+The target and the draft read every video themselves, on separate ranks, and must end up with the
+same frames. They do so by sharing the request, not the pixels: the target sends the draft the
+request in wire form (`to_wire`, a plain dict that msgpack carries), plus `max_frames` when the clip
+was subsampled to fit the context (see `vpsd.video.fit`). Reading then subsampling in memory with
+`cap_frames` gives exactly the frames `read_video(..., max_frames=k)` would have given, so a clip
+read ahead before the cap was known is still the right one.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 
+from vpsd.tracing import span
 from vpsd.video.decode import read_video
 from vpsd.video.resize import resize_frames
+from vpsd.video.sampling import uniform_indices
+
+
+@dataclass(frozen=True)
+class FrameRequest:
+    """Which frames of `video` to read, and the longest side they are scaled to."""
+
+    video: str
+    num_frames: int | None = None  # that many frames evenly spread...
+    fps: float | None = None  # ...or one every 1/fps seconds (never both)...
+    max_side: int | None = None  # ...then scaled down so the longest side is at most this
+
+    @classmethod
+    def resolve(
+        cls,
+        video: str | Path,
+        num_frames: int | None,
+        fps: float | None,
+        default_num_frames: int | None,
+        default_fps: float | None,
+        max_side: int | None,
+    ) -> "FrameRequest":
+        """The item's own request if it has one, else the run's: an explicit config fps wins over
+        the config's frame count, since num_frames has a default and fps does not."""
+        if num_frames is None and fps is None:
+            num_frames, fps = (None, default_fps) if default_fps is not None else (default_num_frames, None)
+        return cls(str(video), num_frames, fps, max_side)
+
+    def to_wire(self, item_id: str, max_frames: int | None = None) -> dict[str, Any]:
+        return {"item": item_id, "video": self.video, "num_frames": self.num_frames, "fps": self.fps,
+                "max_side": self.max_side, "max_frames": max_frames}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "FrameRequest":
+        return cls(wire["video"], wire.get("num_frames"), wire.get("fps"), wire.get("max_side"))
+
+
+@contextlib.contextmanager
+def timed(name: str, timings: dict[str, float], **fields: Any) -> Iterator[None]:
+    """A trace span that also adds its duration to `timings[name + "_s"]` (per-item stats)."""
+    start = time.perf_counter()
+    try:
+        with span(name, **fields):
+            yield
+    finally:
+        key = f"{name}_s"
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) -> np.ndarray:
+    """(T, H, W, 3) uint8 of the request; raises VideoError with the path and what is wrong.
+
+    Traced as `video_read` (demux + decode) and `preprocess` (scaling), both added to `timings`.
+    """
+    with timed("video_read", timings, item=item_id):
+        frames = read_video(request.video, num_frames=request.num_frames, fps=request.fps).frames
+    with timed("preprocess", timings, item=item_id, step="resize"):
+        return scale_to_max_side(frames, request.max_side)
+
+
+def scale_to_max_side(frames: np.ndarray, max_side: int | None) -> np.ndarray:
+    if max_side is None or max(frames.shape[1:3]) <= max_side:
+        return frames
+    h, w = frames.shape[1:3]
+    scale = max_side / max(h, w)
+    return resize_frames(frames, max(1, round(h * scale)), max(1, round(w * scale)))
+
+
+def cap_frames(frames: np.ndarray, max_frames: int | None) -> np.ndarray:
+    """At most `max_frames` of the clip, evenly spread: the rule of read_video's `max_frames`."""
+    if max_frames is None or len(frames) <= max_frames:
+        return frames
+    return frames[uniform_indices(len(frames), max_frames)]
 
 
 def load_item_frames(
@@ -16,11 +102,6 @@ def load_item_frames(
     fps: float | None,
     max_side: int | None,
 ) -> np.ndarray:
-    """(T, H, W, 3) uint8; raises VideoError with the path and what is wrong."""
+    """The frames of one item read in place, untraced (references in tests, one-off tools)."""
     clip = read_video(path, num_frames=None if fps else num_frames, fps=fps)
-    frames = clip.frames
-    if max_side is not None and max(frames.shape[1:3]) > max_side:
-        h, w = frames.shape[1:3]
-        scale = max_side / max(h, w)
-        frames = resize_frames(frames, max(1, round(h * scale)), max(1, round(w * scale)))
-    return frames
+    return scale_to_max_side(clip.frames, max_side)

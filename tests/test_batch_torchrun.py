@@ -1,0 +1,227 @@
+"""Batch jobs through real torchrun on CPU: bad items next to good ones, a job killed and rerun, a rank
+that dies under `torchrun --max-restarts 1`, and the read-ahead of videos seen in the traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import media
+from tests.conftest import tiny_pair
+from tests.torchrun_jobs import (ROOT, job_args, launcher_cmd, results, run_job, run_launcher, torchrun_cmd,
+                                 world_manifest)
+from vpsd.config import DecodingConfig, load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.launch.entry import restart_problem
+from vpsd.launch.manifest import check_manifest, load_manifest
+from vpsd.launch.summary import EXIT_ITEMS_FAILED
+from vpsd.video.item import cap_frames, load_item_frames
+
+pytestmark = pytest.mark.torchrun
+
+CONFIG = "tiny_qwen2_5_vl.yaml"
+METHOD = "pearl"  # all three ranks: the draft reads every video too
+
+
+def ar_tokens(video: Path, prompt: str, num_frames: int, max_new_tokens: int, cap: int | None = None) -> list[int]:
+    """Plain autoregressive decoding of the tiny target, in this process."""
+    cfg = load_config(ROOT / "configs" / CONFIG)
+    target, _ = tiny_pair("qwen2_5_vl")
+    frames = cap_frames(load_item_frames(video, num_frames, None, cfg.video.max_side), cap)
+    dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=max_new_tokens, temperature=0.0)
+    return decode_ar(target, frames, prompt, dec).token_ids
+
+
+def tokens_needed(video: Path, prompt: str, num_frames: int, max_new_tokens: int) -> int:
+    cfg = load_config(ROOT / "configs" / CONFIG)
+    target, _ = tiny_pair("qwen2_5_vl")
+    frames = load_item_frames(video, num_frames, None, cfg.video.max_side)
+    return target.prepare(frames, prompt).seq_len + max_new_tokens
+
+
+def lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def spans(out: Path, rank_role: str) -> list[dict]:
+    path = out / "traces" / f"{rank_role}.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == "span"]
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory) -> Path:
+    return world_manifest(str(tmp_path_factory.getbasetemp()), count=6)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, six) -> Path:
+    """The reference: the six-item job run once, start to end."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_job(CONFIG, six, out, METHOD, "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def assert_same_results(out: Path, reference: Path) -> None:
+    """Exactly one line per id, and the same outputs as the uninterrupted run (timings aside)."""
+    got, ref = lines(out), results(reference)
+    ids = [r["id"] for r in got]
+    assert sorted(ids) == sorted(ref) and len(ids) == len(set(ids)), ids
+    for row in got:
+        expected = ref[row["id"]]
+        assert row["error"] is None
+        assert (row["token_ids"], row["text"], row["reference"]) == (
+            expected["token_ids"], expected["text"], expected["reference"])
+
+
+def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory):
+    world = world_manifest(str(tmp_path_factory.getbasetemp()), count=2)
+    good = load_manifest(world)[0]
+    d = tmp_path_factory.mktemp("bad-items")
+    (d / "v").mkdir()
+    media.write_zero_bytes(d / "v" / "zero.mp4")
+    media.write_random_bytes(d / "v" / "corrupt.mp4")
+    media.write_audio_only(d / "v" / "audio.wav")
+    prompt = good[0].prompt
+    long_needed = tokens_needed(good[1].video, prompt, 32, 24)
+    limit = long_needed - 1  # the 32-frame item is one token over; the 8-frame items fit easily
+    assert tokens_needed(good[0].video, prompt, 8, 24) < limit
+    rows = [
+        {"id": "good-0", "video": str(good[0].video), "prompt": prompt, "tag": {"keep": [1, "x"]}},
+        {"id": "missing", "video": "v/nope.mp4", "prompt": prompt},
+        {"id": "zero", "video": "v/zero.mp4", "prompt": prompt},
+        {"id": "corrupt", "video": "v/corrupt.mp4", "prompt": prompt},
+        {"id": "audio", "video": "v/audio.wav", "prompt": prompt},
+        '{"id": "torn", "video": "v/zero.mp4", ',  # line 6: bad JSON
+        {"id": "good-0", "video": str(good[1].video), "prompt": prompt},  # line 7: duplicate id
+        {"id": "long", "video": str(good[1].video), "prompt": prompt, "num_frames": 32},
+        {"id": "good-1", "video": str(good[1].video), "prompt": prompt, "max_new_tokens": 12},
+    ]
+    manifest = d / "manifest.jsonl"
+    manifest.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    # The checker, without models, names every bad line with its number.
+    assert check_manifest(manifest) == 1
+    problems = {p.line: p.message for p in load_manifest(manifest)[1]}
+    assert set(problems) == {2, 3, 6, 7}  # missing, zero bytes, bad JSON, duplicate id
+
+    out = d / "out"
+    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}", "--quiet")
+    assert proc.returncode == EXIT_ITEMS_FAILED, proc.stderr[-3000:]
+    got = results(out)
+    assert set(got) == {"good-0", "good-1", "missing", "zero", "corrupt", "audio", "long", "line:6", "line:7"}
+    errors = {k: r["error"] for k, r in got.items() if r["error"] is not None}
+    assert {k: e.get("kind") for k, e in errors.items()} == {
+        "missing": "missing", "zero": "empty", "corrupt": "corrupt", "audio": "no_video_stream",
+        "long": "too_long", "line:6": None, "line:7": None}
+    assert "not valid JSON" in errors["line:6"]["message"] and f"{manifest}:6:" in errors["line:6"]["message"]
+    assert "duplicate id 'good-0'" in errors["line:7"]["message"]
+    assert "nope.mp4" in errors["missing"]["message"] and str(limit) in errors["long"]["message"]
+    assert got["good-0"]["token_ids"] == ar_tokens(good[0].video, prompt, 8, 24)
+    assert got["good-1"]["token_ids"] == ar_tokens(good[1].video, prompt, 8, 12)
+    assert got["good-0"]["tag"] == {"keep": [1, "x"]}  # extra fields carried untouched
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["items_done"], summary["items_failed"]) == (2, 7)
+
+    # Retry the failures with subsampling on: the long item now fits, the broken files still fail,
+    # and the file keeps one line per id.
+    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}",
+                        "--set", "video.subsample_to_fit=true", "--retry-failed", "--quiet")
+    assert proc.returncode == EXIT_ITEMS_FAILED, proc.stderr[-3000:]
+    ids = [r["id"] for r in lines(out)]
+    assert len(ids) == len(set(ids)) == 9
+    long = results(out)["long"]
+    assert long["error"] is None and long["stats"]["num_frames"] < 32
+    # The draft read the same subsampled frames (or the output would still match, but slower): check
+    # losslessness against ar on exactly those frames.
+    assert long["token_ids"] == ar_tokens(good[1].video, prompt, 32, 24, cap=long["stats"]["num_frames"])
+    assert got["good-0"] == results(out)["good-0"]  # finished items were not run again
+
+
+def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninterrupted):
+    out = tmp_path_factory.mktemp("killed")
+    proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_for(lambda: len(results(out)) >= 2, 180)
+        os.kill(_pids(out)["target"], signal.SIGKILL)  # the results writer dies without any cleanup
+        proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert 2 <= len(results(out)) < 6, "the kill came too late to test anything"
+    rerun = run_job(CONFIG, six, out, METHOD, "--quiet")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_results(out, uninterrupted)
+    assert json.loads((out / "summary.json").read_text())["run"]["skipped"] >= 2
+
+
+def test_elastic_restart_resumes_after_a_rank_dies(tmp_path_factory, six, uninterrupted):
+    out = tmp_path_factory.mktemp("elastic")
+    cmd = launcher_cmd(CONFIG, six, out, METHOD, "--quiet", torchrun_opts=("--max-restarts", "1"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_for(lambda: len(results(out)) >= 2, 180)
+        os.kill(_pids(out)["draft"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert_same_results(out, uninterrupted)
+    run = json.loads((out / "summary.json").read_text())["run"]
+    assert run["restart"] == 1 and run["skipped"] >= 2
+
+
+def test_a_restart_on_the_shared_store_fails_fast_instead_of_hanging():
+    assert restart_problem({"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
+    assert restart_problem({"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    problem = restart_problem({"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert problem is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
+
+
+def test_video_reading_is_timed_and_read_ahead(uninterrupted):
+    summary = json.loads((uninterrupted / "summary.json").read_text())
+    assert summary["video_read_s"] > 0 and summary["preprocess_s"] > 0 and summary["video_wait_s"] >= 0
+    for row in results(uninterrupted).values():
+        assert {"video_read_s", "preprocess_s", "video_wait_s"} <= set(row["stats"])
+    target, draft = spans(uninterrupted, "rank0_target"), spans(uninterrupted, "rank1_draft")
+    order = [e["item"] for e in target if e["name"] == "item"]
+    assert len(order) == 6
+
+    def first(events, name, item):
+        return next(e for e in events if e["name"] == name and e.get("item") == item)
+
+    for prev, item in zip(order, order[1:]):
+        item_span = first(target, "item", prev)
+        # The target read item k while item k-1 was still being decoded...
+        assert first(target, "video_read", item)["t0"] < item_span["t0"] + item_span["dur"]
+        # ...and so did the draft, before the target even started item k.
+        assert first(draft, "video_read", item)["t0"] < first(target, "item", item)["t0"]
+        assert first(target, "preprocess", item) and first(target, "video_wait", item)
+
+
+def _pids(out: Path) -> dict[str, int]:
+    pids = {}
+    for path in (out / "traces").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            ev = json.loads(line)
+            if ev.get("event") == "role_started":
+                pids.setdefault(ev["role"], ev["pid"])
+    return pids
+
+
+def _wait_for(pred, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)

@@ -1,0 +1,171 @@
+"""The pieces of a batch job, in one process: frame requests, fitting the context, read-ahead,
+resumable results, the progress bar's quiet mode."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import media
+from tests.conftest import tiny_pair
+from vpsd.launch.progress import Progress, wants_bar
+from vpsd.launch.results import ResultsFile
+from vpsd.video import VideoError, read_video
+from vpsd.video.fit import fit_to_context
+from vpsd.video.item import FrameRequest, cap_frames, load_frames
+from vpsd.video.prefetch import FramePrefetcher, Prefetcher
+
+
+@pytest.fixture
+def gray_mp4(tmp_path):
+    return media.write_gray_video(tmp_path / "gray.mp4", num_frames=16, size=(32, 48), fps=8)
+
+
+def test_request_resolution_item_first_then_config():
+    assert FrameRequest.resolve("v", 4, None, 8, None, 112) == FrameRequest("v", 4, None, 112)
+    assert FrameRequest.resolve("v", None, 2.0, 8, None, None) == FrameRequest("v", None, 2.0, None)
+    assert FrameRequest.resolve("v", None, None, 8, None, None) == FrameRequest("v", 8, None, None)
+    # An fps set in the config wins over the config's (defaulted) frame count.
+    assert FrameRequest.resolve("v", None, None, 8, 1.0, None) == FrameRequest("v", None, 1.0, None)
+    wire = FrameRequest("v", 4, None, 112).to_wire("id-1", max_frames=3)
+    assert wire["item"] == "id-1" and wire["max_frames"] == 3
+    assert FrameRequest.from_wire(wire) == FrameRequest("v", 4, None, 112)
+
+
+@pytest.mark.parametrize("request_,cap", [(dict(num_frames=9), 4), (dict(fps=3), 2), (dict(), 5)])
+def test_cap_after_reading_equals_reading_with_max_frames(gray_mp4, request_, cap):
+    """The draft reads ahead before the target knows the cap; capping later must give the same frames."""
+    frames = load_frames(FrameRequest(str(gray_mp4), **request_), "x", {})
+    direct = read_video(gray_mp4, max_frames=cap, **request_).frames
+    np.testing.assert_array_equal(cap_frames(frames, cap), direct)
+
+
+def test_load_frames_times_read_and_preprocess(gray_mp4):
+    timings: dict[str, float] = {}
+    frames = load_frames(FrameRequest(str(gray_mp4), 4, None, 24), "x", timings)
+    assert frames.shape == (4, 16, 24, 3)
+    assert set(timings) == {"video_read_s", "preprocess_s"} and all(v >= 0 for v in timings.values())
+
+
+def _counter(target, prompt: str, reserve: int):
+    return lambda f: target.prepare(f, prompt).seq_len + reserve
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_fit_to_context_with_a_real_adapter(family):
+    target, _ = tiny_pair(family)
+    frames = np.random.default_rng(0).integers(0, 256, (8, 56, 56, 3), dtype=np.uint8)
+    count = _counter(target, "describe", 16)
+    needed = count(frames)
+    same, cap = fit_to_context(frames, count, needed, subsample=False, path="v.mp4")
+    assert cap is None and same is frames
+    with pytest.raises(VideoError) as err:
+        fit_to_context(frames, count, needed - 1, subsample=False, path="v.mp4")
+    assert err.value.kind == "too_long" and str(needed) in str(err.value)
+    limit = (needed + count(frames[:1])) // 2
+    fitted, cap = fit_to_context(frames, count, limit, subsample=True, path="v.mp4")
+    assert 1 <= cap < 8 and count(fitted) <= limit
+    np.testing.assert_array_equal(fitted, cap_frames(frames, cap))
+    if cap + 1 < 8:  # the largest cap that fits, not just any
+        assert count(cap_frames(frames, cap + 1)) > limit
+    with pytest.raises(VideoError, match="even one frame"):
+        fit_to_context(frames, count, count(frames[:1]) - 1, subsample=True, path="v.mp4")
+
+
+def test_prefetcher_reads_ahead_in_order_and_reraises_per_key():
+    started: list[str] = []
+    second_started = threading.Event()
+    release = threading.Event()
+
+    def load(key: str) -> str:
+        started.append(key)
+        if key == "b":
+            second_started.set()
+        if key == "bad":
+            raise VideoError("corrupt", key, "broken")
+        release.wait(10)
+        return key.upper()
+
+    p: Prefetcher[str, str] = Prefetcher(load)
+    try:
+        p.ahead("a")
+        p.ahead("b")
+        p.ahead("a")  # once per key
+        release.set()
+        timings: dict[str, float] = {}
+        assert p.take("a", timings) == "A" and "video_wait_s" in timings
+        # "b" is read without anybody waiting for it.
+        assert second_started.wait(10)
+        assert p.take("b") == "B"
+        with pytest.raises(VideoError, match="broken"):
+            p.take("bad")  # never asked ahead: read on the spot
+        assert started == ["a", "b", "bad"]
+    finally:
+        p.close()
+
+
+def test_frame_prefetcher_reuses_a_read_ahead_clip_and_applies_the_cap(gray_mp4, tmp_path):
+    req = FrameRequest(str(gray_mp4), 8, None, None)
+    videos = FramePrefetcher()
+    try:
+        videos.ahead(req.to_wire("a"))
+        frames, timings = videos.take(req.to_wire("a", max_frames=3))
+        np.testing.assert_array_equal(frames, read_video(gray_mp4, num_frames=8, max_frames=3).frames)
+        assert {"video_read_s", "preprocess_s", "video_wait_s"} <= set(timings)
+        missing = FrameRequest(str(tmp_path / "nope.mp4"), 8).to_wire("b")
+        videos.ahead(missing)
+        with pytest.raises(VideoError) as err:
+            videos.take(missing)
+        assert err.value.kind == "missing"
+        videos.ahead(req.to_wire("c"))
+        videos.ahead(None)  # the next item was skipped: nothing is held for it
+        assert not videos._prefetcher._pending and not videos._timings
+    finally:
+        videos.close()
+
+
+def test_resume_cuts_a_torn_last_line_so_the_next_append_stands_alone(tmp_path):
+    f = ResultsFile(tmp_path)
+    f.append({"id": "a", "method": "m", "error": None})
+    with f.path.open("a") as h:
+        h.write('{"id": "b", "method": "m", "tok')  # the crash came mid-write
+    assert f.resume("m") == {"a"}
+    f.append({"id": "b", "method": "m", "error": None})
+    rows = [json.loads(line) for line in f.path.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"]
+
+
+def test_retry_failed_leaves_one_line_per_id(tmp_path):
+    f = ResultsFile(tmp_path)
+    f.append({"id": "a", "method": "m", "error": None})
+    f.append({"id": "b", "method": "m", "error": {"type": "VideoError", "message": "x"}})
+    f.append({"id": "b", "method": "other", "error": {"type": "VideoError", "message": "x"}})
+    assert f.resume("m") == {"a", "b"}
+    assert f.resume("m", retry_failed=True) == {"a"}
+    rows = [json.loads(line) for line in f.path.read_text().splitlines()]
+    assert [(r["id"], r["method"]) for r in rows] == [("a", "m"), ("b", "other")]
+    assert not (tmp_path / "results.jsonl.tmp").exists()
+
+
+def test_progress_is_quiet_off_a_terminal_or_when_asked():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert wants_bar(False, Tty()) and not wants_bar(True, Tty()) and not wants_bar(False, io.StringIO())
+    shown = Tty()
+    bar = Progress(total=4, initial=1, enabled=True, stream=shown)
+    bar.item_done(10, failed=False)
+    bar.item_done(0, failed=True)
+    bar.close()
+    text = shown.getvalue()
+    assert "3/4" in text and "failed=1" in text and "tok_s=" in text
+    hidden = io.StringIO()
+    bar = Progress(total=2, initial=0, enabled=False, stream=hidden)
+    bar.item_done(5, failed=False)
+    bar.close()
+    assert hidden.getvalue() == ""

@@ -1,0 +1,170 @@
+"""The target rank's batch loop: manifest in, one results.jsonl line per item out.
+
+Contract (the README's "Batch jobs" section says it for users):
+- Resumable: `ResultsFile.resume` first; ids already in results.jsonl for this method are skipped
+  (failed ones too, unless `--retry-failed`), so a rerun or a torchrun restart finishes the rest
+  with no duplicates and no gaps. Bad manifest lines become error rows `line:N` once.
+- One bad item never sinks the job: a VideoError (missing, empty, corrupt, no video stream,
+  too long) or a ValueError while decoding it is written as that item's `error: {type, message}`
+  (plus `kind` for a VideoError) and the loop goes on. Anything else (a dead peer, a bug) ends the
+  job, and what was finished stays.
+- Read-ahead: while item i decodes, one background thread reads, scales and fits item i+1
+  (`vpsd.video.prefetch`); the draft is told item i+1's request in item i's JobStart and reads it
+  ahead the same way. Per item, `stats` gets `video_read_s`, `preprocess_s` and `video_wait_s`
+  (the part the target waited for), and `num_frames` (after any subsampling); the same spans are in
+  the target's trace.
+- Context: an item whose prompt + video + max_new_tokens exceeds `video.context_limit` (default
+  the target's max_position_embeddings) fails as `too_long`, or is subsampled to fit when
+  `video.subsample_to_fit` is set (`vpsd.video.fit`).
+- Returns the summary; the rank exits 0 even when items failed (see summary.EXIT_ITEMS_FAILED for
+  the job's status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vpsd.config import RunConfig
+from vpsd.launch.manifest import ManifestItem, load_manifest
+from vpsd.launch.progress import Progress, wants_bar
+from vpsd.launch.results import ResultsFile
+from vpsd.launch.summary import summarize
+from vpsd.models.base import VideoLMAdapter
+from vpsd.models.registry import load_adapter
+from vpsd.pipeline.messages import Shutdown
+from vpsd.roles.context import RoleContext
+from vpsd.roles.target import WorkItem, decode_item, finish_item
+from vpsd.tracing import get_logger
+from vpsd.video.errors import VideoError
+from vpsd.video.fit import fit_to_context
+from vpsd.video.item import FrameRequest, load_frames, timed
+from vpsd.video.prefetch import Prefetcher
+
+def context_limit(target: VideoLMAdapter, cfg: RunConfig) -> int:
+    """Tokens one sequence may hold: the config's limit, else what the target's positions allow."""
+    if cfg.video.context_limit is not None:
+        return int(cfg.video.context_limit)
+    return int(target.model.config.get_text_config().max_position_embeddings)
+
+
+@dataclass
+class LoadedItem:
+    frames: np.ndarray  # read, scaled, fitted to the context
+    video: dict  # the wire-form request the draft reads the same frames by (with max_frames if capped)
+    timings: dict[str, float]  # video_read_s, preprocess_s
+
+
+class ItemReader:
+    """Reads one item for the target: frames as its request says, scaled, fitted to the context.
+    Runs on the prefetch thread; touches the target only through `prepare` (no model forward)."""
+
+    def __init__(self, target: VideoLMAdapter, cfg: RunConfig) -> None:
+        self.target = target
+        self.cfg = cfg
+        self.limit = context_limit(target, cfg)
+
+    def request(self, item: ManifestItem) -> FrameRequest:
+        v = self.cfg.video
+        return FrameRequest.resolve(item.video, item.num_frames, item.fps, v.num_frames, v.fps, v.max_side)
+
+    def max_new_tokens(self, item: ManifestItem) -> int:
+        return item.max_new_tokens or self.cfg.decoding.max_new_tokens
+
+    def load(self, item: ManifestItem) -> LoadedItem:
+        timings: dict[str, float] = {}
+        request = self.request(item)
+        frames = load_frames(request, item.id, timings)
+        reserve = self.max_new_tokens(item)
+        with timed("preprocess", timings, item=item.id, step="fit"):
+            frames, max_frames = fit_to_context(
+                frames, lambda f: self.target.prepare(f, item.prompt).seq_len + reserve,
+                self.limit, self.cfg.video.subsample_to_fit, item.video,
+            )
+        if max_frames is not None:
+            get_logger().info("video_subsampled", item=item.id, frames=max_frames, limit=self.limit)
+        return LoadedItem(frames, request.to_wire(item.id, max_frames), timings)
+
+
+def _error(e: Exception) -> dict:
+    err = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, VideoError):
+        err["kind"] = e.kind
+    return err
+
+
+def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: Path) -> dict:
+    log = get_logger()
+    started = time.perf_counter()
+    method = ctx.method.name
+    results = ResultsFile(out)
+    done = results.resume(method, retry_failed=args.retry_failed)
+    (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
+    items, problems = load_manifest(args.manifest, check_files=False)
+    problem_ids = [f"line:{p.line}" for p in problems]
+    progress = Progress(total=len(items) + len(problems),
+                        initial=sum(i in done for i in [it.id for it in items] + problem_ids),
+                        enabled=wants_bar(args.quiet))
+    failed = 0
+    for p, pid in zip(problems, problem_ids):
+        log.error("manifest_problem", line=p.line, message=p.message)
+        if pid in done:
+            continue
+        failed += 1
+        results.append({"id": pid, "method": method, "token_ids": [], "text": "", "stats": {},
+                        "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
+        progress.item_done(0, failed=True)
+    target = load_adapter(cfg.family, cfg.target)
+    draft = None
+    if ctx.method.loads_draft_model and not ctx.method.parallel:
+        draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
+    reader = ItemReader(target, cfg)
+    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
+    todo = [it for it in items if it.id not in done]
+    if todo:
+        prefetch.ahead(todo[0])
+    for i, it in enumerate(todo):
+        ctx.item_id = it.id
+        nxt = todo[i + 1] if i + 1 < len(todo) else None
+        if nxt is not None:
+            prefetch.ahead(nxt)  # read while this item decodes
+        row = {"id": it.id, "method": method, "strategy": cfg.pruning.strategy, **it.extra}
+        timings: dict[str, float] = {}
+        try:
+            loaded = prefetch.take(it, timings, item=it.id)
+            timings.update(loaded.timings)
+            work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
+                            reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra)
+            res = decode_item(ctx, target, draft, work)
+            row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
+                       stats={**res.stats_dict(), **timings, "num_frames": int(loaded.frames.shape[0])}, error=None)
+        except (VideoError, ValueError) as e:
+            failed += 1
+            log.error("item_failed", item=it.id, error=str(e))
+            row.update(token_ids=[], text="", stats=timings, error=_error(e))
+        finish_item(ctx, it.id, row["token_ids"], row["error"])
+        results.append(row)
+        progress.item_done(len(row["token_ids"]), failed=row["error"] is not None)
+        log.info("item_done", item=it.id, tokens=len(row["token_ids"]), error=row["error"])
+    prefetch.close()
+    progress.close()
+    if ctx.method.parallel:
+        for r in ("draft", "pruner"):
+            ctx.send(r, Shutdown("job finished"))
+    summary = summarize(out)
+    summary["run"] = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": failed,
+                      "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("job_done", **summary)
+    if not args.quiet:
+        print(f"vpsd: {summary['items_done']} items done, {summary['items_failed']} failed, "
+              f"{summary['tokens_per_s']:.1f} tokens/s, {summary['run']['total_s']:.1f} s; see {out / 'summary.json'}",
+              file=sys.stderr)
+    return summary
