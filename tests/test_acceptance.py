@@ -130,8 +130,10 @@ def test_trace_rounds_add_up_to_the_committed_tokens(tmp_path_factory, method, e
             assert not any(t in eos for t in tokens[:-1])
         else:
             assert tokens[-1] in eos and len(tokens) < min(committed, max_new)
-            if method == "pearl":
-                assert before_last < len(tokens)  # the parallel target stops at the round that commits EOS
+            assert before_last < len(tokens)  # both stop at the round that commits EOS, even mid-round
+        # MAT is what the rounds committed per verification, whatever the mode's rule for the bonus token.
+        per_round = commits if method == "pearl" else commits[1:]
+        assert stats["mean_accepted_tokens"] == pytest.approx(sum(per_round) / len(rounds))
         # The results' stats are these same rounds.
         s = summarize(rounds)
         assert (stats["rounds"], stats["rollbacks"]) == (s.rounds, s.rollbacks)

@@ -30,3 +30,23 @@ def test_stats_match_hand_computed_values():
     assert s.acceptance_rate == 7 / 14
     assert s.per_position_acceptance() == [3 / 4, 2 / 4, 1 / 3, 1 / 3]
     assert s.histogram() == {0: 1, 1: 1, 2: 1, 4: 1}
+
+
+def test_parallel_rounds_count_what_they_committed():
+    # The parallel target keeps an all-accepted chunk's bonus row instead of emitting it: (4, 4) commits 4;
+    # a rejecting round commits the accepted prefix plus the target's own token.
+    s = AcceptanceStats()
+    for accepted, drafted, committed in [(4, 4, 4), (0, 4, 1), (2, 4, 3), (4, 4, 4)]:
+        s.record(accepted, drafted, committed)
+    assert s.mean_accepted_tokens == 12 / 4
+    assert s.acceptance_rate == 10 / 16
+
+
+def test_a_round_commits_its_accepted_tokens_and_at_most_one_more():
+    s = AcceptanceStats()
+    for bad in (1, 4):
+        try:
+            s.record(2, 4, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"committing {bad} after accepting 2 was allowed")

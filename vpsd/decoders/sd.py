@@ -125,5 +125,8 @@ def speculate(
         t_cur.feed(pending + drafts)
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(not v.all_accepted)
-        committed += v.emitted(drafts)
+        emitted = v.emitted(drafts)
+        committed += emitted
+        if any(t in eos for t in emitted):
+            break  # an EOS accepted mid-round ends the output there (truncate cuts what follows it)
     return truncate(committed, cfg.max_new_tokens, eos), stats

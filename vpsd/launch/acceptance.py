@@ -48,6 +48,7 @@ class Round:
     accepted: int
     mode: str | None = None  # parallel methods only
     start: int | None = None  # committed length the chunk began at (parallel methods only)
+    committed: int | None = None  # tokens the round committed (None: accepted + 1, the serial rule)
 
     @property
     def rejected(self) -> bool:
@@ -102,6 +103,7 @@ def rounds_from_spans(spans: Sequence[Span]) -> dict[str, list[Round]]:
                 accepted=int(s.fields["accepted"]),
                 mode=s.fields.get("mode"),
                 start=s.fields.get("start"),
+                committed=s.fields.get("committed"),
             )
         )
     return out
@@ -134,7 +136,7 @@ def summarize(rounds: Sequence[Round]) -> Summary:
     """The numbers of module doc; MAT and rates with pipeline.stats' definitions (one way to count)."""
     stats = AcceptanceStats()
     for r in rounds:
-        stats.record(r.accepted, r.drafted)
+        stats.record(r.accepted, r.drafted, r.committed)
     stats.rollbacks = sum(r.rejected for r in rounds)
     return Summary(
         items=len({r.item for r in rounds}),

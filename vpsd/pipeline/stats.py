@@ -2,7 +2,9 @@
 
 - mean accepted tokens (MAT, tau): tokens committed per verification round, INCLUDING the recovered
   or bonus token the target adds (HIPPO, ParallelVLM, SpecVLM all report it this way), so plain
-  autoregressive decoding has MAT 1.
+  autoregressive decoding has MAT 1. A round commits accepted + 1 tokens in serial decoding; the parallel
+  target keeps the bonus row of an all-accepted chunk to verify the next chunk's first token instead of
+  emitting it, so its rounds commit accepted (+1 only on a rejection): `record` takes what was committed.
 - acceptance rate: accepted draft tokens / drafted tokens.
 - per-position acceptance: for draft position i, accepted / proposed at that position.
 """
@@ -16,13 +18,19 @@ from dataclasses import dataclass, field
 class AcceptanceStats:
     accepted_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
+    committed_per_round: list[int] = field(default_factory=list)
     rollbacks: int = 0
 
-    def record(self, num_accepted: int, num_drafted: int) -> None:
+    def record(self, num_accepted: int, num_drafted: int, num_committed: int | None = None) -> None:
+        """num_committed: tokens the round added to the output (default accepted + 1, the serial rule)."""
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"accepted {num_accepted} of {num_drafted}")
+        committed = num_accepted + 1 if num_committed is None else num_committed
+        if not num_accepted <= committed <= num_accepted + 1:
+            raise ValueError(f"a round that accepted {num_accepted} cannot commit {committed}")
         self.accepted_per_round.append(num_accepted)
         self.drafted_per_round.append(num_drafted)
+        self.committed_per_round.append(committed)
 
     @property
     def rounds(self) -> int:
@@ -32,7 +40,7 @@ class AcceptanceStats:
     def mean_accepted_tokens(self) -> float:
         if not self.rounds:
             return 0.0
-        return (sum(self.accepted_per_round) + self.rounds) / self.rounds
+        return sum(self.committed_per_round) / self.rounds
 
     @property
     def acceptance_rate(self) -> float:

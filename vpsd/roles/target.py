@@ -168,11 +168,13 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
                 rows = target.step(pre.state, torch.tensor(pending + tokens))[len(pending) - 1 :]
                 cursor.feed(pending + tokens)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
+            before = len(machine.committed)
             verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
-            verify_fields["accepted"] = v.num_accepted  # per-round acceptance for vpsd.launch.acceptance
+            committed = verdict.committed_len - before
+            verify_fields.update(accepted=v.num_accepted, committed=committed)  # for vpsd.launch.acceptance
         if not verdict.rollback:
             kept_row = rows[-1]
-        stats.record(v.num_accepted, v.num_drafted)
+        stats.record(v.num_accepted, v.num_drafted, committed)
         if verdict.rollback:
             stats.rollbacks += 1
             mark("rollback", item=item.id, epoch=verdict.epoch, committed=verdict.committed_len)
