@@ -4,6 +4,8 @@
     vpsd summary DIR [--baseline AR_DIR]
     vpsd timeline DIR [--item ID] [--out PNG]
     vpsd bias DIR [--strategy S] [--band 0.1] [--out PNG]   position bias of the kept tokens per frame
+    vpsd acceptance DIR [--item ID] [--out PNG]              accepted draft tokens per verification round
+    vpsd bench --manifest M [--config C] [--out DIR]         every method and strategy, one table
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.launch.timeline import main as run
     elif command == "bias":
         from vpsd.launch.bias import main as run
+    elif command == "acceptance":
+        from vpsd.launch.acceptance import main as run
+    elif command == "bench":
+        from vpsd.launch.bench import main as run
     else:
         print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2

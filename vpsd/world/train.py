@@ -32,9 +32,10 @@ from vpsd.models.qwen2_5_vl import qwen_chat_prompt, tiny_config
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors
 from vpsd.models.tokenizer import build_tokenizer
 from vpsd.video.item import load_item_frames
+from vpsd.video.sampling import uniform_indices
 from vpsd.world.caption import PROMPTS, caption
 from vpsd.world.dataset import make_example, write_video
-from vpsd.world.scene import sample_scene
+from vpsd.world.scene import COLOURS, MOTIONS, SHAPES, SIZES, Scene, sample_scene
 
 # Seeds: training draws from TRAIN_SEED_BASE upwards; held-out items (demo, evaluation) live below it.
 TRAIN_SEED_BASE = 1_000_000
@@ -67,6 +68,7 @@ class TrainConfig:
     log_every: int = 25
     save_every: int = 250  # checkpoints along the way, so a long run can be evaluated (and resumed by hand)
     threads: int = 1
+    aux_weight: float = 0.5
     init: str | None = None  # continue from a checkpoint directory written by this trainer (fresh optimizer)
     sizes: dict = field(default_factory=lambda: {"target": TARGET, "draft": DRAFT})
 
@@ -83,6 +85,46 @@ class Example:
     frames: np.ndarray  # (NUM_FRAMES, H, W, 3) uint8 as the real decode path returns them
     prompt: str
     answer: str
+    token_labels: np.ndarray  # (video tokens, len(ATTRIBUTES)) class ids, see token_labels()
+
+
+# Dense auxiliary supervision for the vision towers (training only; the heads are not saved): for each
+# merged video token, what object (if any) has its centre in the token's cell. Learning to see 9-pixel
+# objects from the caption loss alone takes far longer than a CPU hour; per-token labels straight from
+# the scene make the towers find objects within a few hundred steps.
+ATTRIBUTES = {
+    "colour": ("none", *COLOURS),
+    "shape": ("none", *SHAPES),
+    "size": ("none", *SIZES),
+    "motion": ("none", *MOTIONS),
+}
+MERGED_CELL = 28  # pixels per merged Qwen token side (patch 14 x merge 2)
+
+
+def token_labels(scene: Scene) -> np.ndarray:
+    """Labels in the adapters' video-token order: temporal group, row, column (frames as load_item_frames samples them)."""
+    frames = uniform_indices(VIDEO_FRAMES, NUM_FRAMES)[::2]  # first frame of each temporal pair
+    rows, cols = scene.height // MERGED_CELL, scene.width // MERGED_CELL
+    labels = np.zeros((len(frames), rows, cols, len(ATTRIBUTES)), dtype=np.int64)
+    for g, t in enumerate(frames):
+        for obj in scene.objects:
+            if not obj.visible(int(t)):
+                continue
+            x, y = obj.centre(int(t))
+            if not (0 <= x < 1 and 0 <= y < 1):
+                continue
+            values = (obj.colour_at(int(t)), obj.shape, obj.size, obj.motion)
+            labels[g, int(y * rows), int(x * cols)] = [ATTRIBUTES[k].index(v) for k, v in zip(ATTRIBUTES, values)]
+    return labels.reshape(-1, len(ATTRIBUTES))
+
+
+class AuxHeads(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(dim, len(v)) for v in ATTRIBUTES.values())
+
+    def loss(self, feats: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return sum(F.cross_entropy(h(feats), labels[:, i]) for i, h in enumerate(self.heads))
 
 
 def roundtrip_example(seed: int, workdir: Path) -> Example:
@@ -92,7 +134,7 @@ def roundtrip_example(seed: int, workdir: Path) -> Example:
     write_video(path, ex.frames)
     frames = load_item_frames(path, NUM_FRAMES, None, None)
     path.unlink()
-    return Example(frames, ex.prompt, ex.caption)
+    return Example(frames, ex.prompt, ex.caption, token_labels(ex.scene))
 
 
 class ExampleStream(torch.utils.data.IterableDataset):
@@ -136,13 +178,17 @@ class Batcher:
             pos, _ = rope_index(ids[None], mm_token_type_ids=ty[None], video_grid_thw=g[None],
                                 second_per_grid_ts=torch.tensor([1.0]))
             positions.append(pos[:, 0])  # (3, L)
-        return dict(ids=seqs, labels=labels, positions=positions, pixels=torch.cat(pixels), grid=grid)
+        token_labels = torch.from_numpy(np.concatenate([ex.token_labels for ex in examples]))
+        return dict(ids=seqs, labels=labels, positions=positions, pixels=torch.cat(pixels), grid=grid,
+                    token_labels=token_labels)
 
 
-def forward_loss(model, batch: dict, video_token_id: int, keep_share: float | None,
-                 rng: torch.Generator) -> torch.Tensor:
-    """Cross-entropy on the answers; with keep_share, each item keeps that share of its video tokens."""
+def forward_loss(model, aux: AuxHeads, batch: dict, video_token_id: int, keep_share: float | None,
+                 rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy on the answers (with keep_share, each item keeps that share of its video tokens),
+    and the auxiliary per-token loss of the vision tower."""
     feats = torch.cat(list(model.model.get_video_features(batch["pixels"], batch["grid"]).pooler_output))
+    aux_loss = aux.loss(feats, batch["token_labels"])
     embed = model.model.get_input_embeddings()
     rows, offset = [], 0
     for ids, labels, pos in zip(batch["ids"], batch["labels"], batch["positions"]):
@@ -169,7 +215,8 @@ def forward_loss(model, batch: dict, video_token_id: int, keep_share: float | No
         embeds[i, :n], targets[i, :n], positions[:, i, :n], mask[i, :n] = e, lab, pos, 1
     out = model.model.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask)
     logits = model.lm_head(out.last_hidden_state)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1), ignore_index=-100)
+    lm_loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1), ignore_index=-100)
+    return lm_loss, aux_loss
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -199,7 +246,9 @@ def train(out: Path, cfg: TrainConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     tokenizer = world_tokenizer()
     models = build_models(tokenizer, cfg)
-    opts = {n: torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    auxes = {n: AuxHeads(m.config.text_config.hidden_size) for n, m in models.items()}
+    opts = {n: torch.optim.AdamW([*m.parameters(), *auxes[n].parameters()], lr=cfg.lr,
+                                 weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
             for n, m in models.items()}
     batcher = Batcher(tokenizer, models["target"].config)
     rope_index = models["target"].model.get_rope_index  # positions depend only on the token layout
@@ -221,16 +270,19 @@ def train(out: Path, cfg: TrainConfig) -> dict:
             model.train()
             for g in opts[name].param_groups:
                 g["lr"] = lr
-            loss = forward_loss(model, batch, vid, keep if name == "draft" else None, rng)
+            lm_loss, aux_loss = forward_loss(model, auxes[name], batch, vid, keep if name == "draft" else None, rng)
+            loss = lm_loss + cfg.aux_weight * aux_loss
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opts[name].step()
-            losses[name] = loss.item()
+            losses[name] = lm_loss.item()
+            losses[f"{name}_aux"] = aux_loss.item()
         history.append({"step": step, "lr": lr, "draft_keep": keep, **losses})
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             el = time.time() - t0
-            print(f"step {step:5d}  target {losses['target']:.4f}  draft {losses['draft']:.4f}  "
+            print(f"step {step:5d}  target {losses['target']:.4f} (aux {losses['target_aux']:.3f})  "
+                  f"draft {losses['draft']:.4f} (aux {losses['draft_aux']:.3f})  "
                   f"lr {lr:.2e}  {el / (step + 1):.2f} s/step  elapsed {el / 60:.1f} min", flush=True)
         if (step + 1) % cfg.save_every == 0:
             for name, model in models.items():
@@ -259,8 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
     p.add_argument("--seed", type=int, default=0, help="also picks the training seeds: use a new one when continuing")
     p.add_argument("--init", help="continue from the target/ and draft/ checkpoints in this directory")
+    p.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight, help="weight of the per-token vision loss")
     a = p.parse_args(argv)
-    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, threads=a.threads, seed=a.seed, init=a.init)
+    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, threads=a.threads, seed=a.seed, init=a.init,
+                      aux_weight=a.aux_weight)
     meta = train(a.out, cfg)
     print(f"trained in {meta['train_seconds'] / 60:.1f} min; wrote {a.out}/target and {a.out}/draft")
 
