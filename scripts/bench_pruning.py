@@ -126,8 +126,7 @@ def bench(target, draft, cfg: RunConfig, items: list[Captured], strategies: list
             dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=item.max_new_tokens, temperature=0.0)
             res = decode_sd(target, draft, item.frames, item.prompt, dec, lambda t_emb, t_pre, d_emb, k=keep: k)
             lossless &= res.token_ids == item.ar_tokens
-            stats.accepted_per_round += res.stats.accepted_per_round
-            stats.drafted_per_round += res.stats.drafted_per_round
+            stats.extend(res.stats)
         rows.append(StrategyRow(name, r, len(items), statistics.median(times), stats.mean_accepted_tokens,
                                 stats.acceptance_rate, lossless, statistics.fmean(kept), times))
         print(f"  {name}: done", file=sys.stderr, flush=True)

@@ -50,3 +50,11 @@ def test_a_round_commits_its_accepted_tokens_and_at_most_one_more():
         except ValueError:
             continue
         raise AssertionError(f"committing {bad} after accepting 2 was allowed")
+
+
+def test_extend_pools_rounds_with_their_commit_counts():
+    a, b = AcceptanceStats(), AcceptanceStats()
+    a.record(4, 4, 4)
+    b.record(1, 4)  # serial rule: commits 2
+    a.extend(b)
+    assert a.rounds == 2 and a.mean_accepted_tokens == 6 / 2 and a.acceptance_rate == 5 / 8

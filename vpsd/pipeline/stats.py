@@ -32,6 +32,13 @@ class AcceptanceStats:
         self.drafted_per_round.append(num_drafted)
         self.committed_per_round.append(committed)
 
+    def extend(self, other: "AcceptanceStats") -> None:
+        """Pools another run's rounds into these (e.g. over the items of a benchmark)."""
+        self.accepted_per_round += other.accepted_per_round
+        self.drafted_per_round += other.drafted_per_round
+        self.committed_per_round += other.committed_per_round
+        self.rollbacks += other.rollbacks
+
     @property
     def rounds(self) -> int:
         return len(self.accepted_per_round)
