@@ -53,6 +53,9 @@ CASES = [
     ("qwen3_vl", "parallelvlm", ["--set", "draft=self", "--set", "pruning.layers=3"]),
     ("llava_onevision", "specvlm", []),
     ("llava_onevision", "hippo", ["--pruning", "attn", "--set", "draft=self", "--set", "pruning.layers=1"]),
+    # The two remaining HIPPO ablations, so every strategy runs through torchrun somewhere in this list.
+    ("qwen2_5_vl", "hippo", ["--pruning", "hippo_no_temp", "--set", "draft=self", "--set", "pruning.layers=2"]),
+    ("llava_onevision", "hippo", ["--pruning", "hippo_no_spa", "--ratio", "0.5"]),
 ]
 
 
