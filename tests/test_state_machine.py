@@ -43,10 +43,14 @@ def verify(prefix: list[int], chunk: list[int]) -> tuple[int, int]:
     max_new=st.integers(1, 30),
     schedule=st.lists(st.integers(0, 3), min_size=50, max_size=400),
     wrong=st.lists(st.booleans(), min_size=1, max_size=64),
+    eager=st.booleans(),
+    feed_row=st.booleans(),
 )
-def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong):
+def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager, feed_row):
+    """eager: the draft sends short chunks when the target is idle; feed_row: the target feeds its own token
+    after a rejection while it waits (roles/target.py does)."""
     target = TargetMachine(max_new_tokens=max_new, eos_token_ids=frozenset({EOS}))
-    draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead)
+    draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead, eager_when_idle=eager)
     to_target: deque = deque()
     to_draft: deque = deque()
     modes_seen = set()
@@ -64,6 +68,10 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
         elif action == 1:
             chunk = draft.ready_chunk()
             if chunk is not None:
+                start, tokens = chunk
+                # Chunks are gamma long, but the first after a rollback (1) and, when eager, any chunk sent
+                # while nothing was in flight; never longer than gamma.
+                assert 1 <= len(tokens) <= gamma
                 to_target.append((draft.epoch, *chunk))
         elif action == 2 and to_target:
             epoch, start, tokens = to_target.popleft()
@@ -73,6 +81,8 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
                 v = target.on_verified(tokens, n, nxt)
                 modes_seen.add(v.mode)
                 to_draft.append(v)
+                if v.rollback and feed_row:
+                    target.on_row_fed()
             else:
                 assert isinstance(decision, Drop)
         elif action == 3 and to_draft:
@@ -107,3 +117,36 @@ def test_rejection_switches_to_conservative_and_sends_the_first_token_alone():
     assert (v.rollback, v.mode, v.next_token) == (False, Mode.OPTIMISTIC, -1)
     assert target.holds_next_row  # the bonus row verifies the next chunk's first token
 
+
+
+def test_eager_draft_sends_a_short_chunk_only_when_the_target_is_idle():
+    draft = DraftMachine(gamma=4, lookahead=8)  # eager_when_idle by default
+    draft.record_proposal(1)
+    assert draft.ready_chunk() == (0, [1])  # nothing in flight (item start): the target waits for us
+    for t in [2, 3, 4]:
+        draft.record_proposal(t)
+    assert draft.ready_chunk() is None  # [1] is being verified: keep filling the next chunk
+    draft.record_proposal(5)
+    assert draft.ready_chunk() == (1, [2, 3, 4, 5])
+    for t in [6, 7]:
+        draft.record_proposal(t)
+    assert draft.on_verdict(0, 1, -1, False, Mode.OPTIMISTIC) is False
+    assert draft.ready_chunk() is None  # [2..5] still in flight
+    draft.on_verdict(0, 5, -1, False, Mode.OPTIMISTIC)
+    assert draft.target_idle()
+    assert draft.ready_chunk() == (5, [6, 7])  # all verified: what is drafted goes now, not after 2 more steps
+
+    patient = DraftMachine(gamma=4, lookahead=8, eager_when_idle=False)
+    patient.record_proposal(1)
+    assert patient.ready_chunk() is None and patient.ready_chunk(flush=True) == (0, [1])
+
+
+def test_target_that_fed_its_own_token_verifies_the_next_chunk_with_the_kept_row():
+    target = TargetMachine(max_new_tokens=20, eos_token_ids=frozenset())
+    assert target.on_chunk(0, 0, 3) == Verify(start=0, use_kept_row=True)  # the prefill's row
+    v = target.on_verified([1, 2, 3], 1, 9)
+    assert v.rollback and not target.holds_next_row
+    assert target.on_chunk(1, 2, 1) == Verify(start=2, use_kept_row=False)  # must feed 9 first
+    target.on_row_fed()  # ... unless it fed 9 while waiting
+    assert target.on_chunk(1, 2, 1) == Verify(start=2, use_kept_row=True)
+    assert target.on_verified([5], 1, -1).committed_len == 3 and target.committed == [1, 9, 5]
