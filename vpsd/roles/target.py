@@ -178,24 +178,13 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
         if verdict.rollback:
             stats.rollbacks += 1
             mark("rollback", item=item.id, epoch=verdict.epoch, committed=verdict.committed_len)
-        with span("send", item=item.id, what="verdict", epoch=verdict.epoch, committed=verdict.committed_len):
-            ctx.send(
-                "draft",
-                VerifyResult(item.id, verdict.epoch, verdict.start, verdict.num_accepted, verdict.next_token,
-                             verdict.committed_len, verdict.mode.value, verdict.rollback),
-            )
+        ctx.send(
+            "draft",
+            VerifyResult(item.id, verdict.epoch, verdict.start, verdict.num_accepted, verdict.next_token,
+                         verdict.committed_len, verdict.mode.value, verdict.rollback),
+        )
         if with_target_probs:  # TABED soft labels: p at the verified positions (pipeline/ensemble.py)
             _send_target_probs(ctx, probs_from_logits(rows[: v.num_accepted + int(not v.all_accepted)], dec.temperature))
-        if verdict.rollback and not verdict.done:
-            # No chunk of the new epoch can be here yet (the draft learns of the rollback from the verdict
-            # just sent): feed our own token while the draft rolls back and drafts, instead of waiting
-            # and then feeding it together with the draft's first token.
-            with span("rollback", item=item.id, epoch=verdict.epoch, committed=verdict.committed_len):
-                length, pending = cursor.sync(machine.committed)
-                target.rollback(pre.state, length)
-                kept_row = target.step(pre.state, torch.tensor(pending))[-1]
-                cursor.feed(pending)
-                machine.on_row_fed()
     return DecodeResult(token_ids=machine.output(), stats=stats)
 
 
