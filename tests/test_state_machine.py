@@ -44,11 +44,9 @@ def verify(prefix: list[int], chunk: list[int]) -> tuple[int, int]:
     schedule=st.lists(st.integers(0, 3), min_size=50, max_size=400),
     wrong=st.lists(st.booleans(), min_size=1, max_size=64),
     eager=st.booleans(),
-    feed_row=st.booleans(),
 )
-def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager, feed_row):
-    """eager: the draft sends short chunks when the target is idle; feed_row: the target feeds its own token
-    after a rejection while it waits (roles/target.py does)."""
+def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager):
+    """eager: the draft also sends short chunks when the target is idle (DraftMachine.eager_when_idle)."""
     target = TargetMachine(max_new_tokens=max_new, eos_token_ids=frozenset({EOS}))
     draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead, eager_when_idle=eager)
     to_target: deque = deque()
@@ -81,8 +79,6 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
                 v = target.on_verified(tokens, n, nxt)
                 modes_seen.add(v.mode)
                 to_draft.append(v)
-                if v.rollback and feed_row:
-                    target.on_row_fed()
             else:
                 assert isinstance(decision, Drop)
         elif action == 3 and to_draft:
@@ -120,7 +116,7 @@ def test_rejection_switches_to_conservative_and_sends_the_first_token_alone():
 
 
 def test_eager_draft_sends_a_short_chunk_only_when_the_target_is_idle():
-    draft = DraftMachine(gamma=4, lookahead=8)  # eager_when_idle by default
+    draft = DraftMachine(gamma=4, lookahead=8, eager_when_idle=True)
     draft.record_proposal(1)
     assert draft.ready_chunk() == (0, [1])  # nothing in flight (item start): the target waits for us
     for t in [2, 3, 4]:
@@ -140,13 +136,3 @@ def test_eager_draft_sends_a_short_chunk_only_when_the_target_is_idle():
     patient.record_proposal(1)
     assert patient.ready_chunk() is None and patient.ready_chunk(flush=True) == (0, [1])
 
-
-def test_target_that_fed_its_own_token_verifies_the_next_chunk_with_the_kept_row():
-    target = TargetMachine(max_new_tokens=20, eos_token_ids=frozenset())
-    assert target.on_chunk(0, 0, 3) == Verify(start=0, use_kept_row=True)  # the prefill's row
-    v = target.on_verified([1, 2, 3], 1, 9)
-    assert v.rollback and not target.holds_next_row
-    assert target.on_chunk(1, 2, 1) == Verify(start=2, use_kept_row=False)  # must feed 9 first
-    target.on_row_fed()  # ... unless it fed 9 while waiting
-    assert target.on_chunk(1, 2, 1) == Verify(start=2, use_kept_row=True)
-    assert target.on_verified([5], 1, -1).committed_len == 3 and target.committed == [1, 9, 5]

@@ -9,16 +9,12 @@ the verification it commits tokens and returns what to tell the draft.
     not sampled, and verifies the first token of the next chunk (PEARL's post-verify). Mode: optimistic.
   - rejected at i: commit the accepted prefix and the target's own token, bump the epoch (every chunk
     drafted before this moment is now stale) and tell the draft to roll back. Mode: conservative.
-    The target then has nothing to verify until the draft has rolled back and drafted the first
-    token (a draft forward or two, plus two messages), so it feeds its own token meanwhile
-    (`on_row_fed`): the row for the first token is then ready when that token arrives, and verifying
-    it costs one single-token forward instead of a forward of two tokens after the wait.
 
 DraftMachine keeps the draft's speculative sequence (committed tokens it knows + its own proposals),
 decides how large the next chunk is and how far ahead it may draft, and applies verdicts:
   - optimistic mode (post-verify): chunks of gamma tokens, drafting the next chunk while the current
-    one is verified, up to `lookahead` tokens past the last confirmed position; a shorter chunk only
-    when the target has nothing left to verify (it would otherwise sit idle while the chunk fills up);
+    one is verified, up to `lookahead` tokens past the last confirmed position (optionally a shorter
+    chunk when the target has nothing left to verify: `eager_when_idle`);
   - conservative mode (pre-verify): after a rollback the first token goes out alone, so the target can
     verify it while the draft continues; a rejection aborts the rest at once.
   - synchronous prefill: the draft starts drafting from its own prefill (position 0) before the target
@@ -120,11 +116,6 @@ class TargetMachine:
             done=self.done,
         )
 
-    def on_row_fed(self) -> None:
-        """The target fed its committed tokens while it had nothing to verify: it now holds the row for
-        position len(committed) (the next chunk's first token is verified with it, as after all-accepted)."""
-        self.holds_next_row = True
-
     def output(self) -> list[int]:
         """The committed tokens cut where plain decoding stops (max_new_tokens, first EOS inclusive)."""
         out = self.committed[: self.max_new_tokens]
@@ -144,8 +135,11 @@ class DraftMachine:
     epoch: int = 0
     mode: Mode = Mode.OPTIMISTIC
     chunk_sizes: list[int] = field(default_factory=list)  # sizes of the chunks still to send this block
-    # Send what is drafted at once when the target has nothing in flight (see ready_chunk).
-    eager_when_idle: bool = True
+    # Send what is drafted at once when the target has nothing in flight (see ready_chunk). Off by default:
+    # it makes more, shorter rounds, and on a CPU the target's forward costs about the same for 1 token as
+    # for gamma, so where the target's core is contended (2 cores shared with a training job) the extra
+    # forwards cost more than the idle time they save. Config: extra `eager_when_idle: true`.
+    eager_when_idle: bool = False
 
     def __post_init__(self) -> None:
         if self.lookahead < self.gamma:

@@ -81,7 +81,8 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     temperature = cfg.decoding.temperature
     with_target_probs = verdicts_carry_target_probs(method.draft, tabed_section, temperature)
     gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
-    machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma))
+    machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma),
+                           eager_when_idle=bool(cfg.extra.get("eager_when_idle", False)))
     cursor = CacheCursor(drafter.length)
     eos = set(draft.eos_token_ids)
     probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
@@ -123,7 +124,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                         drafter.rollback(length)
                         drafter.feed(pending)
                         cursor.feed(pending)
-        # 2. Everything ready goes out (a verdict may have left the target idle: see ready_chunk).
+        # 2. Everything ready goes out.
         send_ready()
         # 3. Draft one more token, or wait for the target.
         if machine.may_draft() and not stopped():
