@@ -43,10 +43,12 @@ def verify(prefix: list[int], chunk: list[int]) -> tuple[int, int]:
     max_new=st.integers(1, 30),
     schedule=st.lists(st.integers(0, 3), min_size=50, max_size=400),
     wrong=st.lists(st.booleans(), min_size=1, max_size=64),
+    eager=st.booleans(),
 )
-def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong):
+def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager):
+    """eager: the draft also sends short chunks when the target is idle (DraftMachine.eager_when_idle)."""
     target = TargetMachine(max_new_tokens=max_new, eos_token_ids=frozenset({EOS}))
-    draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead)
+    draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead, eager_when_idle=eager)
     to_target: deque = deque()
     to_draft: deque = deque()
     modes_seen = set()
@@ -64,6 +66,10 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
         elif action == 1:
             chunk = draft.ready_chunk()
             if chunk is not None:
+                start, tokens = chunk
+                # Chunks are gamma long, but the first after a rollback (1) and, when eager, any chunk sent
+                # while nothing was in flight; never longer than gamma.
+                assert 1 <= len(tokens) <= gamma
                 to_target.append((draft.epoch, *chunk))
         elif action == 2 and to_target:
             epoch, start, tokens = to_target.popleft()
@@ -106,4 +112,27 @@ def test_rejection_switches_to_conservative_and_sends_the_first_token_alone():
     v = target.on_verified([5], 1, -1)
     assert (v.rollback, v.mode, v.next_token) == (False, Mode.OPTIMISTIC, -1)
     assert target.holds_next_row  # the bonus row verifies the next chunk's first token
+
+
+
+def test_eager_draft_sends_a_short_chunk_only_when_the_target_is_idle():
+    draft = DraftMachine(gamma=4, lookahead=8, eager_when_idle=True)
+    draft.record_proposal(1)
+    assert draft.ready_chunk() == (0, [1])  # nothing in flight (item start): the target waits for us
+    for t in [2, 3, 4]:
+        draft.record_proposal(t)
+    assert draft.ready_chunk() is None  # [1] is being verified: keep filling the next chunk
+    draft.record_proposal(5)
+    assert draft.ready_chunk() == (1, [2, 3, 4, 5])
+    for t in [6, 7]:
+        draft.record_proposal(t)
+    assert draft.on_verdict(0, 1, -1, False, Mode.OPTIMISTIC) is False
+    assert draft.ready_chunk() is None  # [2..5] still in flight
+    draft.on_verdict(0, 5, -1, False, Mode.OPTIMISTIC)
+    assert draft.target_idle()
+    assert draft.ready_chunk() == (5, [6, 7])  # all verified: what is drafted goes now, not after 2 more steps
+
+    patient = DraftMachine(gamma=4, lookahead=8, eager_when_idle=False)
+    patient.record_proposal(1)
+    assert patient.ready_chunk() is None and patient.ready_chunk(flush=True) == (0, [1])
 

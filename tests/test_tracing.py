@@ -305,3 +305,21 @@ def test_main_writes_timeline_and_breakdown(run_dir, capsys):
     assert png_size(run_dir / "v2.png")[0] == 1440
     assert timeline.main([str(run_dir), "--item", "nope"]) == 1
     assert timeline.main([str(run_dir / "empty")]) == 1
+
+
+def test_spans_written_directly_match_structlog_lines_and_follow_reconfiguration(tmp_path):
+    """Spans and marks skip structlog's chain when writing to a trace file (vpsd.tracing's fast path):
+    the same keys in the same order as the chain writes; captured like any event under capture_logs."""
+    configure_tracing(tmp_path, "draft", 1)
+    with span("draft_step", item="a", pos=np.int64(3)) as fields:
+        fields["accepted"] = np.float32(0.5)
+    mark("rollback", item="a", epoch=2)
+    get_logger().debug("span", name="draft_step", t0=1.0, dur=0.5, item="a", pos=3)  # through the chain
+    with capture_logs() as logs:
+        with span("verify", item="a"):
+            pass
+    direct, marked, chained = read_lines(trace_path(tmp_path, "draft", 1))
+    assert list(direct) == list(chained) + ["accepted"]
+    assert (direct["pos"], direct["accepted"], direct["level"], direct["role"], direct["rank"]) == (3, 0.5, "debug", "draft", 1)
+    assert list(marked) == ["event", "level", "role", "rank", "t", "name", "t0", "item", "epoch"]
+    assert [(e["event"], e["name"]) for e in logs] == [("span", "verify")]

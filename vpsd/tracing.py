@@ -27,14 +27,19 @@ Contract:
   video_wait (vpsd.video.prefetch; video_read and preprocess run on its thread); marks: rollback,
   mode_switch. `vpsd.launch.timeline` reads these lines back.
 - Spans and marks are debug events: they are trace data, not messages for a person, so they never reach
-  stderr.
+  stderr. With a trace file they skip structlog's processor chain and are written straight to it (same
+  line, same keys, same order): that chain costs ~40 us per event, i.e. ~5% of a 0.8 ms draft step and
+  about a tenth of a millisecond per round on each side. Whenever structlog has been reconfigured
+  since (structlog.testing.capture_logs, say) they go through structlog as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -48,6 +53,7 @@ _STDERR_LEVEL_WITH_FILE = 30
 _STDERR_LEVEL_ALONE = 20
 
 _trace_file: IO[str] | None = None
+_direct: "_DirectWriter | None" = None  # the fast path of spans and marks (see the module doc)
 
 
 def trace_path(out_dir: Path, role: str, rank: int) -> Path:
@@ -57,7 +63,7 @@ def trace_path(out_dir: Path, role: str, rank: int) -> Path:
 
 def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
     """Send every structlog event of this process to the rank's JSON-lines trace (see module doc)."""
-    global _trace_file
+    global _trace_file, _direct
     close_tracing()
     identity = _Identity(role, rank)
     shared = [
@@ -73,11 +79,10 @@ def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Line-buffered: each JSON line reaches the OS as it is written, so a crash loses nothing.
         _trace_file = open(path, "a", buffering=1, encoding="utf-8")
-        processors = shared + [
-            _StderrLine(identity.prefix, _STDERR_LEVEL_WITH_FILE, drop=False),
-            structlog.processors.JSONRenderer(default=_jsonable),
-        ]
+        renderer = structlog.processors.JSONRenderer(default=_jsonable)
+        processors = shared + [_StderrLine(identity.prefix, _STDERR_LEVEL_WITH_FILE, drop=False), renderer]
         factory = structlog.WriteLoggerFactory(file=_trace_file)
+        _direct = _DirectWriter(_trace_file, role, rank, renderer)
     # No logger caching: module-level proxies must follow a later reconfiguration (tests, restarts).
     structlog.configure(
         processors=processors,
@@ -89,7 +94,8 @@ def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
 
 def close_tracing() -> None:
     """Close the trace file, if any, and put structlog back to its defaults."""
-    global _trace_file
+    global _trace_file, _direct
+    _direct = None
     if _trace_file is not None:
         _trace_file.close()
         _trace_file = None
@@ -115,12 +121,50 @@ def span(name: str, **fields: Any) -> Iterator[dict[str, Any]]:
         fields["error"] = f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        get_logger().debug("span", name=name, t0=t0, dur=time.perf_counter() - start, **fields)
+        dur = time.perf_counter() - start
+        direct = _direct
+        if direct is None or not direct.write("span", {"name": name, "t0": t0, "dur": dur}, fields):
+            get_logger().debug("span", name=name, t0=t0, dur=dur, **fields)
 
 
 def mark(name: str, **fields: Any) -> None:
     """Log an instant event (rollback, mode switch) at the current time."""
-    get_logger().debug("mark", name=name, t0=time.time(), **fields)
+    t0 = time.time()
+    direct = _direct
+    if direct is None or not direct.write("mark", {"name": name, "t0": t0}, fields):
+        get_logger().debug("mark", name=name, t0=t0, **fields)
+
+
+class _DirectWriter:
+    """Writes span and mark lines to the trace file without structlog's processor chain.
+
+    The line is the one the chain would render (keys event, level, role, rank, t, then the event's own).
+    `write` returns False, writing nothing, when the chain must handle the event: structlog was
+    reconfigured since (its last processor is no longer our renderer) or a field would collide with a
+    key of the line's head.
+    """
+
+    _HEAD = frozenset(("event", "level", "role", "rank", "t", "name", "t0", "dur"))
+
+    def __init__(self, file: IO[str], role: str, rank: int, renderer: Any) -> None:
+        self.file, self.role, self.rank, self.renderer = file, role, rank, renderer
+        self.encode = json.JSONEncoder(default=_jsonable).encode
+        try:  # the lock structlog's WriteLogger holds for this file, so lines of both never interleave
+            from structlog._output import _get_lock_for_file
+
+            self.lock = _get_lock_for_file(file)
+        except (ImportError, AttributeError):
+            self.lock = threading.Lock()
+
+    def write(self, event: str, head: dict[str, Any], fields: dict[str, Any]) -> bool:
+        processors = structlog.get_config()["processors"]
+        if not processors or processors[-1] is not self.renderer or not self._HEAD.isdisjoint(fields):
+            return False
+        line = self.encode({"event": event, "level": "debug", "role": self.role, "rank": self.rank,
+                            "t": time.time(), **head, **fields})
+        with self.lock:
+            self.file.write(line + "\n")
+        return True
 
 
 class _Identity:

@@ -81,7 +81,8 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     temperature = cfg.decoding.temperature
     with_target_probs = verdicts_carry_target_probs(method.draft, tabed_section, temperature)
     gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
-    machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma))
+    machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma),
+                           eager_when_idle=bool(cfg.extra.get("eager_when_idle", False)))
     cursor = CacheCursor(drafter.length)
     eos = set(draft.eos_token_ids)
     probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
@@ -89,6 +90,16 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     def stopped() -> bool:
         seq = machine.sequence
         return len(seq) >= job.max_new_tokens or (bool(seq) and seq[-1] in eos)
+
+    def send_ready() -> None:
+        while (chunk := machine.ready_chunk(flush=stopped())) is not None:
+            start, tokens = chunk
+            has_probs = temperature > 0
+            with span("send", item=job.item_id, what="chunk", start=start, tokens=len(tokens), epoch=machine.epoch):
+                ctx.send("target", DraftChunk(job.item_id, machine.epoch, start, tokens, has_probs))
+            if has_probs:
+                q = torch.stack([probs[start + i] for i in range(len(tokens))])
+                ctx.tensors.send(ctx.ranks["target"], [q], tag="draft_probs", epoch=machine.epoch).wait()
 
     while True:
         # 1. Verdicts first: a rollback must abort drafting at once.
@@ -114,13 +125,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                         drafter.feed(pending)
                         cursor.feed(pending)
         # 2. Everything ready goes out.
-        while (chunk := machine.ready_chunk(flush=stopped())) is not None:
-            start, tokens = chunk
-            has_probs = temperature > 0
-            ctx.send("target", DraftChunk(job.item_id, machine.epoch, start, tokens, has_probs))
-            if has_probs:
-                q = torch.stack([probs[start + i] for i in range(len(tokens))])
-                ctx.tensors.send(ctx.ranks["target"], [q], tag="draft_probs", epoch=machine.epoch).wait()
+        send_ready()
         # 3. Draft one more token, or wait for the target.
         if machine.may_draft() and not stopped():
             pos = len(machine.sequence)
@@ -129,6 +134,10 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                 if q is not None:
                     probs[pos] = q
                 machine.record_proposal(token)
+                # The token is known before the forward that feeds it: send the chunk it completes now, so the
+                # target verifies while we feed (the feed only prepares the NEXT proposal; sending after it
+                # kept a waiting target idle one more draft step per round).
+                send_ready()
                 drafter.feed([token])
                 cursor.feed([token])
         else:
