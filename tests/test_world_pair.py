@@ -1,0 +1,74 @@
+"""The embedded default pair (checkpoints/world_qwen2_5_vl): loadable through its config, describes held-out
+videos, and its draft agrees with it; plus the evaluation's word accuracy on hand-checked cases."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vpsd.config import PruningConfig, load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.keep import keep_policy_for
+from vpsd.decoders.sd import decode_sd
+from vpsd.models.registry import load_adapter
+from vpsd.video.item import load_item_frames
+from vpsd.world.evaluate import word_accuracy
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
+EXAMPLES = ROOT / "examples" / "world" / "manifest.jsonl"
+# Measured on the shipped weights (python -m vpsd.world.evaluate; README): a floor that catches a broken
+# checkpoint, loader or preprocessing, not a claim of quality.
+WORD_ACCURACY_FLOOR = 0.6
+
+
+def test_word_accuracy_by_hand():
+    ref = "a red circle moves left."
+    assert word_accuracy(ref, ref) == 1.0
+    assert word_accuracy("a blue circle moves left.", ref) == pytest.approx(1 - 1 / 6)  # one substitution of 6 words
+    assert word_accuracy("a red circle left.", ref) == pytest.approx(1 - 1 / 6)  # one deletion
+    assert word_accuracy("", ref) == 0.0
+
+
+def test_config_paths_are_relative_to_the_config_file(tmp_path):
+    cfg = load_config(CONFIG)
+    assert Path(cfg.target.path) == ROOT / "checkpoints" / "world_qwen2_5_vl" / "target"
+    moved = load_config(CONFIG, {"target.path": "elsewhere"})  # an override stays as the user wrote it
+    assert moved.target.path == "elsewhere"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = load_config(CONFIG)
+    target = load_adapter(cfg.family, cfg.target)
+    draft = load_adapter(cfg.family, cfg.draft)
+    return cfg, target, draft
+
+
+def test_shipped_weights_are_small_and_share_one_tokenizer(pair):
+    cfg, target, draft = pair
+    size = sum(f.stat().st_size for f in (ROOT / "checkpoints").rglob("*.safetensors"))
+    assert size <= 20 * 2**20
+    assert target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+    assert sum(p.numel() for p in draft.model.parameters()) < sum(p.numel() for p in target.model.parameters()) / 3
+
+
+def test_target_describes_held_out_videos_and_draft_agrees(pair):
+    """Held-out example videos: captions mostly right word for word, and the draft agrees often enough that
+    serial speculation without pruning accepts at least 2.5 tokens per round (issue 6's bar), losslessly."""
+    cfg, target, draft = pair
+    items = [json.loads(line) for line in EXAMPLES.read_text().splitlines()][:4]
+    greedy = replace(cfg.decoding, temperature=0.0)
+    accuracy, mats = [], []
+    for item in items:
+        frames = load_item_frames(EXAMPLES.parent / item["video"], cfg.video.num_frames, None, None)
+        ar = decode_ar(target, frames, item["prompt"], greedy)
+        text = target.tokenizer.decode(ar.token_ids, skip_special_tokens=True).strip()
+        accuracy.append(word_accuracy(text, item["reference"]))
+        none = PruningConfig(strategy="none", ratio=0.0)
+        sd = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(none), none)
+        assert sd.token_ids == ar.token_ids
+        mats.append(sd.stats.mean_accepted_tokens)
+    assert sum(accuracy) / len(accuracy) >= WORD_ACCURACY_FLOOR, accuracy
+    assert sum(mats) / len(mats) >= 2.5, mats
