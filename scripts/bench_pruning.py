@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from vpsd.config import DecodingConfig, RunConfig, load_config  # noqa: E402
+from vpsd.tracing import configure_tracing  # noqa: E402
 from vpsd.decoders.ar import decode_ar  # noqa: E402
 from vpsd.decoders.sd import decode_sd  # noqa: E402
 from vpsd.launch.kept_log import FILENAME, KeptRecord, append_kept  # noqa: E402
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed select calls per item and strategy (best kept)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     args = p.parse_args(argv)
+    configure_tracing(None, "bench_pruning", 0)  # the decoders' spans are trace data, not console output
 
     overrides = {}
     for kv in args.set:
