@@ -5,7 +5,7 @@
 #        but leaves the towers blind to shapes; 2-3: plus the per-token auxiliary vision loss.
 #   4:   7-pixel patches merged 4x4 (same 28-pixel LM tokens): fresh towers, the language models kept;
 #        a linear probe had shown the 14-pixel tower could not encode shape.
-# Wall time on the 2-core CPU machine, shared with other jobs: about 14 + 20 + 5 + 45 min.
+# Wall time on the 2-core CPU machine, shared with other jobs: about 14 + 20 + 5 + 48 min (85 min).
 #   Usage: ./scripts/train_world.sh [OUT_DIR]   (default checkpoints/world_qwen2_5_vl; phases under OUT_DIR/phases)
 set -euo pipefail
 cd "$(dirname "$0")/.."
