@@ -25,6 +25,7 @@ import yaml
 from vpsd.config import RunConfig, load_config
 from vpsd.launch.batch import run_batch
 from vpsd.models.registry import load_adapter
+from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.methods import get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
@@ -69,7 +70,21 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides["decoding.gamma"] = args.gamma
     if args.temperature is not None:
         overrides["decoding.temperature"] = args.temperature
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    check_method_settings(method, cfg)
+    return cfg
+
+
+def check_method_settings(method, cfg: RunConfig) -> None:
+    """Settings only one method reads, checked at launch: a bad one must stop the job before any rank
+    loads a model, not crash the draft role on the first item."""
+    try:
+        if method.draft == "views":
+            TabedConfig.from_dict(cfg.extra.get("tabed"))
+        if method.draft == "sparse_kv" and cfg.pruning.strategy != "none":
+            raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"vpsd: method {method.name}: {e}") from None
 
 
 def role_ranks(cfg: RunConfig) -> dict[str, int]:
