@@ -35,9 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
-from vpsd.config import DecodingConfig, RunConfig, load_config  # noqa: E402
+from vpsd.config import DecodingConfig, RunConfig, load_config, parse_overrides  # noqa: E402
 from vpsd.tracing import configure_tracing  # noqa: E402
 from vpsd.decoders.ar import decode_ar  # noqa: E402
 from vpsd.decoders.sd import decode_sd  # noqa: E402
@@ -157,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     configure_tracing(None, "bench_pruning", 0)  # the decoders' spans are trace data, not console output
 
-    overrides = {}
-    for kv in args.set:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"--set needs KEY=VALUE, got {kv!r}")
-        overrides[key] = yaml.safe_load(value)
+    overrides = parse_overrides(args.set)
     if args.ratio is not None:
         overrides["pruning.ratio"] = args.ratio
     cfg = load_config(args.config, overrides)

@@ -99,6 +99,17 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     )
 
 
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` arguments as load_config overrides; values are YAML ("4" -> 4, "self" -> "self")."""
+    overrides = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--set needs KEY=VALUE, got {kv!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Reads a YAML config; `overrides` maps dotted keys ("decoding.gamma") to values.
 

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Mapping
 
 import torch.distributed as dist
-import yaml
 
-from vpsd.config import RunConfig, load_config
+from vpsd.config import RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
@@ -56,12 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     method = get_method(args.method)
-    overrides = {}
-    for kv in args.set:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"--set needs KEY=VALUE, got {kv!r}")
-        overrides[key] = yaml.safe_load(value)
+    overrides = parse_overrides(args.set)
     overrides["pruning.strategy"] = args.pruning or method.default_strategy
     ratio = args.ratio if args.ratio is not None else method.default_ratio
     if ratio is not None:

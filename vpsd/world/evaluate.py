@@ -18,7 +18,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from vpsd.config import PruningConfig, RunConfig, load_config
+from vpsd.config import PruningConfig, RunConfig, load_config, parse_overrides
 from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. target.path=DIR")
     p.add_argument("--json", type=Path, help="write items and summary here")
     a = p.parse_args(argv)
-    overrides = dict(kv.split("=", 1) for kv in a.set)
-    cfg = load_config(a.config, overrides)
+    cfg = load_config(a.config, parse_overrides(a.set))
     configure_tracing(None, "evaluate", 0)  # spans of the decoders are trace data, not console output
     report = evaluate(cfg, a.workdir, a.count)
     s = report["summary"]
