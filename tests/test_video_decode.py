@@ -6,7 +6,6 @@ says which source frame it is (see tests/media.py).
 
 from __future__ import annotations
 
-import math
 import pickle
 
 import numpy as np
