@@ -1,5 +1,6 @@
-"""`vpsd bias` on a real torchrun run: the pruner's kept.jsonl holds the kept sets the strategy picks, and the
-report's numbers are their boundary shares."""
+"""`vpsd bias` on a real torchrun run: kept.jsonl holds the kept sets the strategy picks (written by the
+pruner rank in a parallel run, by the target rank in a serial one), and the report's numbers are their
+boundary shares."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from vpsd.video.item import load_item_frames
 pytestmark = pytest.mark.torchrun
 
 
-def test_bias_report_of_an_attention_only_run(tmp_path_factory):
+@pytest.mark.parametrize("method", ["hippo", "specvlm"])
+def test_bias_report_of_an_attention_only_run(tmp_path_factory, method):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
-    out = tmp_path_factory.mktemp("bias-run")
-    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, "hippo", "--pruning", "attn", "--set", "pruning.layers=2")
+    out = tmp_path_factory.mktemp(f"bias-run-{method}")
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, method, "--pruning", "attn", "--set", "pruning.layers=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r.item_id: r for r in read_kept(out)}
     assert set(records) == set(results(out))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.stats import AcceptanceStats
 
 
@@ -16,6 +19,10 @@ class DecodeResult:
     num_kept: int | None = None  # video tokens the draft saw (None: no draft)
     num_video_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # finer spans (vision, prune, draft, verify)
+    # The video tokens a pruned-input draft saw and the layout that places them (serial runs log them to
+    # kept.jsonl as the pruner rank does for parallel ones); None when no draft was pruned by index.
+    kept: torch.Tensor | None = None
+    layout: VideoTokenLayout | None = None
 
     @property
     def wall_s(self) -> float:

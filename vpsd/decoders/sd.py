@@ -89,6 +89,8 @@ def decode_sd(
         decode_s=time.perf_counter() - t1,
         num_kept=int(keep.numel()) if keep is not None else d_emb.layout.num_tokens,
         num_video_tokens=t_emb.layout.num_tokens,
+        kept=keep if keep is not None else torch.arange(t_emb.layout.num_tokens),
+        layout=t_emb.layout,
     )
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
+from vpsd.launch.kept_log import KeptRecord, append_kept
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
@@ -56,7 +58,13 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
     frames = item.frames
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
-            return decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
+            result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
+        if result.kept is not None and ctx.extra.get("out"):
+            # The pruner rank logs a parallel run's kept tokens; a serial run chose them here.
+            ratio = 0.0 if cfg.pruning.strategy == "none" else cfg.pruning.ratio
+            append_kept(Path(ctx.extra["out"]),
+                        KeptRecord(item.id, cfg.pruning.strategy, ratio, result.kept, result.layout))
+        return result
     return _decode_parallel(ctx, target, frames, item, dec)
 
 
