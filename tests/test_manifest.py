@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import media
-from vpsd.launch.manifest import ManifestError, ManifestItem, check_manifest, load_manifest, main
+from vpsd.launch.manifest import ManifestError, ManifestItem, Shard, check_manifest, load_manifest, main
 from vpsd.video import read_video
 
 
@@ -180,3 +180,31 @@ def test_module_runs_as_a_command(data_dir):
     )
     assert result.returncode == 1
     assert result.stdout == f"{manifest}:1: missing field 'prompt'\n0 items ok, 1 problems\n"
+
+
+def test_shards_deal_every_entry_to_exactly_one_job(tmp_path):
+    """--shard I/N: items and bad lines dealt round-robin in line order; blank and comment lines take no turn."""
+    video = tmp_path / "v.mp4"
+    video.write_bytes(b"x")
+    lines = []
+    for k in range(7):
+        lines.append(json.dumps({"id": f"i{k}", "video": "v.mp4", "prompt": "p"}))
+        if k == 2:
+            lines += ["", "# a comment", "{not json"]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    items, problems = load_manifest(manifest)
+    assert len(items) == 7 and len(problems) == 1
+    shards = [Shard.parse(f"{i}/3").select(items, problems) for i in range(3)]
+    # Entries in line order: i0 i1 i2 <bad> i3 i4 i5 i6 -> shard 0: i0 <bad> i5, 1: i1 i3 i6, 2: i2 i4.
+    assert [[it.id for it in s[0]] for s in shards] == [["i0", "i5"], ["i1", "i3", "i6"], ["i2", "i4"]]
+    assert [len(s[1]) for s in shards] == [1, 0, 0]
+    assert Shard.parse("0/1").select(items, problems) == (items, problems)
+
+
+@pytest.mark.parametrize("text", ["3/3", "-1/2", "1", "a/b", "1/0"])
+def test_bad_shard_is_refused_at_launch(text):
+    from vpsd.launch.entry import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "c", "--manifest", "m", "--out", "o", "--shard", text])

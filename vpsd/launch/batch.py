@@ -108,6 +108,8 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
     done = results.resume(method, retry_failed=args.retry_failed)
     (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
     items, problems = load_manifest(args.manifest, check_files=False)
+    if args.shard is not None:
+        items, problems = args.shard.select(items, problems)
     problem_ids = [f"line:{p.line}" for p in problems]
     progress = Progress(total=len(items) + len(problems),
                         initial=sum(i in done for i in [it.id for it in items] + problem_ids),

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from vpsd.config import RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
+from vpsd.launch.manifest import Shard
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.methods import get_method
@@ -48,9 +49,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set draft=self --set video.num_frames=16")
     p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help="run only shard I (0-based) of N of the manifest, for independent jobs splitting it; "
+                        "give each its own --out")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
     return p.parse_args(argv)
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:

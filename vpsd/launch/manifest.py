@@ -219,6 +219,37 @@ def load_manifest(
     return items, problems
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Part `index` (0-based) of `count`, for independent jobs that split one manifest (`--shard I/N`).
+
+    The entries of the manifest (its items and its problem lines, in line order) are dealt round-robin:
+    entry j belongs to shard j % count. Every entry lands in exactly one shard, shards differ in size
+    by at most one, and a bad line is reported by the one shard that holds it."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index}/{self.count}: need 0 <= I < N")
+
+    @staticmethod
+    def parse(text: str) -> "Shard":
+        try:
+            index, count = (int(v) for v in text.split("/"))
+        except ValueError:
+            raise ValueError(f"shard {text!r}: expected I/N, e.g. 0/4") from None
+        return Shard(index, count)
+
+    def select(
+        self, items: list[ManifestItem], problems: list[ManifestProblem]
+    ) -> tuple[list[ManifestItem], list[ManifestProblem]]:
+        entries = sorted([*items, *problems], key=lambda e: e.line)
+        mine = {e.line for j, e in enumerate(entries) if j % self.count == self.index}
+        return [i for i in items if i.line in mine], [p for p in problems if p.line in mine]
+
+
 def check_manifest(path: str | os.PathLike[str], *, check_files: bool = True) -> int:
     """Print every problem as `path:line: message` and a summary; 0 if the manifest is usable,
     1 if it has problems or no items, 2 if it cannot be read."""
