@@ -12,7 +12,7 @@ import pytest
 from vpsd.world.caption import LOCATIONS, PROMPTS, VOCABULARY, caption, location, words
 from vpsd.world.dataset import main, make_example, write_manifest, write_video
 from vpsd.world.render import render
-from vpsd.world.scene import COLOURS, EVENT_KINDS, Scene, SceneObject, event_window, sample_scene
+from vpsd.world.scene import CELL_MARGIN, COLOURS, EVENT_KINDS, LATTICE, Scene, SceneObject, event_window, sample_scene
 
 SEEDS = range(200)
 
@@ -75,6 +75,49 @@ def test_objects_appear_anywhere_including_the_centre() -> None:
     starts = [o.start for seed in SEEDS for o in sample_scene(seed).objects]
     assert any(location(x, y) == "in the middle" for x, y in starts)
     assert {location(x, y) for x, y in starts} == {loc for row in LOCATIONS for loc in row}
+
+
+def test_centres_sit_on_the_pixel_lattice_and_moving_objects_move() -> None:
+    moved = 0
+    for seed in SEEDS:
+        scene = sample_scene(seed)
+        for obj in scene.objects:
+            for t in range(scene.num_frames):
+                x, y = obj.centre(t)
+                for v, side in ((x, scene.width), (y, scene.height)):
+                    offset = v * side - LATTICE / 2  # a lattice cell's centre is half a step past its corner
+                    assert offset / LATTICE == pytest.approx(round(offset / LATTICE), abs=1e-9)
+            if obj.motion != "still":
+                moved += obj.centre(0) != obj.centre(scene.num_frames - 1)
+            else:
+                assert obj.centre(0) == obj.centre(scene.num_frames - 1)
+    assert moved > 50
+
+
+def test_a_moving_object_shifts_a_lattice_step_within_every_two_frames() -> None:
+    """So each temporal pair of vision patches (frames 2 apart when 8 of 16 are sampled) shows the motion."""
+    for seed in SEEDS:
+        scene = sample_scene(seed)
+        for obj in scene.objects:
+            if obj.motion == "still":
+                continue
+            for t in range(scene.num_frames - 2):
+                if obj.visible(t) and obj.visible(t + 2):
+                    (x0, y0), (x1, y1) = obj.centre(t), obj.centre(t + 2)
+                    shift = max(abs(x1 - x0) * scene.width, abs(y1 - y0) * scene.height)
+                    assert shift >= LATTICE - 1e-6
+
+
+def test_an_appearing_object_is_far_from_the_lines_between_thirds() -> None:
+    """Its location word must hold where the sampled frames first show it, a lattice step or two later."""
+    seen = 0
+    for seed in SEEDS:
+        for obj in sample_scene(seed).objects:
+            if obj.event and obj.event.kind == "appears":
+                seen += 1
+                for v in obj.centre(obj.first_frame):
+                    assert min(abs(v - 1 / 3), abs(v - 2 / 3)) >= CELL_MARGIN
+    assert seen > 20
 
 
 def test_colours_unique_so_definite_references_are_unambiguous() -> None:

@@ -55,7 +55,7 @@ def caption(scene: Scene) -> str:
     texture = "textured" if bg.textured else "plain"
     sentences = [f"there {verb} {NUMBERS[count - 1]} {noun} on a {texture} {bg.colour} background"]
 
-    initial = sorted((o for o in objects if o.first_frame == 0), key=lambda o: (o.start[0], o.start[1]))
+    initial = sorted((o for o in objects if o.first_frame == 0), key=lambda o: o.centre(0))
     sentences += [f"{_indefinite(o)} {MOTION_PHRASES[o.motion]}" for o in initial]
 
     # Stable sort: simultaneous events keep scene order, so the caption is a function of the scene.
@@ -108,7 +108,7 @@ def _definite(obj: SceneObject) -> str:
 def _event_clause(obj: SceneObject) -> str:
     kind = obj.event.kind
     if kind == "appears":
-        return f"{_indefinite(obj)} appears {location(*obj.start)} and {MOTION_PHRASES[obj.motion]}"
+        return f"{_indefinite(obj)} appears {location(*obj.centre(obj.first_frame))} and {MOTION_PHRASES[obj.motion]}"
     if kind == "disappears":
         return f"{_definite(obj)} disappears"
     if kind == "leaves":

@@ -13,7 +13,7 @@ import numpy as np
 from vpsd.world.scene import BACKGROUNDS, COLOURS, Background, Scene, SceneObject
 
 SUPERSAMPLE = 4  # sub-pixels per pixel side
-TEXTURE_AMPLITUDE = 14.0  # intensity levels: visible as texture, never mistaken for an object
+TEXTURE_AMPLITUDE = 22.0  # intensity levels: visible as texture, never mistaken for an object
 
 
 def render(scene: Scene) -> np.ndarray:
@@ -36,8 +36,10 @@ def background(bg: Background, height: int, width: int) -> np.ndarray:
         yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
         wave = np.zeros((height, width), np.float32)
         for _ in range(3):
-            # 1-4 cycles across the frame: soft blotches, far coarser than any object edge.
-            angle, cycles, phase = rng.uniform(0, np.pi), rng.uniform(1, 4), rng.uniform(0, 2 * np.pi)
+            # 5-9 cycles across the frame: ripples of 12-22 pixels, so every 28-pixel video token shows some
+            # (coarser blotches left "plain or textured" to a comparison across tokens, which the tiny model
+            # often got wrong), yet soft and faint next to an object's edge.
+            angle, cycles, phase = rng.uniform(0, np.pi), rng.uniform(5, 9), rng.uniform(0, 2 * np.pi)
             along = (np.cos(angle) * xx / width + np.sin(angle) * yy / height) * 2 * np.pi * cycles
             wave += np.sin(along + phase).astype(np.float32)
         tint = rng.uniform(0.6, 1.0, size=3).astype(np.float32)  # a faint hue, not just brightness

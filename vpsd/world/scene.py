@@ -8,6 +8,10 @@ Contract:
   An object's `radius` is a fraction of the shorter side, so shapes stay round on non-square frames.
 - Every scene has at least one event (appears, disappears, leaves, turns), and every event happens in
   the middle of the video (`event_window`), so the first frame alone never tells the whole story.
+- Object centres sit on a lattice of `LATTICE` pixels (cell centres), so a moving object jumps one lattice
+  step at a time. With the lattice equal to the vision patch side every shape is the same pixel pattern
+  wherever it is, which a tiny vision tower learns in minutes; off-lattice shapes shift against the
+  patch grid and took it longer than the whole CPU training budget (a probe read shape at chance).
 - Colours are unique across the scene, new colours included, so "the red circle" names one object.
 - Objects never overlap while both are visible, so every object stays fully visible and checkable.
 - At most 35 caption words: one object or three carry exactly one event, two objects one or two.
@@ -41,12 +45,17 @@ DIRECTIONS: dict[str, tuple[float, float]] = {"left": (-1, 0), "right": (1, 0), 
 EventKind = Literal["appears", "disappears", "leaves", "turns"]
 EVENT_KINDS: tuple[EventKind, ...] = ("appears", "disappears", "leaves", "turns")
 
-# Keeps objects off the frame border, and labelled positions off the lines between thirds,
-# so a location word is never a coin flip between two cells.
+# Centres snap to this many pixels (the world model's vision patch side, vpsd.world.train.VISION).
+LATTICE = 7
+# Keeps objects off the frame border, and labelled positions off the lines between thirds, so a location
+# word is never a coin flip between two cells: an appearing object is first sampled up to 2 frames after
+# it appears (8 of 16 frames), by when it may have moved a lattice step or two.
 BORDER_MARGIN = 0.02
-CELL_MARGIN = 0.04
-# Total travel of a moving object over its visible span: large enough to see at 112 pixels.
-TRAVEL_RANGE = (0.25, 0.45)
+CELL_MARGIN = 0.1
+# Speed of a moving object in pixels per frame: over half a lattice step, so in any two frames it moves at
+# least one step. With 8 of 16 frames sampled, the tower's temporal pairs are frames 2 apart, so every pair
+# shows the motion, and "stays still" is the only motion with no shift anywhere.
+SPEED_PX = (3.7, 4.6)
 # A square's corners reach 1.13 radii from its centre; keep bounding circles apart with some air.
 BOUNDING_FACTOR = 1.2
 MAX_TRIES = 200
@@ -68,6 +77,7 @@ class SceneObject:
     start: tuple[float, float]  # (x, y) centre at `first_frame`
     velocity: tuple[float, float]  # (dx, dy) per frame, fractions of width / height
     event: Event | None = None
+    lattice: tuple[float, float] = (0.0, 0.0)  # snap step in fractions of (width, height); 0: no snapping
 
     @property
     def radius(self) -> float:
@@ -86,7 +96,8 @@ class SceneObject:
 
     def centre(self, t: int) -> tuple[float, float]:
         dt = t - self.first_frame
-        return self.start[0] + self.velocity[0] * dt, self.start[1] + self.velocity[1] * dt
+        x, y = self.start[0] + self.velocity[0] * dt, self.start[1] + self.velocity[1] * dt
+        return _snap(x, self.lattice[0]), _snap(y, self.lattice[1])
 
     def colour_at(self, t: int) -> str:
         if self.event and self.event.kind == "turns" and t >= self.event.frame:
@@ -110,6 +121,11 @@ class Scene:
     objects: tuple[SceneObject, ...]
 
 
+def _snap(v: float, step: float) -> float:
+    """The centre of the lattice cell holding `v` (cells of `step`, starting at 0)."""
+    return (math.floor(v / step) + 0.5) * step if step else v
+
+
 def event_window(num_frames: int) -> tuple[int, int]:
     """Inclusive range of frames where events may happen: the middle 40% of the video."""
     return max(1, round(num_frames * 0.3)), min(num_frames - 1, round(num_frames * 0.7))
@@ -120,9 +136,10 @@ def third(v: float) -> int:
     return min(2, int(v * 3))
 
 
-def sample_scene(seed: int, num_frames: int = 16, size: tuple[int, int] = (112, 112)) -> Scene:
+def sample_scene(seed: int, num_frames: int = 16, size: tuple[int, int] = (112, 112), lattice: int = LATTICE) -> Scene:
     rng = random.Random(seed)
     height, width = size
+    grid = (lattice / width, lattice / height)
     num_objects = rng.choice((1, 2, 3))
     # Caption length bound (see module docstring): three objects get one event.
     num_events = rng.choice((1, 2)) if num_objects == 2 else 1
@@ -135,7 +152,7 @@ def sample_scene(seed: int, num_frames: int = 16, size: tuple[int, int] = (112, 
     objects: list[SceneObject] = []
     for kind in event_kinds:
         for _ in range(MAX_TRIES):
-            obj = _sample_object(rng, kind, colours[-2:], num_frames, height, width)
+            obj = _sample_object(rng, kind, colours[-2:], num_frames, height, width, grid)
             if not any(_overlap(obj, other, num_frames, height, width) for other in objects):
                 objects.append(obj)
                 colours.pop()
@@ -145,12 +162,13 @@ def sample_scene(seed: int, num_frames: int = 16, size: tuple[int, int] = (112, 
         # An object that finds no free room is dropped: rare, and the scene stays valid without it,
         # unless it carried the only event.
     if not any(o.event for o in objects):
-        return sample_scene(rng.randrange(2**31), num_frames, size)
+        return sample_scene(rng.randrange(2**31), num_frames, size, lattice)
     return Scene(num_frames, height, width, background, tuple(objects))
 
 
 def _sample_object(
-    rng: random.Random, kind: EventKind | None, colours: list[str], num_frames: int, height: int, width: int
+    rng: random.Random, kind: EventKind | None, colours: list[str], num_frames: int, height: int, width: int,
+    grid: tuple[float, float],
 ) -> SceneObject:
     """Rejection-sample one object with event `kind`; `colours[-1]` is its colour, `colours[-2]` a new one."""
     shape, size = rng.choice(SHAPES), rng.choice(tuple(SIZES))
@@ -177,14 +195,16 @@ def _sample_object(
             else:
                 gap = (y + ry if dy < 0 else 1 + ry - y) + BORDER_MARGIN
             velocity = (dx * gap / frame, dy * gap / frame)
+            if gap / frame * (width if dx else height) < SPEED_PX[0]:
+                continue  # too close to its edge to move visibly every two frames
         else:
             dx, dy = DIRECTIONS[motion]
-            speed = rng.uniform(*TRAVEL_RANGE) / max(1, num_frames - 1 - first)
-            velocity = (dx * speed, dy * speed)
-        obj = SceneObject(shape, size, colours[-1], motion, (x, y), velocity, event)
+            speed = rng.uniform(*SPEED_PX)
+            velocity = (dx * speed / width, dy * speed / height)
+        obj = SceneObject(shape, size, colours[-1], motion, (x, y), velocity, event, grid)
         if kind != "leaves" and not _inside(obj, first, last, rx, ry):
             continue
-        if kind == "appears" and not _clear_of_cell_lines(x, y):
+        if kind == "appears" and not _clear_of_cell_lines(*obj.centre(first)):
             continue
         return obj
     # The ranges above always leave room (0.3 + 0.45 + margins < 1), so this is a bug, not bad luck.

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from vpsd.models.qwen2_5_vl import qwen_chat_prompt, tiny_config
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors
@@ -35,7 +36,8 @@ from vpsd.video.item import load_item_frames
 from vpsd.video.sampling import uniform_indices
 from vpsd.world.caption import PROMPTS, caption
 from vpsd.world.dataset import make_example, write_video
-from vpsd.world.scene import COLOURS, MOTIONS, SHAPES, SIZES, Scene, sample_scene
+from vpsd.world.render import coverage
+from vpsd.world.scene import BACKGROUNDS, COLOURS, LATTICE, MOTIONS, SHAPES, SIZES, Scene, sample_scene
 
 # Seeds: training draws from TRAIN_SEED_BASE upwards; held-out items (demo, evaluation) live below it.
 TRAIN_SEED_BASE = 1_000_000
@@ -44,11 +46,12 @@ VIDEO_FRAMES = 16  # frames per generated video
 NUM_FRAMES = 8  # frames sampled per item (configs/world_qwen2_5_vl.yaml uses the same)
 SIZE = (112, 112)
 
-# 7-pixel patches merged 4x4: the LM still sees one token per 28x28 cell (64 per temporal pair of frames at
-# 112 px), but the towers see each object as a few patches. With 14-pixel patches a linear probe on the
-# trained tower read colour (93%) and size (93%) but not shape (40%, chance 33%): a 9-pixel object is a
-# sub-patch pattern that shifts with the object's offset.
-VISION = dict(patch_size=7, spatial_merge_size=4, temporal_patch_size=2, window_size=56)
+# 7-pixel patches merged 4x4: the LM sees one token per 28x28 cell (16 per temporal pair of frames at
+# 112 px, 64 per video) and the towers see each object as a few patches. The world's lattice equals the
+# patch side, so a shape is the same patches wherever it is (vpsd.world.scene); with 14-pixel patches, or
+# objects off the lattice, a probe on the trained tower read shape at chance.
+VISION = dict(patch_size=LATTICE, spatial_merge_size=4, temporal_patch_size=2, window_size=56)
+MERGED_CELL = VISION["patch_size"] * VISION["spatial_merge_size"]  # pixels per merged video token side
 TARGET = dict(
     text=dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
     vision=dict(depth=2, hidden_size=96, intermediate_size=192, num_heads=2, fullatt_block_indexes=[1], **VISION),
@@ -61,10 +64,12 @@ DRAFT = dict(
 
 @dataclass
 class TrainConfig:
-    steps: int = 1500
+    vision_steps: int = 300  # stage 1: the towers alone, on their per-patch and per-token labels
+    steps: int = 1300  # stage 2: captions (and the towers' labels, weighted by aux_weight)
     batch_size: int = 16
+    vision_lr: float = 6e-3
     lr: float = 2e-3
-    warmup: int = 100
+    warmup: int = 50
     weight_decay: float = 0.01
     seed: int = 0
     draft_prune_prob: float = 0.5  # share of draft batches trained on pruned video
@@ -75,18 +80,7 @@ class TrainConfig:
     aux_weight: float = 0.5
     init: str | None = None  # continue from a checkpoint directory written by this trainer (fresh optimizer)
     sizes: dict = field(default_factory=lambda: {"target": TARGET, "draft": DRAFT})
-    stop_after: int | None = None  # end after this many steps of the `steps`-long schedule
-
-
-def sizes_for_patch(patch: int) -> dict:
-    """The model sizes with a `patch`-pixel tower (14: the towers of the first training phases, whose
-    draft tower had one block; see scripts/train_world.sh)."""
-    vision = dict(patch_size=patch, spatial_merge_size=MERGED_CELL // patch)
-    sizes = {name: {"text": size["text"], "vision": {**size["vision"], **vision}}
-             for name, size in (("target", TARGET), ("draft", DRAFT))}
-    if patch == 14:
-        sizes["draft"]["vision"].update(depth=1, fullatt_block_indexes=[0])
-    return sizes
+    stop_after: int | None = None  # end after this many steps of the whole schedule
 
 
 def world_tokenizer():
@@ -101,46 +95,102 @@ class Example:
     frames: np.ndarray  # (NUM_FRAMES, H, W, 3) uint8 as the real decode path returns them
     prompt: str
     answer: str
-    token_labels: np.ndarray  # (video tokens, len(ATTRIBUTES)) class ids, see token_labels()
+    patch_labels: np.ndarray  # (vision patches, NUM_LABELS) class ids, see cell_labels()
+    token_labels: np.ndarray  # (video tokens, NUM_LABELS)
 
 
-# Dense auxiliary supervision for the vision towers (training only; the heads are not saved): for each
-# merged video token, what object (if any) has its centre in the token's cell. Learning to see 9-pixel
-# objects from the caption loss alone takes far longer than a CPU hour; per-token labels straight from
-# the scene make the towers find objects within a few hundred steps.
-ATTRIBUTES = {
-    "colour": ("none", *COLOURS),
-    "shape": ("none", *SHAPES),
-    "size": ("none", *SIZES),
-    "motion": ("none", *MOTIONS),
-}
-MERGED_CELL = 28  # pixels per merged Qwen token side (patch x merge)
+# Dense auxiliary supervision for the vision towers (training only; the heads are not saved). Learning to
+# see 9-pixel objects from the caption loss alone takes far longer than a CPU hour, so every patch learns
+# which object covers it (colour, shape, size, motion) and what the background is, and every merged token
+# learns the same for the objects in its cell. Motion is visible to the tower: each temporal patch pairs two
+# frames, between which a moving object always shifts (vpsd.world.scene.SPEED_PX).
+OBJECT_ATTRIBUTES = {"colour": ("none", *COLOURS), "shape": SHAPES, "size": tuple(SIZES), "motion": MOTIONS}
+BACKGROUND_CLASSES = tuple(f"{colour} {kind}" for colour in BACKGROUNDS for kind in ("plain", "textured"))
+NUM_LABELS = len(OBJECT_ATTRIBUTES) + 1  # columns of a label row: the object's attributes, then background
+IGNORE = -100  # attributes (but colour "none") of a cell no object covers: no loss
+PATCH_COVER = 0.3  # share of a patch an object must cover to label it
+TOKEN_COVER = 0.1  # same for a merged token's 28-pixel cell, whose objects are often split between cells
+
+
+def cell_labels(scene: Scene, cell: int, min_cover: float) -> np.ndarray:
+    """(temporal groups, rows, cols, NUM_LABELS) labels of `cell`-pixel squares, on the first frame of each
+    temporal pair as load_item_frames samples them. An object labels the cells it covers by `min_cover`."""
+    frames = uniform_indices(VIDEO_FRAMES, NUM_FRAMES)[::2]
+    h, w = scene.height, scene.width
+    rows, cols = h // cell, w // cell
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5  # pixel centres
+    bg = BACKGROUND_CLASSES.index(f"{scene.background.colour} {'textured' if scene.background.textured else 'plain'}")
+    labels = np.full((len(frames), rows, cols, NUM_LABELS), IGNORE, dtype=np.int64)
+    labels[..., 0], labels[..., -1] = 0, bg
+    for g, t in enumerate(int(f) for f in frames):
+        for obj in scene.objects:
+            if not obj.visible(t):
+                continue
+            cx, cy = obj.centre(t)
+            inside = coverage(obj.shape, xx - cx * w, yy - cy * h, obj.radius * min(h, w))
+            covered = inside.reshape(rows, cell, cols, cell).mean(axis=(1, 3)) >= min_cover
+            values = (obj.colour_at(t), obj.shape, obj.size, obj.motion)
+            labels[g][covered, :-1] = [names.index(v) for names, v in zip(OBJECT_ATTRIBUTES.values(), values)]
+    return labels
+
+
+def qwen_order(labels: np.ndarray, merge: int) -> np.ndarray:
+    """Rows of a (groups, rows, cols, k) label grid in the order Qwen's processor lays patches out:
+    group, merged row, merged column, then the merge x merge patches inside each merged cell."""
+    g, rows, cols, k = labels.shape
+    grid = labels.reshape(g, rows // merge, merge, cols // merge, merge, k).transpose(0, 1, 3, 2, 4, 5)
+    return grid.reshape(-1, k)
+
+
+def patch_labels(scene: Scene) -> np.ndarray:
+    return qwen_order(cell_labels(scene, VISION["patch_size"], PATCH_COVER), VISION["spatial_merge_size"])
 
 
 def token_labels(scene: Scene) -> np.ndarray:
-    """Labels in the adapters' video-token order: temporal group, row, column (frames as load_item_frames samples them)."""
-    frames = uniform_indices(VIDEO_FRAMES, NUM_FRAMES)[::2]  # first frame of each temporal pair
-    rows, cols = scene.height // MERGED_CELL, scene.width // MERGED_CELL
-    labels = np.zeros((len(frames), rows, cols, len(ATTRIBUTES)), dtype=np.int64)
-    for g, t in enumerate(frames):
-        for obj in scene.objects:
-            if not obj.visible(int(t)):
-                continue
-            x, y = obj.centre(int(t))
-            if not (0 <= x < 1 and 0 <= y < 1):
-                continue
-            values = (obj.colour_at(int(t)), obj.shape, obj.size, obj.motion)
-            labels[g, int(y * rows), int(x * cols)] = [ATTRIBUTES[k].index(v) for k, v in zip(ATTRIBUTES, values)]
-    return labels.reshape(-1, len(ATTRIBUTES))
+    """Labels in the adapters' video-token order: temporal group, row, column."""
+    return cell_labels(scene, MERGED_CELL, TOKEN_COVER).reshape(-1, NUM_LABELS)
+
+
+class VisionHeads(torch.nn.Module):
+    """Linear heads reading the labels from one feature width (the tower's patches or the merged tokens)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        sizes = [len(v) for v in OBJECT_ATTRIBUTES.values()] + [len(BACKGROUND_CLASSES)]
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(dim, n) for n in sizes)
+
+    def loss(self, feats: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return sum(F.cross_entropy(h(feats), labels[:, i], ignore_index=IGNORE) for i, h in enumerate(self.heads))
+
+    @torch.no_grad()
+    def accuracy(self, feats: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """Per-label accuracy where an object is present (background: everywhere), for the training log."""
+        out, has_object = {}, labels[:, 0] > 0
+        for i, (name, h) in enumerate(zip((*OBJECT_ATTRIBUTES, "background"), self.heads)):
+            rows = slice(None) if name == "background" else has_object
+            out[name] = (h(feats[rows]).argmax(-1) == labels[rows, i]).float().mean().item()
+        return out
 
 
 class AuxHeads(torch.nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, patch_dim: int, token_dim: int):
         super().__init__()
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(dim, len(v)) for v in ATTRIBUTES.values())
+        self.patch, self.token = VisionHeads(patch_dim), VisionHeads(token_dim)
 
-    def loss(self, feats: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sum(F.cross_entropy(h(feats), labels[:, i]) for i, h in enumerate(self.heads))
+
+def vision_features(model, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patch features in the processor's patch order, merged video-token features) of the model's tower."""
+    from transformers.vision_utils import get_vision_window_index
+
+    visual = model.model.visual
+    out = visual(pixels.type(visual.dtype), grid_thw=grid)
+    # The tower runs its patches in window order and restores the order only after merging.
+    window_index, _ = get_vision_window_index(grid, spatial_merge_size=visual.spatial_merge_size,
+                                              window_size=visual.window_size, patch_size=visual.patch_size)
+    h = out.last_hidden_state
+    unit = visual.spatial_merge_size**2
+    patches = h.reshape(-1, unit, h.shape[-1])[torch.argsort(window_index)].reshape(-1, h.shape[-1])
+    return patches, out.pooler_output
 
 
 def roundtrip_example(seed: int, workdir: Path) -> Example:
@@ -150,7 +200,7 @@ def roundtrip_example(seed: int, workdir: Path) -> Example:
     write_video(path, ex.frames)
     frames = load_item_frames(path, NUM_FRAMES, None, None)
     path.unlink()
-    return Example(frames, ex.prompt, ex.caption, token_labels(ex.scene))
+    return Example(frames, ex.prompt, ex.caption, patch_labels(ex.scene), token_labels(ex.scene))
 
 
 class ExampleStream(torch.utils.data.IterableDataset):
@@ -197,17 +247,21 @@ class Batcher:
             pos, _ = rope_index(ids[None], mm_token_type_ids=ty[None], video_grid_thw=g[None],
                                 second_per_grid_ts=torch.tensor([1.0]))
             positions.append(pos[:, 0])  # (3, L)
-        token_labels = torch.from_numpy(np.concatenate([ex.token_labels for ex in examples]))
         return dict(ids=seqs, labels=labels, positions=positions, pixels=torch.cat(pixels), grid=grid,
-                    token_labels=token_labels)
+                    patch_labels=torch.from_numpy(np.concatenate([ex.patch_labels for ex in examples])),
+                    token_labels=torch.from_numpy(np.concatenate([ex.token_labels for ex in examples])))
 
 
 def forward_loss(model, aux: AuxHeads, batch: dict, video_token_id: int, keep_share: float | None,
-                 rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy on the answers (with keep_share, each item keeps that share of its video tokens),
-    and the auxiliary per-token loss of the vision tower."""
-    feats = torch.cat(list(model.model.get_video_features(batch["pixels"], batch["grid"]).pooler_output))
-    aux_loss = aux.loss(feats, batch["token_labels"])
+                 rng: torch.Generator, with_captions: bool = True) -> dict:
+    """Losses of one model on a batch: `aux` (the towers' per-patch and per-token labels) and, with
+    `with_captions`, `lm` (cross-entropy on the answers; with keep_share, each item keeps that share of
+    its video tokens). Also returns the features, for the log's probe accuracies."""
+    patches, feats = vision_features(model, batch["pixels"], batch["grid"])
+    out = {"aux": aux.patch.loss(patches, batch["patch_labels"]) + aux.token.loss(feats, batch["token_labels"]),
+           "patches": patches.detach(), "tokens": feats.detach()}
+    if not with_captions:
+        return out
     embed = model.model.get_input_embeddings()
     rows, offset = [], 0
     for ids, labels, pos in zip(batch["ids"], batch["labels"], batch["positions"]):
@@ -232,13 +286,19 @@ def forward_loss(model, aux: AuxHeads, batch: dict, video_token_id: int, keep_sh
     for i, (e, lab, pos) in enumerate(rows):
         n = e.shape[0]
         embeds[i, :n], targets[i, :n], positions[:, i, :n], mask[i, :n] = e, lab, pos, 1
-    out = model.model.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask)
-    logits = model.lm_head(out.last_hidden_state)
-    lm_loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1), ignore_index=-100)
-    return lm_loss, aux_loss
+    hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask)
+    logits = model.lm_head(hidden.last_hidden_state)
+    out["lm"] = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1),
+                                ignore_index=-100)
+    return out
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Stage 1 (the first `vision_steps`): warm up to `vision_lr` and hold. Stage 2: warm up to `lr`,
+    then cosine down to 5% of it at the end of `vision_steps + steps`."""
+    if step < cfg.vision_steps:
+        return cfg.vision_lr * min(1.0, (step + 1) / cfg.warmup)
+    step -= cfg.vision_steps
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -256,13 +316,10 @@ def build_models(tokenizer, cfg: TrainConfig):
         config._attn_implementation = "sdpa"
         models[name] = Qwen2_5_VLForConditionalGeneration(config)
         if cfg.init is not None:
-            # Every weight whose shape still matches comes from the checkpoint; a tower whose patch size
-            # changed starts afresh while the language model keeps what it learned.
+            # Every weight whose shape still matches comes from the checkpoint.
             old = Qwen2_5_VLForConditionalGeneration.from_pretrained(Path(cfg.init) / name, dtype=torch.float32)
             own = models[name].state_dict()
-            kept = {k: v for k, v in old.state_dict().items() if k in own and own[k].shape == v.shape
-                    and not (k.startswith("model.visual.") and old.config.vision_config.patch_size
-                             != config.vision_config.patch_size)}
+            kept = {k: v for k, v in old.state_dict().items() if k in own and own[k].shape == v.shape}
             models[name].load_state_dict(kept, strict=False)
             print(f"{name}: {len(kept)} of {len(own)} tensors from {cfg.init}", flush=True)
     return models
@@ -272,7 +329,8 @@ def train(out: Path, cfg: TrainConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     tokenizer = world_tokenizer()
     models = build_models(tokenizer, cfg)
-    auxes = {n: AuxHeads(m.config.text_config.hidden_size) for n, m in models.items()}
+    auxes = {n: AuxHeads(m.config.vision_config.hidden_size, m.config.text_config.hidden_size)
+             for n, m in models.items()}
     opts = {n: torch.optim.AdamW([*m.parameters(), *auxes[n].parameters()], lr=cfg.lr,
                                  weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
             for n, m in models.items()}
@@ -283,34 +341,43 @@ def train(out: Path, cfg: TrainConfig) -> dict:
     pyrng = random.Random(cfg.seed)
     history = []
     t0 = time.time()
-    stream = ExampleStream(TRAIN_SEED_BASE + cfg.seed * 10_000_000, cfg.batch_size, cfg.stop_after or cfg.steps)
+    total = cfg.vision_steps + cfg.steps
+    stream = ExampleStream(TRAIN_SEED_BASE + cfg.seed * 10_000_000, cfg.batch_size, cfg.stop_after or total)
     # One worker process makes the data; torch's own threads stay at cfg.threads (1 is best on a busy
     # 2-core machine: OpenMP threads spin-wait for each other when one of them is preempted).
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1, prefetch_factor=4)
-    for step, examples in enumerate(loader):
+    progress = tqdm(loader, total=cfg.stop_after or total, unit="step", disable=None, mininterval=10)
+    for step, examples in enumerate(progress):
         batch = batcher(examples, rope_index)
         lr = lr_at(step, cfg)
+        captions = step >= cfg.vision_steps  # stage 1 trains the towers alone, on their labels
         keep = pyrng.uniform(*cfg.draft_keep_range) if pyrng.random() < cfg.draft_prune_prob else None
-        losses = {}
+        row = {"step": step, "lr": lr, "draft_keep": keep if captions else None}
+        log = step % cfg.log_every == 0 or step == total - 1
         for name, model in models.items():
             model.train()
             for g in opts[name].param_groups:
                 g["lr"] = lr
-            lm_loss, aux_loss = forward_loss(model, auxes[name], batch, vid, keep if name == "draft" else None, rng)
-            loss = lm_loss + cfg.aux_weight * aux_loss
+            res = forward_loss(model, auxes[name], batch, vid, keep if name == "draft" else None, rng, captions)
+            loss = res["lm"] + cfg.aux_weight * res["aux"] if captions else res["aux"]
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opts[name].step()
-            losses[name] = lm_loss.item()
-            losses[f"{name}_aux"] = aux_loss.item()
-        history.append({"step": step, "lr": lr, "draft_keep": keep, **losses})
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            row[f"{name}_aux"] = res["aux"].item()
+            if captions:
+                row[name] = res["lm"].item()
+            if log:
+                row[f"{name}_patch_acc"] = auxes[name].patch.accuracy(res["patches"], batch["patch_labels"])
+                row[f"{name}_token_acc"] = auxes[name].token.accuracy(res["tokens"], batch["token_labels"])
+        history.append(row)
+        if log:
             el = time.time() - t0
-            print(f"step {step:5d}  target {losses['target']:.4f} (aux {losses['target_aux']:.3f})  "
-                  f"draft {losses['draft']:.4f} (aux {losses['draft_aux']:.3f})  "
-                  f"lr {lr:.2e}  {el / (step + 1):.2f} s/step  elapsed {el / 60:.1f} min", flush=True)
-        if (step + 1) % cfg.save_every == 0:
+            parts = [f"{n} lm {row.get(n, float('nan')):.3f} aux {row[f'{n}_aux']:.2f} patch "
+                     + " ".join(f"{k[:2]} {v:.2f}" for k, v in row[f"{n}_patch_acc"].items()) for n in models]
+            progress.write(f"step {step:5d}  " + "  |  ".join(parts)
+                           + f"  lr {lr:.1e}  {el / (step + 1):.2f} s/step  {el / 60:.1f} min")
+        if (step + 1) % cfg.save_every == 0 and captions:
             for name, model in models.items():
                 save(model, tokenizer, out / name)
     for name, model in models.items():
@@ -331,19 +398,19 @@ def save(model, tokenizer, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--vision-steps", type=int, default=TrainConfig.vision_steps, help="stage 1: towers alone")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps, help="stage 2: captions")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
     p.add_argument("--seed", type=int, default=0, help="also picks the training seeds: use a new one when continuing")
     p.add_argument("--init", help="continue from the target/ and draft/ checkpoints in this directory")
-    p.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight, help="weight of the per-token vision loss")
-    p.add_argument("--stop-after", type=int, help="stop after this many steps of the --steps schedule")
-    p.add_argument("--patch", type=int, default=VISION["patch_size"], choices=(7, 14),
-                   help="vision patch side; the merge makes every LM token a 28-pixel cell either way")
+    p.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight,
+                   help="weight of the towers' label loss in stage 2")
+    p.add_argument("--stop-after", type=int, help="stop after this many steps of the whole schedule")
     a = p.parse_args(argv)
-    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, threads=a.threads, seed=a.seed, init=a.init,
-                      aux_weight=a.aux_weight, stop_after=a.stop_after, sizes=sizes_for_patch(a.patch))
+    cfg = TrainConfig(vision_steps=a.vision_steps, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+                      threads=a.threads, seed=a.seed, init=a.init, aux_weight=a.aux_weight, stop_after=a.stop_after)
     meta = train(a.out, cfg)
     print(f"trained in {meta['train_seconds'] / 60:.1f} min; wrote {a.out}/target and {a.out}/draft")
 
