@@ -1,5 +1,6 @@
-"""Batch jobs through real torchrun on CPU: bad items next to good ones, a job killed and rerun, a rank
-that dies under `torchrun --max-restarts 1`, and the read-ahead of videos seen in the traces."""
+"""Batch jobs through real torchrun on CPU: bad items next to good ones, a job killed and rerun, a manifest
+split between two shard jobs, a rank that dies under `torchrun --max-restarts 1`, and the read-ahead of
+videos seen in the traces."""
 
 from __future__ import annotations
 
@@ -160,6 +161,19 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert_same_results(out, uninterrupted)
     assert json.loads((out / "summary.json").read_text())["run"]["skipped"] >= 2
+
+
+def test_two_shard_jobs_split_the_manifest_and_together_equal_one_job(tmp_path_factory, six, uninterrupted):
+    outs = [tmp_path_factory.mktemp(f"shard{i}") for i in range(2)]
+    for i, out in enumerate(outs):
+        proc = run_job(CONFIG, six, out, METHOD, "--quiet", "--shard", f"{i}/2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = [set(results(out)) for out in outs]
+    assert len(ids[0]) == len(ids[1]) == 3 and not ids[0] & ids[1]
+    merged = {**results(outs[0]), **results(outs[1])}
+    reference = results(uninterrupted)
+    assert set(merged) == set(reference)
+    assert all(merged[k]["token_ids"] == reference[k]["token_ids"] for k in merged)
 
 
 def test_elastic_restart_resumes_after_a_rank_dies(tmp_path_factory, six, uninterrupted):
