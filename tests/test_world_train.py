@@ -1,5 +1,6 @@
 """The world trainer: its per-patch and per-token labels line up with the pixels the towers see, its feature
-reordering undoes the tower's window order, and a few steps of both stages write loadable checkpoints."""
+reordering undoes the tower's window order, stage 2 leaves the towers frozen, and a few steps of both
+stages write loadable checkpoints."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from vpsd.models.qwen2_5_vl import tiny_config
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors
 from vpsd.video.sampling import uniform_indices
 from vpsd.world.render import render
@@ -22,8 +24,12 @@ from vpsd.world.train import (
     TRAIN_SEED_BASE,
     VIDEO_FRAMES,
     VISION,
+    AuxHeads,
+    Batcher,
     TrainConfig,
+    forward_loss,
     patch_labels,
+    roundtrip_example,
     token_labels,
     train,
     vision_features,
@@ -83,8 +89,6 @@ def test_vision_features_undo_the_towers_window_order() -> None:
     of each patch in the processor's order (windows of 2x2 merged cells shuffle them otherwise)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from vpsd.models.qwen2_5_vl import tiny_config
-
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     vision = dict(VISION, depth=0, hidden_size=16, intermediate_size=32, num_heads=2, fullatt_block_indexes=[])
     torch.manual_seed(0)
@@ -110,8 +114,28 @@ def test_a_few_steps_of_both_stages_write_loadable_checkpoints(tmp_path) -> None
     meta = train(tmp_path, cfg)
     history = json.loads((tmp_path / "train_log.json").read_text())["history"]
     assert [("target" in row) for row in history] == [False, False, True, True]  # captions only in stage 2
-    assert all(np.isfinite(row["target_aux"]) and np.isfinite(row["draft_aux"]) for row in history)
+    assert all(np.isfinite(row[f"{m}_aux"]) for row in history[:2] for m in ("target", "draft"))
+    assert all(np.isfinite(row[m]) for row in history[2:] for m in ("target", "draft"))
     assert meta["final"]["step"] == 3
     for name in ("target", "draft"):
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / name)
         assert model.config.vision_config.patch_size == VISION["patch_size"]
+
+
+def test_stage_two_trains_the_language_model_on_frozen_towers(tmp_path) -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tok = world_tokenizer()
+    small = TrainConfig().sizes["draft"]
+    model = Qwen2_5_VLForConditionalGeneration(tiny_config(dict(small["text"]), dict(small["vision"]), tok))
+    examples = [roundtrip_example(TRAIN_SEED_BASE + i, tmp_path) for i in range(2)]
+    batch = Batcher(tok, model.config)(examples, model.model.get_rope_index)
+    aux = AuxHeads(model.config.vision_config.hidden_size, model.config.text_config.hidden_size)
+    rng = torch.Generator().manual_seed(0)
+    forward_loss(model, aux, batch, model.config.video_token_id, None, rng, with_captions=True)["lm"].backward()
+    assert all(p.grad is None for p in model.model.visual.parameters())
+    assert all(p.grad is not None for p in model.model.language_model.parameters())
+    model.zero_grad(set_to_none=True)
+    forward_loss(model, aux, batch, model.config.video_token_id, None, rng, with_captions=False)["aux"].backward()
+    assert all(p.grad is not None for p in model.model.visual.blocks.parameters())
+    assert all(p.grad is None for p in model.model.language_model.parameters())

@@ -2,7 +2,7 @@
 
 Contract:
 - `caption(scene)` is a pure function of the scene: lowercase words separated by single spaces, each
-  sentence ending with a period glued to its last word ("moves left."); 20-35 words (see scene.py).
+  sentence ending with a period glued to its last word ("moves left."); 20-28 words (see scene.py).
 - Grammar, in this order:
     intro:    "there are two objects on a textured grey background."
     initial:  "a large red circle moves left."          one per object seen in frame 0, left to right
@@ -25,7 +25,7 @@ PROMPTS = (
     "Write a short caption for this video.",
 )
 
-NUMBERS = ("one", "two", "three")
+NUMBERS = ("one", "two")
 MOTION_PHRASES = {
     "left": "moves left",
     "right": "moves right",

@@ -28,7 +28,7 @@ H264_OPTIONS = {"crf": "10", "preset": "medium"}
 MPEG4_BIT_RATE = 8_000_000
 # 4:2:0 is what every video reader decodes; 4:4:4 H.264 is not universally supported.
 PIX_FMT = "yuv420p"
-DEFAULT_MAX_NEW_TOKENS = 64  # a caption is at most 35 words + 6 periods
+DEFAULT_MAX_NEW_TOKENS = 64  # a caption is at most 28 words + 3 periods, with room for a wordy model
 
 
 @dataclass(frozen=True)

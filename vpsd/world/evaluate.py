@@ -8,6 +8,8 @@ Contract:
   (MAT, bonus token included) and acceptance rate, without pruning and with the config's strategy, each
   checked token-for-token against the target's own greedy output.
 - Word accuracy = 1 - (word-level edit distance / reference length), floored at 0.
+- Part accuracy: the share of items whose caption gets a whole part right (`caption_parts`): the scene
+  sentence (count, texture, background), the sentences of the objects seen from the start, the event.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ def word_accuracy(hypothesis: str, reference: str) -> float:
     return max(0.0, 1.0 - row[-1] / max(1, len(ref)))
 
 
+def caption_parts(text: str) -> dict[str, list[str]]:
+    """The grammar's parts of a caption (vpsd.world.caption): scene sentence, object sentences, events."""
+    sentences = [s.strip() for s in text.split(".") if s.strip()]
+    return {
+        "scene": sentences[:1],
+        "objects": [s for s in sentences[1:] if not s.startswith("then ")],
+        "event": [s for s in sentences[1:] if s.startswith("then ")],
+    }
+
+
+def parts_right(hypothesis: str, reference: str) -> dict[str, bool]:
+    hyp, ref = caption_parts(hypothesis), caption_parts(reference)
+    return {part: hyp[part] == ref[part] for part in ref}
+
+
 def evaluate(cfg: RunConfig, workdir: Path, count: int, seeds: range = HELD_OUT_SEEDS) -> dict:
     manifest = write_manifest(workdir, list(seeds)[:count], max_new_tokens=cfg.decoding.max_new_tokens)
     items = [json.loads(line) for line in manifest.read_text().splitlines()]
@@ -57,7 +74,8 @@ def evaluate(cfg: RunConfig, workdir: Path, count: int, seeds: range = HELD_OUT_
             out = decode_ar(model, frames, item["prompt"], greedy)
             text = model.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()
             row[name] = {"caption": text, "exact": text == item["reference"],
-                         "word_accuracy": word_accuracy(text, item["reference"])}
+                         "word_accuracy": word_accuracy(text, item["reference"]),
+                         "parts": parts_right(text, item["reference"])}
             if name == "target":
                 reference_ids = out.token_ids
         for label, pruning in settings.items():
@@ -75,6 +93,7 @@ def summarize(rows: list[dict], settings: list[str]) -> dict:
         out[name] = {
             "exact_match": statistics.mean(r[name]["exact"] for r in rows),
             "word_accuracy": statistics.mean(r[name]["word_accuracy"] for r in rows),
+            "parts": {part: statistics.mean(r[name]["parts"][part] for r in rows) for part in rows[0][name]["parts"]},
         }
     for label in settings:
         out[f"sd_{label}"] = {
@@ -98,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     s = report["summary"]
     print(f"held-out items: {s['count']}")
     for name in ("target", "draft"):
-        print(f"{name:>7}: exact match {s[name]['exact_match']:.0%}   word accuracy {s[name]['word_accuracy']:.1%}")
+        parts = "  ".join(f"{k} {v:.0%}" for k, v in s[name]["parts"].items())
+        print(f"{name:>7}: exact match {s[name]['exact_match']:.0%}   word accuracy {s[name]['word_accuracy']:.1%}"
+              f"   parts right: {parts}")
     for key, v in s.items():
         if key.startswith("sd_"):
             print(f"{key:>14}: MAT {v['mat']:.2f}   acceptance {v['acceptance']:.1%}   (outputs identical to the target's)")
