@@ -55,6 +55,11 @@ class PruningConfig:
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"pruning ratio must be in [0, 1), got {self.ratio}")
 
+    @property
+    def applied_ratio(self) -> float:
+        """The ratio actually pruned: strategy "none" keeps every token whatever `ratio` says."""
+        return 0.0 if self.strategy == "none" else self.ratio
+
 
 @dataclass
 class RunConfig:

@@ -20,7 +20,7 @@ def keep_policy_for(cfg: PruningConfig):
     strategy = STRATEGIES[cfg.strategy]
 
     def policy(t_emb: SequenceEmbeddings, t_pre: PrefillResult, d_emb: SequenceEmbeddings) -> torch.Tensor | None:
-        if cfg.strategy == "none" or cfg.ratio == 0.0:
+        if cfg.applied_ratio == 0.0:
             return None
         signals = PruningSignals()
         if strategy.needs_visual_embeds:

@@ -175,7 +175,7 @@ def prefill_with_signals(
 def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:
     """(attention, hidden states): what `cfg.strategy` reads from the target's prefill; neither if it prunes nothing."""
     strategy = STRATEGIES[cfg.strategy]
-    if cfg.strategy == "none" or cfg.ratio == 0.0:
+    if cfg.applied_ratio == 0.0:
         return False, False
     return strategy.needs_attention, strategy.needs_hidden_states
 

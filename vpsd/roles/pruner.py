@@ -46,7 +46,7 @@ def run_pruner(ctx: RoleContext) -> None:
             raise RoleFailure(f"pruner: expected the signals of item {msg.item_id}, got {type(announce).__name__}")
         tensors = ctx.tensors.recv_announced(announce)
         signals, layout = unpack(announce.tag, tensors)
-        ratio = 0.0 if cfg.strategy == "none" else cfg.ratio
+        ratio = cfg.applied_ratio
         with span("prune", item=msg.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
             if ratio == 0.0:
                 keep = torch.arange(layout.num_tokens)

@@ -61,9 +61,8 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
             result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
         if result.kept is not None and ctx.extra.get("out"):
             # The pruner rank logs a parallel run's kept tokens; a serial run chose them here.
-            ratio = 0.0 if cfg.pruning.strategy == "none" else cfg.pruning.ratio
-            append_kept(Path(ctx.extra["out"]),
-                        KeptRecord(item.id, cfg.pruning.strategy, ratio, result.kept, result.layout))
+            append_kept(Path(ctx.extra["out"]), KeptRecord(item.id, cfg.pruning.strategy, cfg.pruning.applied_ratio,
+                                                           result.kept, result.layout))
         return result
     return _decode_parallel(ctx, target, frames, item, dec)
 

@@ -14,7 +14,7 @@ Contract:
   patch grid and took it longer than the whole CPU training budget (a probe read shape at chance).
 - Colours are unique across the scene, new colours included, so "the red circle" names one object.
 - Objects never overlap while both are visible, so every object stays fully visible and checkable.
-- One or two objects and exactly one event: at most 33 caption words. (Three objects and two events made
+- One or two objects and exactly one event: at most 28 caption words. (Three objects and two events made
   captions a tiny language model could not bind within the CPU training hour.)
 """
 
