@@ -70,7 +70,8 @@ def test_attention_matches_eager_forward(family):
     assert torch.equal(s.query_positions, text)
     text_cfg = target.model.config.get_text_config()
     assert s.text_queries.shape[:3] == (num_layers, text_cfg.num_attention_heads, len(text))
-    assert s.keys.shape[:3] == (num_layers, text_cfg.num_key_value_heads, emb.seq_len)
+    assert len(s.keys) == num_layers
+    assert all(k.shape[:2] == (text_cfg.num_key_value_heads, emb.seq_len) for k in s.keys)
 
     eager = _eager_attentions(target, emb)
     want = torch.stack([a[0][:, text][:, :, video] for a in eager[:num_layers]]).mean(dim=(0, 1, 2))
@@ -111,9 +112,9 @@ def test_layers_clamped_and_only_requested_fields():
     target, emb = _embeddings("qwen2_5_vl")
     num_layers = len(target.language_model.layers)
     s = prefill_with_signals(target, emb, 20, attention=True, hidden=False).signals
-    assert s.text_queries.shape[0] == s.keys.shape[0] == num_layers
+    assert s.text_queries.shape[0] == len(s.keys) == num_layers
     assert s.video_hidden is None and s.text_hidden is None
-    assert s.attn_scale == pytest.approx(s.keys.shape[-1] ** -0.5)
+    assert s.attn_scale == pytest.approx(s.keys[0].shape[-1] ** -0.5)
 
     h = prefill_with_signals(target, emb, 20, attention=False, hidden=True).signals
     assert h.text_queries is None and h.keys is None and h.query_positions is None
@@ -124,6 +125,16 @@ def test_layers_clamped_and_only_requested_fields():
     assert sent["attn_scale"].dim() == 0
     merged = s.merged_into(PruningSignals(visual_embeds=emb.visual_embeds))
     assert merged.visual_embeds is not None and merged.keys is s.keys and merged.attn_scale == s.attn_scale
+
+
+def test_keys_are_views_of_the_cache_until_sent():
+    """Sparse-to-Dense reads every layer's keys: a copy would briefly double the prefill's KV memory."""
+    target, emb = _embeddings("qwen2_5_vl")
+    pre = prefill_with_signals(target, emb, 20, attention=True, hidden=False)
+    for key, layer in zip(pre.signals.keys, pre.state.cache.layers, strict=True):
+        assert key.data_ptr() == layer.keys.data_ptr()
+    stacked = pre.signals.as_tensors()["keys"]
+    assert torch.equal(stacked, torch.stack([layer.keys[0] for layer in pre.state.cache.layers]))
     assert PrefillSignals().as_tensors() == {}
 
 
@@ -183,7 +194,7 @@ def test_signals_are_handed_over_right_after_layer_l(family, num_layers):
     assert layers_run == list(range(expect))  # layers L.. had not run yet
     assert ran == list(range(len(layers)))  # the prefill went on through every layer
     assert signals is got.signals
-    assert signals.text_queries.shape[0] == signals.keys.shape[0] == expect
+    assert signals.text_queries.shape[0] == len(signals.keys) == expect
     assert signals.video_hidden.shape[0] == expect + 1
     assert torch.equal(got.logits, target.prefill(emb).logits)
 

@@ -12,8 +12,9 @@ on the decoder layers too, so no layer's full hidden states are kept.
 
 As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
 layers after L are still to run (the target starts the send to the pruner in it). Memory: L x (Hq, Nt, d)
-queries plus a copy of L layers' keys; the text-to-video attention itself is rebuilt in chunks by
-pipeline/pruning/attention.py.
+queries; the keys are views of the cache's own tensors (no copy: Sparse-to-Dense reads every layer's, which
+would have briefly doubled the KV memory), stacked into one tensor only when they are sent to the pruner;
+the text-to-video attention itself is rebuilt in chunks by pipeline/pruning/attention.py.
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
@@ -38,7 +39,7 @@ class PrefillSignals:
     """What the target's prefill measured for the pruner; fields not asked for stay None."""
 
     text_queries: torch.Tensor | None = None  # (L, Hq, Nt, d) text queries, rotary applied, model dtype
-    keys: torch.Tensor | None = None  # (L, Hkv, S, d) cached keys, key j at sequence position j
+    keys: tuple[torch.Tensor, ...] | None = None  # L views (Hkv, S, d) of the cached keys, key j at position j
     query_positions: torch.Tensor | None = None  # (Nt,) int64 sequence positions of the text tokens
     attn_scale: float | None = None  # the attention modules' softmax scale
     video_hidden: torch.Tensor | None = None  # (L+1, N, D) hidden states of the video tokens
@@ -50,11 +51,14 @@ class PrefillSignals:
         return dataclasses.replace(signals, **{k: v for k, v in fields.items() if v is not None})
 
     def as_tensors(self) -> dict[str, torch.Tensor]:
-        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor)."""
+        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor,
+        the per-layer keys one (L, Hkv, S, d) tensor)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if isinstance(value, tuple):
+                out[f.name] = torch.stack(value)  # the wire takes one tensor; this is the keys' only copy
+            elif value is not None:
                 out[f.name] = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
         return out
 
@@ -143,7 +147,9 @@ def prefill_with_signals(
         if attention:
             cache = kwargs.get("past_key_values")
             signals.text_queries = torch.stack(queries)
-            signals.keys = torch.stack([layer.keys[0] for layer in cache.layers[:num_layers]])
+            # Views, not copies: layers before L are final once layer L-1 has run, and the cache's update
+            # concatenates into new tensors while decoding, so these stay the prefill's keys.
+            signals.keys = tuple(layer.keys[0] for layer in cache.layers[:num_layers])
             signals.query_positions = text_pos.cpu()
             signals.attn_scale = float(layers[0].self_attn.scaling)
         if hidden:

@@ -117,7 +117,7 @@ def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, it
         send({})
     with span("prefill", item=item.id, tokens=emb.seq_len):
         pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()))
-    pre.signals = None  # the copied keys are not needed while decoding
+    pre.signals = None  # queries and key views are not needed while decoding (the views pin the prefill keys)
     for handle in in_flight:
         handle.wait()
     return pre

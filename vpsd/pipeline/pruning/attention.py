@@ -16,12 +16,14 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
 def video_attention_per_kv_head(
     queries: torch.Tensor,  # (L, Hq, Nt, d) text queries, rotary applied
-    keys: torch.Tensor,  # (L, Hkv, S, d) cached keys of the whole prefix, rotary applied
+    keys: torch.Tensor | Sequence[torch.Tensor],  # (L, Hkv, S, d), or L of (Hkv, S, d): the prefix's cached keys
     video_positions: torch.Tensor,  # (Nv,) int64 sequence positions of the video tokens
     query_positions: torch.Tensor,  # (Nt,) int64 sequence positions of the text queries
     scale: float | None = None,
@@ -33,7 +35,7 @@ def video_attention_per_kv_head(
     summed); HIPPO's and SpecVLM's averages are a further mean over layers and heads of it.
     """
     num_layers, hq, nt, d = queries.shape
-    hkv, s = keys.shape[1], keys.shape[2]
+    hkv, s = keys[0].shape[0], keys[0].shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not split into groups over {hkv} KV heads")
     g = hq // hkv
@@ -60,7 +62,7 @@ def video_attention_per_kv_head(
 
 def attention_to_video(
     queries: torch.Tensor,  # (L, Hq, Nt, d)
-    keys: torch.Tensor,  # (L, Hkv, S, d)
+    keys: torch.Tensor | Sequence[torch.Tensor],  # (L, Hkv, S, d), or L of (Hkv, S, d)
     video_positions: torch.Tensor,  # (Nv,)
     query_positions: torch.Tensor,  # (Nt,)
     scale: float | None = None,

@@ -13,6 +13,8 @@ can gather the KV cache in its original order; ties go to the lower index.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from vpsd.pipeline.pruning.attention import video_attention_per_kv_head
@@ -26,7 +28,7 @@ def topk_per_head(mass: torch.Tensor, k: int) -> torch.Tensor:
 
 def std_topk_per_head(
     text_queries: torch.Tensor,  # (L, Hq, Nt, d) prompt-token queries, rotary applied
-    keys: torch.Tensor,  # (L, Hkv, S, d) cached keys of the prefix, rotary applied
+    keys: torch.Tensor | Sequence[torch.Tensor],  # (L, Hkv, S, d), or L of (Hkv, S, d): cached keys, rotary applied
     video_positions: torch.Tensor,  # (Nv,) sequence positions of the video tokens
     query_positions: torch.Tensor,  # (Nt,) sequence positions of the text queries
     k: int,

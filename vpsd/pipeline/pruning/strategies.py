@@ -12,6 +12,7 @@ and "none" (keep everything: plain speculative decoding).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,7 +34,7 @@ class PruningSignals:
 
     visual_embeds: torch.Tensor | None = None  # (N, D) projector output, one row per video token
     text_queries: torch.Tensor | None = None  # (L, Hq, Nt, d) text queries, rotary applied
-    keys: torch.Tensor | None = None  # (L, Hkv, S, d) cached keys, key j at sequence position j
+    keys: torch.Tensor | Sequence[torch.Tensor] | None = None  # (L, Hkv, S, d), or L of (Hkv, S, d); key j at position j
     video_positions: torch.Tensor | None = None  # (N,) positions of the video keys; None: layout.seq_positions
     query_positions: torch.Tensor | None = None  # (Nt,) positions of the text queries
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(d)
