@@ -34,7 +34,7 @@ class PruningSignals:
 
     visual_embeds: torch.Tensor | None = None  # (N, D) projector output, one row per video token
     text_queries: torch.Tensor | None = None  # (L, Hq, Nt, d) text queries, rotary applied
-    keys: torch.Tensor | Sequence[torch.Tensor] | None = None  # (L, Hkv, S, d), or L of (Hkv, S, d); key j at position j
+    keys: torch.Tensor | Sequence[torch.Tensor] | None = None  # (L, Hkv, S, d) or L x (Hkv, S, d); key j: position j
     video_positions: torch.Tensor | None = None  # (N,) positions of the video keys; None: layout.seq_positions
     query_positions: torch.Tensor | None = None  # (Nt,) positions of the text queries
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(d)
