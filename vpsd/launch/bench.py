@@ -12,6 +12,8 @@ whether every output equals `ar`'s, and the speedup ParallelVLM Appendix C predi
 measured T_p (mean target verify forward), T_q (mean draft forward) and acceptance (`pipeline/theory.py`:
 Theorem 6 for parallel methods, Theorem 4 for serial ones), so the gap to the ideal is visible.
 Writes OUT/bench.csv, OUT/bench.json and OUT/bench.png; exits 1 if any output differs from `ar`.
+A bench measures, it never resumes: each row's run directory is emptied before its job starts, so no row
+reuses results (or timings) that an earlier invocation, maybe with other weights, left there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,7 +79,9 @@ def default_runs(baseline_method: str = "hippo", methods: list[str] | None = Non
 def run_one(run: BenchRun, config: str, manifest: str, out: Path, torchrun: list[str], extra: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "vpsd.launch.entry", "--config", config,
            "--manifest", manifest, "--out", str(out), *run.args(), *extra]
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        shutil.rmtree(out)  # the job would resume from an old results.jsonl and skip every item
+    out.mkdir(parents=True)
     with open(out / "launch.log", "w") as log:
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
 
