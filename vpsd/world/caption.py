@@ -6,7 +6,7 @@ Contract:
 - Grammar, in this order:
     intro:    "there are two objects on a textured grey background."
     initial:  "a large red circle moves left."          one per object seen in frame 0, left to right
-    events:   "then a small blue square appears in the middle and stays still."
+    events:   "then a small blue square appears at the top left and stays still."
               "then the red circle disappears." / "then the red circle leaves the frame."
               "then the green triangle turns yellow."   in time order
 - `VOCABULARY` lists every token `words(caption)` can yield (punctuation included), derived from the
@@ -16,7 +16,7 @@ Contract:
 
 from __future__ import annotations
 
-from vpsd.world.scene import BACKGROUNDS, COLOURS, SHAPES, SIZES, Scene, SceneObject, third
+from vpsd.world.scene import BACKGROUNDS, COLOURS, SHAPES, SIZES, Scene, SceneObject, half
 
 PROMPTS = (
     "Describe the video.",
@@ -33,11 +33,10 @@ MOTION_PHRASES = {
     "down": "moves down",
     "still": "stays still",
 }
-# LOCATIONS[row third][column third]
+# LOCATIONS[row half][column half]: quadrants, whose lines are video-token boundaries (vpsd.world.scene)
 LOCATIONS = (
-    ("at the top left", "at the top", "at the top right"),
-    ("on the left", "in the middle", "on the right"),
-    ("at the bottom left", "at the bottom", "at the bottom right"),
+    ("at the top left", "at the top right"),
+    ("at the bottom left", "at the bottom right"),
 )
 # Fixed words of the sentence templates below; keep in sync when a template changes.
 TEMPLATE_WORDS = (
@@ -65,7 +64,7 @@ def caption(scene: Scene) -> str:
 
 
 def location(x: float, y: float) -> str:
-    return LOCATIONS[third(y)][third(x)]
+    return LOCATIONS[half(y)][half(x)]
 
 
 def words(text: str) -> list[str]:

@@ -14,6 +14,11 @@ Contract:
   patch grid and took it longer than the whole CPU training budget (a probe read shape at chance).
 - Colours are unique across the scene, new colours included, so "the red circle" names one object.
 - Objects never overlap while both are visible, so every object stays fully visible and checkable.
+- Where an object appears is named by the quadrant of its centre (`quadrant`): the halves of a 112-pixel frame
+  fall on the boundaries of the 28-pixel video tokens, so the location is a whole-token fact. (With thirds,
+  the lines cut through tokens and the trained target missed the location in a fifth of all captions.)
+- A disappearing object vanishes away from the borders (`INTERIOR`), so it never looks like one that leaves
+  the frame; the trained target used to confuse the two in about one caption in six.
 - One or two objects and exactly one event: at most 28 caption words. (Three objects and two events made
   captions a tiny language model could not bind within the CPU training hour.)
 """
@@ -48,11 +53,14 @@ EVENT_KINDS: tuple[EventKind, ...] = ("appears", "disappears", "leaves", "turns"
 
 # Centres snap to this many pixels (the world model's vision patch side, vpsd.world.train.VISION).
 LATTICE = 7
-# Keeps objects off the frame border, and labelled positions off the lines between thirds, so a location
+# Keeps objects off the frame border, and labelled positions off the lines between quadrants, so a location
 # word is never a coin flip between two cells: an appearing object is first sampled up to 2 frames after
 # it appears (8 of 16 frames), by when it may have moved a lattice step or two.
 BORDER_MARGIN = 0.02
 CELL_MARGIN = 0.1
+# A disappearing object's centre, in its last visible frame, lies in [INTERIOR, 1 - INTERIOR] on both axes:
+# even a large one keeps 0.15 of the frame between its edge and the border as it vanishes.
+INTERIOR = 0.3
 # Speed of a moving object in pixels per frame: over half a lattice step, so in any two frames it moves at
 # least one step. With 8 of 16 frames sampled, the tower's temporal pairs are frames 2 apart, so every pair
 # shows the motion, and "stays still" is the only motion with no shift anywhere.
@@ -132,9 +140,9 @@ def event_window(num_frames: int) -> tuple[int, int]:
     return max(1, round(num_frames * 0.3)), min(num_frames - 1, round(num_frames * 0.7))
 
 
-def third(v: float) -> int:
-    """Which third (0, 1, 2) of an axis a fraction falls in; shared with the captioner."""
-    return min(2, int(v * 3))
+def half(v: float) -> int:
+    """Which half (0, 1) of an axis a fraction falls in; shared with the captioner."""
+    return min(1, int(v * 2))
 
 
 def sample_scene(seed: int, num_frames: int = 16, size: tuple[int, int] = (112, 112), lattice: int = LATTICE) -> Scene:
@@ -205,6 +213,8 @@ def _sample_object(
             continue
         if kind == "appears" and not _clear_of_cell_lines(*obj.centre(first)):
             continue
+        if kind == "disappears" and not all(INTERIOR <= v <= 1 - INTERIOR for v in obj.centre(last)):
+            continue
         return obj
     # The ranges above always leave room (0.3 + 0.45 + margins < 1), so this is a bug, not bad luck.
     raise RuntimeError(f"could not place a {size} {motion} object")
@@ -222,7 +232,7 @@ def _inside(obj: SceneObject, first: int, last: int, rx: float, ry: float) -> bo
 
 
 def _clear_of_cell_lines(x: float, y: float) -> bool:
-    return all(abs(v - line) >= CELL_MARGIN for v in (x, y) for line in (1 / 3, 2 / 3))
+    return all(abs(v - 0.5) >= CELL_MARGIN for v in (x, y))
 
 
 def _overlap(a: SceneObject, b: SceneObject, num_frames: int, height: int, width: int) -> bool:
