@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Retrains the embedded default pair (checkpoints/world_qwen2_5_vl) from scratch, the way the shipped weights
 # were made: one run of python -m vpsd.world.train (stage 1: the vision towers on per-patch and per-token
-# labels; stage 2: the language models on captions, towers frozen), then the held-out evaluation.
-# 46 min on the 2-core CPU machine with one torch thread: the DataLoader worker that renders and
+# labels; stage 2: the language models and mergers on captions, tower blocks frozen), then the held-out
+# evaluation.
+# 52 min on the 2-core CPU machine with one torch thread: the DataLoader worker that renders and
 # round-trips the mp4s takes the other core.
 #   Usage: ./scripts/train_world.sh [OUT_DIR]   (default checkpoints/world_qwen2_5_vl)
 set -euo pipefail

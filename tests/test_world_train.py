@@ -1,5 +1,6 @@
 """The world trainer: its per-patch and per-token labels line up with the pixels the towers see, its feature
-reordering undoes the tower's window order, stage 2 leaves the towers frozen, and a few steps of both
+reordering undoes the tower's window order, stage 2 leaves the tower blocks frozen (the merger trains with the
+language model), and a few steps of both
 stages write loadable checkpoints."""
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def test_a_few_steps_of_both_stages_write_loadable_checkpoints(tmp_path) -> None
         assert model.config.vision_config.patch_size == VISION["patch_size"]
 
 
-def test_stage_two_trains_the_language_model_on_frozen_towers(tmp_path) -> None:
+def test_stage_two_trains_the_language_model_and_merger_on_frozen_tower_blocks(tmp_path) -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tok = world_tokenizer()
@@ -133,7 +134,9 @@ def test_stage_two_trains_the_language_model_on_frozen_towers(tmp_path) -> None:
     aux = AuxHeads(model.config.vision_config.hidden_size, model.config.text_config.hidden_size)
     rng = torch.Generator().manual_seed(0)
     forward_loss(model, aux, batch, model.config.video_token_id, None, rng, with_captions=True)["lm"].backward()
-    assert all(p.grad is None for p in model.model.visual.parameters())
+    visual = model.model.visual
+    assert all(p.grad is None for p in [*visual.patch_embed.parameters(), *visual.blocks.parameters()])
+    assert all(p.grad is not None for p in visual.merger.parameters())
     assert all(p.grad is not None for p in model.model.language_model.parameters())
     model.zero_grad(set_to_none=True)
     forward_loss(model, aux, batch, model.config.video_token_id, None, rng, with_captions=False)["aux"].backward()

@@ -10,8 +10,9 @@ Contract:
 - Two stages in one run. Stage 1 (`vision_steps`) trains the vision towers alone on labels read from the
   scene, per patch and per merged token (colour, shape, size and motion of the object there, background).
   Stage 2 (`steps`) trains the language models on next-token cross-entropy of the answer (caption +
-  <|im_end|>) with the towers frozen: their backward pass cost more than the language models' whole step,
-  so freezing buys the language models about twice the steps in the CPU hour.
+  <|im_end|>), and with them the towers' mergers; the tower blocks stay frozen: their backward pass cost
+  more than the language models' whole step, so freezing them buys the language models about twice the
+  steps in the CPU hour.
 - The draft also trains on pruned video (random video tokens dropped, each kept token at its original
   rotary position, as a pruned prefill feeds it), so it keeps agreeing with the target when the pruner
   leaves it 10% of the video. The target always sees the whole video.
@@ -70,7 +71,7 @@ DRAFT = dict(
 @dataclass
 class TrainConfig:
     vision_steps: int = 600  # stage 1: the towers alone, on their per-patch and per-token labels
-    steps: int = 1800  # stage 2: the language models on captions, the towers frozen
+    steps: int = 2000  # stage 2: the language models and mergers on captions, the tower blocks frozen
     batch_size: int = 16
     vision_lr: float = 6e-3
     lr: float = 2e-3
@@ -259,10 +260,15 @@ class Batcher:
 def forward_loss(model, aux: AuxHeads, batch: dict, video_token_id: int, keep_share: float | None,
                  rng: torch.Generator, with_captions: bool = True) -> dict:
     """Stage 1 (not `with_captions`): `aux`, the towers' loss on their per-patch and per-token labels.
-    Stage 2: `lm`, cross-entropy on the answers, with the towers frozen (with keep_share, each item keeps
+    Stage 2: `lm`, cross-entropy on the answers, with the tower blocks frozen (with keep_share, each item keeps
     that share of its video tokens). Also returns the features, for the log's probe accuracies."""
-    with torch.set_grad_enabled(not with_captions):
-        patches, feats = vision_features(model, batch["pixels"], batch["grid"])
+    # Stage 2 trains the merger with the language model: it is the one place where the 4x4 patches of a token
+    # meet, so only it can learn what the caption needs beyond the stage-1 labels (where in its token an
+    # object sits, which names the quadrant it appears in). Parameters that need no grad keep autograd from
+    # recording the blocks at all, so the frozen blocks cost a forward pass and nothing more.
+    for name, p in model.model.visual.named_parameters():
+        p.requires_grad_(not with_captions or name.startswith("merger."))
+    patches, feats = vision_features(model, batch["pixels"], batch["grid"])
     out = {"patches": patches.detach(), "tokens": feats.detach()}
     if not with_captions:
         out["aux"] = aux.patch.loss(patches, batch["patch_labels"]) + aux.token.loss(feats, batch["token_labels"])
