@@ -163,6 +163,15 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
     assert json.loads((out / "summary.json").read_text())["run"]["skipped"] >= 2
 
 
+def test_a_rerun_with_other_settings_is_refused_and_changes_nothing(six, uninterrupted):
+    """Resuming would skip every finished id and mix two jobs in one results file."""
+    before = (uninterrupted / "results.jsonl").read_text()
+    proc = run_job(CONFIG, six, uninterrupted, METHOD, "--gamma", "2", "--quiet")
+    assert proc.returncode != 0  # torchrun's own code: each rank exited 2
+    assert "decoding.gamma: 4 -> 2" in proc.stderr and "another --out" in proc.stderr, proc.stderr[-3000:]
+    assert (uninterrupted / "results.jsonl").read_text() == before
+
+
 def test_two_shard_jobs_split_the_manifest_and_together_equal_one_job(tmp_path_factory, six, uninterrupted):
     outs = [tmp_path_factory.mktemp(f"shard{i}") for i in range(2)]
     for i, out in enumerate(outs):

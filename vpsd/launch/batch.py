@@ -3,7 +3,8 @@
 Contract (the README's "Batch jobs" section says it for users):
 - Resumable: `ResultsFile.resume` first; ids already in results.jsonl for this method are skipped
   (failed ones too, unless `--retry-failed`), so a rerun or a torchrun restart finishes the rest
-  with no duplicates and no gaps. Bad manifest lines become error rows `line:N` once.
+  with no duplicates and no gaps. Bad manifest lines become error rows `line:N` once. A rerun with
+  other settings (weights, strategy, gamma, ...) is refused at launch instead (launch/job_identity.py).
 - One bad item never sinks the job: a VideoError (missing, empty, corrupt, no video stream,
   too long) or a ValueError while decoding it is written as that item's `error: {type, message}`
   (plus `kind` for a VideoError) and the loop goes on. Anything else (a dead peer, a bug) ends the
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from vpsd.config import RunConfig
+from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
 from vpsd.launch.progress import Progress, wants_bar
 from vpsd.launch.results import ResultsFile
@@ -106,6 +108,7 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
     method = ctx.method.name
     results = ResultsFile(out)
     done = results.resume(method, retry_failed=args.retry_failed)
+    record_job(out, method, cfg)  # what a rerun must match to resume here (entry.py checks it)
     (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
     items, problems = load_manifest(args.manifest, check_files=False)
     if args.shard is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from vpsd.config import RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
+from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.manifest import Shard
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
@@ -123,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     problem = restart_problem(os.environ)
     if problem is not None:
         print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
+    except JobMismatch as e:
+        print(f"vpsd: {e}", file=sys.stderr, flush=True)
         return 2
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     ranks = role_ranks(cfg)

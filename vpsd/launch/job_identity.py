@@ -1,0 +1,85 @@
+"""What a run directory's results were made with, so that a rerun resumes only the same job.
+
+A rerun into the same --out skips every id already in results.jsonl (launch/results.py). Rerun with other
+weights, another pruning strategy or another gamma, that would silently mix two jobs in one results file:
+some items decoded one way, the rest the other, and a summary over both. So every run records, per method,
+the settings that decide its outputs and statistics (`identity`) in DIR/job.json, and a rerun whose settings
+differ stops at launch, before any rank loads a model, saying which settings differ.
+
+Not part of the identity: where and how fast the job runs (the model's device, cpu affinity, roles,
+timeouts), how it is driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
+(`video.context_limit`, `video.subsample_to_fit`: an item that fits decodes the same either way, and
+retrying the items that did not fit with subsampling on is how such failures are meant to be rerun).
+Weights changed in place under the same path are not detected: hashing a real checkpoint would take
+minutes on every launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from vpsd.config import RunConfig
+from vpsd.launch.results import ResultsFile
+
+JOB_FILE = "job.json"
+SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning")
+EXTRA_SECTIONS = ("tabed",)  # sections of `extra` that a method reads while decoding
+NOT_IDENTITY = ("target.device", "draft.device", "video.context_limit", "video.subsample_to_fit")
+
+
+class JobMismatch(ValueError):
+    """A rerun's settings differ from those the directory's results were made with."""
+
+
+def identity(cfg: RunConfig) -> dict[str, Any]:
+    data = cfg.to_dict()
+    out = {k: data[k] for k in SECTIONS}
+    out.update({k: data["extra"].get(k) for k in EXTRA_SECTIONS})
+    for dotted in NOT_IDENTITY:
+        section, key = dotted.split(".")
+        if out[section] is not None:
+            out[section].pop(key, None)
+    return json.loads(json.dumps(out, default=str))  # the form it has once read back from job.json
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """'key.path: old -> new' for every leaf that differs."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += differences(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
+def check_resume(out: Path, method: str, cfg: RunConfig) -> None:
+    """Raise JobMismatch if `out` holds results of `method` made with other settings than `cfg`'s."""
+    recorded = _read(out).get(method)
+    if recorded is None or not (Path(out) / "results.jsonl").exists():
+        return
+    if not ResultsFile(out).finished(method):
+        return
+    diff = differences(recorded, identity(cfg))
+    if diff:
+        raise JobMismatch(
+            f"{out} holds {method} results made with other settings ({'; '.join(diff)}); resuming would mix "
+            f"the two jobs. Use another --out, or remove {Path(out) / 'results.jsonl'} to start over."
+        )
+
+
+def record(out: Path, method: str, cfg: RunConfig) -> None:
+    """Note `cfg`'s identity for `method` in out/job.json (other methods' entries kept)."""
+    jobs = _read(out)
+    jobs[method] = identity(cfg)
+    path = Path(out) / JOB_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(jobs, indent=1))
+    os.replace(tmp, path)  # a crash leaves the old file or the new one
+
+
+def _read(out: Path) -> dict[str, Any]:
+    path = Path(out) / JOB_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
