@@ -14,7 +14,7 @@ Contract:
   patch grid and took it longer than the whole CPU training budget (a probe read shape at chance).
 - Colours are unique across the scene, new colours included, so "the red circle" names one object.
 - Objects never overlap while both are visible, so every object stays fully visible and checkable.
-- Where an object appears is named by the quadrant of its centre (`quadrant`): the halves of a 112-pixel frame
+- Where an object appears is named by the quadrant of its centre (`half` of each axis): the halves of a 112-pixel frame
   fall on the boundaries of the 28-pixel video tokens, so the location is a whole-token fact. (With thirds,
   the lines cut through tokens and the trained target missed the location in a fifth of all captions.)
 - A disappearing object vanishes away from the borders (`INTERIOR`), so it never looks like one that leaves

@@ -263,9 +263,9 @@ def forward_loss(model, aux: AuxHeads, batch: dict, video_token_id: int, keep_sh
     Stage 2: `lm`, cross-entropy on the answers, with the tower blocks frozen (with keep_share, each item keeps
     that share of its video tokens). Also returns the features, for the log's probe accuracies."""
     # Stage 2 trains the merger with the language model: it is the one place where the 4x4 patches of a token
-    # meet, so only it can learn what the caption needs beyond the stage-1 labels (where in its token an
-    # object sits, which names the quadrant it appears in). Parameters that need no grad keep autograd from
-    # recording the blocks at all, so the frozen blocks cost a forward pass and nothing more.
+    # meet, so only it can learn what the captions need beyond the stage-1 labels (how much of an object a
+    # token holds and where, from which its size, shape and place are read across tokens). Parameters that
+    # need no grad keep autograd from recording the blocks at all: the frozen blocks cost a forward pass only.
     for name, p in model.model.visual.named_parameters():
         p.requires_grad_(not with_captions or name.startswith("merger."))
     patches, feats = vision_features(model, batch["pixels"], batch["grid"])
