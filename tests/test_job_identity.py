@@ -53,3 +53,23 @@ def test_other_methods_and_empty_results_are_free(tmp_path):
     record(tmp_path, "hippo", other)
     assert set(json.loads((tmp_path / "job.json").read_text())) == {"ar", "hippo"}
     check_resume(tmp_path, "hippo", load_config(CONFIG))  # recorded, but no hippo rows: nothing to mix with
+
+
+def test_weights_replaced_in_place_stop_the_rerun(tmp_path):
+    """Same path, new weights (a retrain writes over the old checkpoint): the outputs change, so must the job."""
+    import shutil
+
+    world = load_config(ROOT / "configs" / "world_qwen2_5_vl.yaml")
+    ckpt = tmp_path / "target"
+    shutil.copytree(world.target.path, ckpt)
+    out = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "world_qwen2_5_vl.yaml", {"target.path": str(ckpt)})
+    record(out, "ar", cfg)
+    ResultsFile(out).append({"id": "a", "method": "ar", "token_ids": [1], "text": "x", "stats": {}})
+    check_resume(out, "ar", cfg)
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte in the middle of the tensors
+    weights.write_bytes(bytes(data))
+    with pytest.raises(JobMismatch, match=r"target\.weights"):
+        check_resume(out, "ar", cfg)

@@ -10,12 +10,15 @@ Not part of the identity: where and how fast the job runs (the model's device, c
 timeouts), how it is driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
 (`video.context_limit`, `video.subsample_to_fit`: an item that fits decodes the same either way, and
 retrying the items that did not fit with subsampling on is how such failures are meant to be rerun).
-Weights changed in place under the same path are not detected: hashing a real checkpoint would take
-minutes on every launch.
+Weights replaced in place under the same path count too: a checkpoint directory's identity includes a hash
+of each weight file's name, size and three 1 MiB samples (start, middle, end). Retrained or fine-tuned
+weights differ throughout, and reading 3 MiB a shard costs milliseconds where hashing a real checkpoint
+whole would take minutes on every launch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +31,8 @@ JOB_FILE = "job.json"
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning")
 EXTRA_SECTIONS = ("tabed",)  # sections of `extra` that a method reads while decoding
 NOT_IDENTITY = ("target.device", "draft.device", "video.context_limit", "video.subsample_to_fit")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+SAMPLE = 1 << 20  # bytes read at each of a weight file's start, middle and end
 
 
 class JobMismatch(ValueError):
@@ -42,7 +47,26 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
         section, key = dotted.split(".")
         if out[section] is not None:
             out[section].pop(key, None)
+    for model in ("target", "draft"):
+        if out[model] is not None and out[model].get("path"):
+            out[model]["weights"] = weights_fingerprint(Path(out[model]["path"]))
     return json.loads(json.dumps(out, default=str))  # the form it has once read back from job.json
+
+
+def weights_fingerprint(path: Path) -> str | None:
+    """Sampled hash of a checkpoint directory's weight files (see the module docstring); None if it has none."""
+    files = sorted({f for pattern in WEIGHT_FILES for f in path.glob(pattern)}) if path.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            for offset in sorted({0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)}):
+                fh.seek(offset)
+                digest.update(fh.read(SAMPLE))
+    return digest.hexdigest()[:16]
 
 
 def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -75,6 +99,7 @@ def record(out: Path, method: str, cfg: RunConfig) -> None:
     jobs = _read(out)
     jobs[method] = identity(cfg)
     path = Path(out) / JOB_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(jobs, indent=1))
     os.replace(tmp, path)  # a crash leaves the old file or the new one
