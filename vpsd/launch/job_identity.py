@@ -82,10 +82,8 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
 def check_resume(out: Path, method: str, cfg: RunConfig) -> None:
     """Raise JobMismatch if `out` holds results of `method` made with other settings than `cfg`'s."""
     recorded = _read(out).get(method)
-    if recorded is None or not (Path(out) / "results.jsonl").exists():
-        return
-    if not ResultsFile(out).finished(method):
-        return
+    if recorded is None or not ResultsFile(out).finished(method):
+        return  # nothing of this method's to mix with
     diff = differences(recorded, identity(cfg))
     if diff:
         raise JobMismatch(
