@@ -31,5 +31,5 @@ for a in "$@"; do
   [ "$prev" = "--out" ] && out="$a"
   prev="$a"
 done
-[ -n "$out" ] && [ -f "$out/summary.json" ] && exec python -m vpsd.launch.summary "$out" --status
+[ -n "$out" ] && [ -f "$out/summary.json" ] && exec python -m vpsd.reports.summary "$out" --status
 exit 0

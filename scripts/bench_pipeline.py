@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vpsd.launch.summary import compare, summarize  # noqa: E402
-from vpsd.launch.timeline import load_spans  # noqa: E402
+from vpsd.reports.summary import compare, summarize  # noqa: E402
+from vpsd.reports.timeline import load_spans  # noqa: E402
 
 
 def run(config: str, manifest: Path, out: Path, method: str, *extra: str) -> None:

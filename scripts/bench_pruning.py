@@ -40,7 +40,7 @@ from vpsd.config import DecodingConfig, RunConfig, load_config, parse_overrides 
 from vpsd.tracing import configure_tracing  # noqa: E402
 from vpsd.decoders.ar import decode_ar  # noqa: E402
 from vpsd.decoders.sd import decode_sd  # noqa: E402
-from vpsd.launch.kept_log import FILENAME, KeptRecord, append_kept  # noqa: E402
+from vpsd.reports.kept_log import FILENAME, KeptRecord, append_kept  # noqa: E402
 from vpsd.launch.manifest import load_manifest  # noqa: E402
 from vpsd.models.base import VideoLMAdapter  # noqa: E402
 from vpsd.models.registry import load_adapter  # noqa: E402

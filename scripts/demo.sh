@@ -18,8 +18,8 @@ for method in ar hippo; do
     2> "$out/$method.log" || { tail -20 "$out/$method.log"; exit 1; }
 done
 echo "== hippo vs ar (same manifest, same run)"
-python -m vpsd.launch.summary "$out/hippo" --baseline "$out/ar"
-python -m vpsd.launch.timeline "$out/hippo" > /dev/null
+python -m vpsd.reports.summary "$out/hippo" --baseline "$out/ar"
+python -m vpsd.reports.timeline "$out/hippo" > /dev/null
 echo "== captions (hippo)"
 python - "$out/hippo/results.jsonl" <<'PY'
 import json, sys

@@ -10,9 +10,9 @@ import pytest
 
 from tests.conftest import tiny_pair
 from tests.torchrun_jobs import results, run_job, world_manifest
-from vpsd.launch import acceptance
-from vpsd.launch.acceptance import Round, load_rounds, rounds_from_spans, summarize
-from vpsd.launch.timeline import Span
+from vpsd.reports import acceptance
+from vpsd.reports.acceptance import Round, load_rounds, rounds_from_spans, summarize
+from vpsd.reports.timeline import Span
 from vpsd.tracing import close_tracing
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,7 @@ from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.entry import restart_problem
 from vpsd.launch.manifest import check_manifest, load_manifest
-from vpsd.launch.summary import EXIT_ITEMS_FAILED
+from vpsd.reports.summary import EXIT_ITEMS_FAILED
 from vpsd.video.item import cap_frames, load_item_frames
 
 pytestmark = pytest.mark.torchrun

@@ -4,7 +4,7 @@ import csv
 import json
 
 from tests.torchrun_jobs import ROOT, world_manifest
-from vpsd.launch.bench import BenchRun, default_runs, main
+from vpsd.reports.bench import BenchRun, default_runs, main
 
 
 def test_default_runs_cover_every_method_then_every_other_strategy():

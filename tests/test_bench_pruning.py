@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from tests.torchrun_jobs import ROOT
-from vpsd.launch.bias import bias_report
-from vpsd.launch.kept_log import read_kept
+from vpsd.reports.bias import bias_report
+from vpsd.reports.kept_log import read_kept
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.world.dataset import write_manifest
 

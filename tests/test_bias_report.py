@@ -8,9 +8,9 @@ import pytest
 import torch
 from pruning_fixtures import grid_layout, newline_layout
 
-from vpsd.launch.bias import bias_report
+from vpsd.reports.bias import bias_report
 from vpsd.launch.cli import main as cli
-from vpsd.launch.kept_log import KeptRecord, append_kept, read_kept
+from vpsd.reports.kept_log import KeptRecord, append_kept, read_kept
 
 
 def _record(item: str, strategy: str, layout, cells: list[tuple[int, int, int]]) -> KeptRecord:

@@ -15,7 +15,7 @@ from tests.conftest import tiny_pair
 from tests.torchrun_jobs import ROOT, results, run_job, world_manifest
 from vpsd.config import PruningConfig, load_config
 from vpsd.decoders.keep import keep_policy_for
-from vpsd.launch.kept_log import read_kept
+from vpsd.reports.kept_log import read_kept
 from vpsd.launch.manifest import load_manifest
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.pruning.position_bias import boundary_share

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pruning_fixtures import grid_layout, newline_layout
 
-from vpsd.launch.kept_log import KeptRecord, append_kept, read_kept
+from vpsd.reports.kept_log import KeptRecord, append_kept, read_kept
 from vpsd.roles.context import RoleFailure
 from vpsd.roles.pruner import check_keep
 

@@ -14,7 +14,7 @@ from tests.conftest import tiny_pair
 from tests.torchrun_jobs import ROOT, free_port, job_args, results, run_job, torchrun_cmd, world_manifest
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.launch.kept_log import read_kept
+from vpsd.reports.kept_log import read_kept
 from vpsd.launch.manifest import load_manifest
 from vpsd.pipeline.methods import get_method
 from vpsd.video.item import load_item_frames

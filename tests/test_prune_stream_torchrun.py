@@ -14,9 +14,9 @@ import pytest
 from tests.torchrun_jobs import ROOT, results, run_job
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.launch.kept_log import read_kept
+from vpsd.reports.kept_log import read_kept
 from vpsd.launch.manifest import load_manifest
-from vpsd.launch.timeline import load_spans
+from vpsd.reports.timeline import load_spans
 from vpsd.models.registry import load_adapter
 from vpsd.video.item import load_item_frames
 from vpsd.world.dataset import write_manifest

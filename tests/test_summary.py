@@ -6,7 +6,7 @@ import json
 
 from vpsd.launch.cli import main as cli_main
 from vpsd.launch.results import ResultsFile
-from vpsd.launch.summary import compare, summarize
+from vpsd.reports.summary import compare, summarize
 
 
 def _row(item, tokens, rounds, acc, wall, error=None):

@@ -13,8 +13,8 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from vpsd.launch import timeline
-from vpsd.launch.timeline import Row, breakdown, format_breakdown, load_spans, plot_timeline
+from vpsd.reports import timeline
+from vpsd.reports.timeline import Row, breakdown, format_breakdown, load_spans, plot_timeline
 from vpsd.tracing import close_tracing, configure_tracing, get_logger, mark, span, trace_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

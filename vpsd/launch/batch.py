@@ -38,7 +38,7 @@ from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
 from vpsd.launch.progress import Progress, wants_bar
 from vpsd.launch.results import ResultsFile
-from vpsd.launch.summary import summarize
+from vpsd.reports.summary import summarize
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.messages import Shutdown

@@ -22,15 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     if command == "check":
         from vpsd.launch.manifest import main as run
     elif command == "summary":
-        from vpsd.launch.summary import main as run
+        from vpsd.reports.summary import main as run
     elif command == "timeline":
-        from vpsd.launch.timeline import main as run
+        from vpsd.reports.timeline import main as run
     elif command == "bias":
-        from vpsd.launch.bias import main as run
+        from vpsd.reports.bias import main as run
     elif command == "acceptance":
-        from vpsd.launch.acceptance import main as run
+        from vpsd.reports.acceptance import main as run
     elif command == "bench":
-        from vpsd.launch.bench import main as run
+        from vpsd.reports.bench import main as run
     else:
         print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ prefilling and the draft's pruned prefill overlaps the target's full one (synchr
 prefill). Before anything leaves, the kept set is checked against the contract of
 pipeline/pruning/select.py (sorted, unique, every non-prunable token plus exactly the budget). When the
 run has an output directory (ctx.extra["out"]) each item's kept set and layout are appended to
-RUN_DIR/kept.jsonl (launch/kept_log.py) for `vpsd bias`.
+RUN_DIR/kept.jsonl (reports/kept_log.py) for `vpsd bias`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from pathlib import Path
 
-from vpsd.launch.kept_log import KeptRecord, append_kept
+from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Shutdown, TensorAnnounce
 from vpsd.pipeline.pruning.strategies import STRATEGIES

@@ -18,7 +18,7 @@ import torch
 
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
-from vpsd.launch.kept_log import KeptRecord, append_kept
+from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
@@ -178,7 +178,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
             before = len(machine.committed)
             verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
             committed = verdict.committed_len - before
-            verify_fields.update(accepted=v.num_accepted, committed=committed)  # for vpsd.launch.acceptance
+            verify_fields.update(accepted=v.num_accepted, committed=committed)  # for vpsd.reports.acceptance
         if not verdict.rollback:
             kept_row = rows[-1]
         stats.record(v.num_accepted, v.num_drafted, committed)

@@ -1,6 +1,6 @@
 """`vpsd bias RUN_DIR`: the position bias of the kept video tokens, per frame (HIPPO Sec. 4, Fig. 2 / 8).
 
-Input: RUN_DIR/kept.jsonl (launch/kept_log.py; the pruner of a parallel run writes it, so does
+Input: RUN_DIR/kept.jsonl (reports/kept_log.py; the pruner of a parallel run writes it, so does
 scripts/bench_pruning.py with one record per strategy), or a kept.jsonl path. For every strategy in it and
 every frame index: the share of the frame's kept prunable tokens that lie in the boundary band (the top and
 bottom `band` of its rows, pipeline/pruning/position_bias.py), averaged over the items that have that frame
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from vpsd.launch.kept_log import FILENAME, KeptRecord, read_kept
+from vpsd.reports.kept_log import FILENAME, KeptRecord, read_kept
 from vpsd.pipeline.pruning.position_bias import boundary_share, is_boundary_row
 
 

@@ -1,7 +1,7 @@
 """Run summaries: what a results.jsonl adds up to, and how a run compares with an `ar` run.
 
-    python -m vpsd.launch.summary RUN_DIR [--baseline AR_RUN_DIR]
-    python -m vpsd.launch.summary RUN_DIR --status   # exit 3 if the results hold failed items, else 0
+    python -m vpsd.reports.summary RUN_DIR [--baseline AR_RUN_DIR]
+    python -m vpsd.reports.summary RUN_DIR --status   # exit 3 if the results hold failed items, else 0
 
 The comparison is measured, never claimed: speedup is the baseline's total decode wall time over
 the run's, on the ids both finished, and the lossless check counts ids whose tokens differ.
@@ -73,7 +73,7 @@ def compare(baseline_dir: Path, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vpsd.launch.summary")
+    p = argparse.ArgumentParser(prog="vpsd.reports.summary")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--baseline", type=Path, default=None, help="an `ar` run of the same manifest")
     p.add_argument("--status", action="store_true",

@@ -1,6 +1,6 @@
 """The method benchmark: every method, pruning baseline and ablation on one manifest, in one run.
 
-    python -m vpsd.launch.bench --config configs/world_qwen2_5_vl.yaml --manifest M --out runs/bench
+    python -m vpsd.reports.bench --config configs/world_qwen2_5_vl.yaml --manifest M --out runs/bench
 
 Each row is a real torchrun job of `vpsd.launch.entry` (the same launcher users run), writing its own run
 directory under --out. Rows: the methods (`ar` first, and once more at the very end: the faster of the two
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vpsd.config import load_config
-from vpsd.launch.summary import compare, summarize
-from vpsd.launch.timeline import load_spans
+from vpsd.reports.summary import compare, summarize
+from vpsd.reports.timeline import load_spans
 from vpsd.pipeline.methods import METHODS, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.pipeline.theory import parallel_sd_rollback_speedup, serial_sd_speedup

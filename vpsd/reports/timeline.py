@@ -21,7 +21,7 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
       not-work ones, inside the wall time (nested and overlapping spans counted once); `idle` = wall - busy;
       `waiting` = recv_wait time inside the wall time and outside busy time, the part of idle spent
       blocked on a peer. Shares of totals are of wall time.
-- `python -m vpsd.launch.timeline RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/timeline.png (or
+- `python -m vpsd.reports.timeline RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/timeline.png (or
   --out) and RUN_DIR/breakdown.txt, and prints the table.
 """
 
@@ -372,7 +372,7 @@ def _length(intervals: Iterable[Interval]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vpsd.launch.timeline", description=__doc__.splitlines()[0]
+        prog="python -m vpsd.reports.timeline", description=__doc__.splitlines()[0]
     )
     parser.add_argument("run_dir", type=Path, help="run directory holding traces/*.jsonl")
     parser.add_argument("--item", help="item id to plot (default: the first item of the run)")

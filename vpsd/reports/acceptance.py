@@ -1,6 +1,6 @@
 """How drafting went, round by round: accepted draft tokens per verification round, read from a run's traces.
 
-Input: the `verify` spans of `RUN_DIR/traces/*.jsonl` (read with `vpsd.launch.timeline.load_spans`).
+Input: the `verify` spans of `RUN_DIR/traces/*.jsonl` (read with `vpsd.reports.timeline.load_spans`).
 Each carries `drafted` (draft tokens verified) and `accepted` (how many of them the target accepted);
 the parallel target's also carry `mode` (the mode the round was verified in: "optimistic", or
 "conservative" for the lone first token after a rollback). Serial methods (sd, specvlm, std) log their
@@ -16,7 +16,7 @@ encloses it. Spans without `accepted` (traces of an older vpsd) are skipped.
   (bars; rejecting rounds red and crossed below the axis, conservative-mode rounds shaded; tokens
   drafted per round as a step line, gamma dashed), the histogram of accepted lengths, and the acceptance rate per draft position.
   With several items their rounds are laid end to end, item boundaries marked.
-- `python -m vpsd.launch.acceptance RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/acceptance.png
+- `python -m vpsd.reports.acceptance RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/acceptance.png
   (or --out) for one item or the whole run, and prints the summary. gamma comes from RUN_DIR/config.json.
 """
 
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import structlog
 
-from vpsd.launch.timeline import Span, load_spans
+from vpsd.reports.timeline import Span, load_spans
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.tracing import configure_tracing
 
@@ -231,7 +231,7 @@ def plot_acceptance(rounds: Sequence[Round], out_png: Path, gamma: int | None = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vpsd.launch.acceptance", description=__doc__.splitlines()[0]
+        prog="python -m vpsd.reports.acceptance", description=__doc__.splitlines()[0]
     )
     parser.add_argument("run_dir", type=Path, help="run directory holding traces/*.jsonl")
     parser.add_argument("--item", help="item id to plot (default: every item of the run, end to end)")

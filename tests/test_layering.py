@@ -1,0 +1,60 @@
+"""The layers stay honest (an AST walk over every module's imports).
+
+- the core (vpsd.pipeline) imports no role, no launcher, no report and no model code;
+- a role imports no other role's module except the shared pieces, and nothing from vpsd.launch;
+- nothing outside vpsd.launch imports vpsd.launch (the launcher sits on top);
+- reports read what jobs wrote: they import neither roles nor the launcher.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vpsd"
+
+
+def vpsd_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return {n for n in names if n == "vpsd" or n.startswith("vpsd.")}
+
+
+def modules(subpackage: str) -> list[Path]:
+    return sorted((PACKAGE / subpackage).rglob("*.py"))
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.mark.parametrize("path", modules("pipeline"), ids=lambda p: p.name)
+def test_core_imports_only_the_core(path):
+    outside = {n for n in vpsd_imports(path) if layer(n) not in ("pipeline",)}
+    assert not outside, f"{path.relative_to(PACKAGE)} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("path", [p for sub in ("roles", "models", "decoders", "transport", "video", "reports", "pipeline")
+                                  for p in modules(sub)] + [PACKAGE / "tracing.py", PACKAGE / "config.py"],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_nothing_below_the_launcher_imports_it(path):
+    assert not {n for n in vpsd_imports(path) if layer(n) == "launch"}, f"{path.relative_to(PACKAGE)} imports vpsd.launch"
+
+
+@pytest.mark.parametrize("path", modules("reports"), ids=lambda p: p.name)
+def test_reports_import_no_role(path):
+    assert not {n for n in vpsd_imports(path) if layer(n) == "roles"}
+
+
+@pytest.mark.parametrize("path", modules("roles"), ids=lambda p: p.name)
+def test_roles_do_not_import_each_other(path):
+    loops = {"vpsd.roles.target", "vpsd.roles.draft", "vpsd.roles.pruner"}
+    own = f"vpsd.roles.{path.stem}"
+    assert not (vpsd_imports(path) & loops) - {own}, f"{path.name} imports another role's loop"
