@@ -159,7 +159,7 @@ MALFORMED: dict[str, bytes] = {
     "missing_version": _raw(_without("v")),
     "version_not_int": _raw(_with(v="1")),
     "version_bool": _raw(_with(v=True)),
-    "wrong_version": _raw(_with(v=2)),
+    "wrong_version": _raw(_with(v=m.VerifyResult.VERSION + 1)),
     "version_zero": _raw(_with(v=0)),
     "missing_field": _raw(_without("num_accepted")),
     "extra_field": _raw(_with(accepted=2)),
@@ -198,7 +198,7 @@ def test_malformed_is_rejected(data):
 def test_error_messages_are_specific():
     cases = {
         "unknown_type": "unknown message type",
-        "wrong_version": "version 2",
+        "wrong_version": f"version {m.VerifyResult.VERSION + 1}",
         "missing_field": "missing fields ['num_accepted']",
         "extra_field": "unexpected fields ['accepted']",
         "int_field_str": "VerifyResult.epoch: expected int64, got str",

@@ -28,7 +28,8 @@ def test_summary_and_comparison(tmp_path):
     assert s["mean_accepted_tokens"] == 6 / 3
     assert s["acceptance_rate"] == (0.5 * 2 + 1.0 * 1) / 3
     c = compare(ar, run)
-    assert c == {"items_compared": 2, "identical_outputs": 1, "speedup_vs_baseline": 3.0 / 1.0}
+    assert c == {"items_compared": 2, "identical_outputs": 1, "speedup_vs_baseline": 3.0 / 1.0,
+                 "decode_speedup_vs_baseline": (1.9 + 0.9) / (0.4 + 0.4)}
     # The CLI reports the mismatch with a failing status.
     assert cli_main(["summary", str(run), "--baseline", str(ar)]) == 1
     assert json.loads((run / "summary.json").read_text())["identical_outputs"] == 1

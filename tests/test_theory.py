@@ -5,6 +5,10 @@ import math
 import pytest
 
 from vpsd.pipeline.theory import (
+    parallel_sd_rollback_token_time,
+    predicted_speedup,
+    serial_sd_token_time,
+    tau_hat,
     expected_accepted,
     parallel_sd_rollback_speedup,
     parallel_sd_speedup,
@@ -45,3 +49,34 @@ def test_parallel_with_rollback_limits_and_closed_form():
     for tau in (0.3, 0.7, 0.9):
         assert parallel_sd_rollback_speedup(4, 4, tau) == pytest.approx(0.5 * sum(tau**k for k in range(1, 9)))
     assert math.isclose(parallel_sd_rollback_speedup(3, 3, 0.0), 0.0)
+
+
+def test_tau_hat_counts_rejections_not_untried_tokens():
+    # 3 rounds of gamma 4: all accepted, 2 then a rejection, 0 then a rejection: A = 6, R = 2.
+    assert tau_hat(6, 2) == pytest.approx(0.75)
+    assert tau_hat(0, 0) == 0.0
+    # The estimator is the maximum-likelihood tau of a truncated geometric: simulate and recover it.
+    import random
+
+    rng, tau, gamma = random.Random(0), 0.8, 4
+    a = r = 0
+    for _ in range(20000):
+        k = 0
+        while k < gamma and rng.random() < tau:
+            k += 1
+        a += k
+        r += k < gamma
+    assert tau_hat(a, r) == pytest.approx(tau, abs=0.01)
+
+
+def test_token_times_are_the_theorems_and_baseline_is_ar():
+    # Theorem 4 by hand: (5 * 1 + 5) / (0.6 * 5 + 1) = 2.5 ms per token.
+    assert serial_sd_token_time(1.0, 5.0, 5, 0.6) == pytest.approx(2.5)
+    # Theorem 6 by hand: gamma 4, T_q 1, T_p 3 (draft-bound): 2 * 4 / ((1 + 0.5^4) * E[X]), E[X] = 0.9375.
+    ex = 0.5 * (1 - 0.5**4) / 0.5
+    assert parallel_sd_rollback_token_time(1.0, 3.0, 4, 0.5) == pytest.approx(8.0 / ((1 + 0.0625) * ex))
+    # With T_ar = T_p the prediction is the paper's speedup.
+    assert predicted_speedup(True, 5.0, 1.0, 5.0, 5, 0.7) == pytest.approx(parallel_sd_rollback_speedup(5, 5, 0.7))
+    assert predicted_speedup(False, 5.0, 1.0, 5.0, 5, 0.6) == pytest.approx(serial_sd_speedup(5, 5, 0.6))
+    # A verify that costs twice an ar step halves the prediction against ar.
+    assert predicted_speedup(True, 2.5, 1.0, 5.0, 5, 0.7) == pytest.approx(parallel_sd_rollback_speedup(5, 5, 0.7) / 2)

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from vpsd.models.registry import ModelSpec
+from vpsd.pipeline.window import AUTO, WindowController
 
 
 @dataclass
@@ -29,18 +30,45 @@ class VideoConfig:
     subsample_to_fit: bool = False  # ...unless this is set: then frames are dropped evenly until it fits
 
 
+# The window serial methods use under `gamma: auto`: ParallelVLM's and HIPPO's baselines run vanilla SD
+# with gamma 5 (ParallelVLM Table 1); Eq. 6's balance exists only where draft and target run concurrently.
+SERIAL_AUTO_GAMMA = 5
+
+
 @dataclass
 class DecodingConfig:
-    gamma: int = 4  # draft tokens per chunk
+    # Draft tokens per chunk: an int, or "auto" (parallel methods: matched live to the measured speed ratio,
+    # ParallelVLM Eq. 6, within [gamma_min, gamma_max], starting from gamma_start; serial methods: 5).
+    gamma: int | str = 4
+    gamma_min: int = 2
+    gamma_max: int = 16
+    gamma_start: int = 5  # the first item's first window under auto, before anything was measured
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # seeds the acceptance test and sampling when temperature > 0
 
     def __post_init__(self) -> None:
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.gamma != AUTO and (type(self.gamma) is not int or self.gamma < 1):
+            raise ValueError(f"gamma must be an int >= 1 or {AUTO!r}, got {self.gamma!r}")
+        if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:
+            raise ValueError(f"need 1 <= gamma_min <= gamma_start <= gamma_max, got "
+                             f"{self.gamma_min}, {self.gamma_start}, {self.gamma_max}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def auto_gamma(self) -> bool:
+        return self.gamma == AUTO
+
+    def serial_gamma(self) -> int:
+        """The fixed window of a serial method."""
+        return SERIAL_AUTO_GAMMA if self.gamma == AUTO else int(self.gamma)
+
+    def window(self) -> WindowController:
+        """The parallel pipeline's window: live under auto, fixed otherwise."""
+        if self.gamma == AUTO:
+            return WindowController(self.gamma_start, self.gamma_min, self.gamma_max)
+        return WindowController(int(self.gamma), 1, max(int(self.gamma), self.gamma_max), fixed=True)
 
 
 @dataclass

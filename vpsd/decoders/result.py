@@ -23,6 +23,7 @@ class DecodeResult:
     # kept.jsonl as the pruner rank does for parallel ones); None when no draft was pruned by index.
     kept: torch.Tensor | None = None
     layout: VideoTokenLayout | None = None
+    gamma: float | None = None  # the draft window, averaged over rounds when it moved (gamma auto); None: no draft
 
     @property
     def wall_s(self) -> float:
@@ -41,6 +42,7 @@ class DecodeResult:
             "tokens_per_s": self.tokens_per_s,
             "num_kept": self.num_kept,
             "num_video_tokens": self.num_video_tokens,
+            "gamma": self.gamma,
             **{f"{k}_s": v for k, v in self.timings.items()},
         }
 

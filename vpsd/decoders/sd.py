@@ -114,7 +114,7 @@ def speculate(
     eos = target.eos_token_ids
     while not finished(committed, cfg.max_new_tokens, eos):
         # Never draft past max_new_tokens: the round's own token fills the last slot.
-        k = min(cfg.gamma, cfg.max_new_tokens - len(committed) - 1)
+        k = min(cfg.serial_gamma(), cfg.max_new_tokens - len(committed) - 1)
         drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, cfg.temperature, draft_gen)
         length, pending = t_cur.sync(committed)
         target.rollback(t_state, length)

@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", default="hippo")
     p.add_argument("--pruning", default=None, help="override the method's pruning strategy")
     p.add_argument("--ratio", type=float, default=None)
-    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
+                   help="draft tokens per chunk, or auto: matched live to T_p / T_q (ParallelVLM Eq. 6)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--timeout", type=float, default=None, help="seconds a role waits for a peer")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -56,6 +57,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
     return p.parse_args(argv)
+
+
+def _gamma(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {text!r}") from None
 
 
 def _shard(text: str) -> Shard:

@@ -254,17 +254,24 @@ class TensorAnnounce(Message):
 class DraftChunk(Message):
     """Draft -> target: `token_ids` proposed after the first `start` committed tokens."""
 
+    VERSION = 2  # v2: draft_step_s
+
     item_id: str
     epoch: int
     start: int
     token_ids: list[int]
     has_probs: bool  # draft_probs follow as tensors (announced separately)
+    # The draft's recent forward time (T_q, seconds, a running mean; 0: not measured yet): the target
+    # matches gamma to T_p / T_q with it (pipeline/window.py).
+    draft_step_s: float = 0.0
 
 
 @message
 @dataclass(frozen=True)
 class VerifyResult(Message):
     """Target -> draft: the verdict on the chunk that began at `start`."""
+
+    VERSION = 2  # v2: gamma
 
     item_id: str
     epoch: int
@@ -274,6 +281,7 @@ class VerifyResult(Message):
     committed_len: int
     mode: str
     rollback: bool
+    gamma: int = 0  # the window for the chunks drafted from now on (0: unchanged); see pipeline/window.py
 
 
 @message

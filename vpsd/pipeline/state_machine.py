@@ -145,6 +145,12 @@ class DraftMachine:
         if self.lookahead < self.gamma:
             raise ValueError(f"lookahead {self.lookahead} must be at least gamma {self.gamma}")
 
+    def set_gamma(self, gamma: int, lookahead: int) -> None:
+        """A new window from the target (gamma auto): chunks not yet cut take the new size."""
+        if not 1 <= gamma <= lookahead:
+            raise ValueError(f"need 1 <= gamma {gamma} <= lookahead {lookahead}")
+        self.gamma, self.lookahead = gamma, lookahead
+
     def may_draft(self) -> bool:
         return len(self.sequence) - self.confirmed < self.lookahead
 

@@ -7,11 +7,16 @@
   emitting it, so its rounds commit accepted (+1 only on a rejection): `record` takes what was committed.
 - acceptance rate: accepted draft tokens / drafted tokens.
 - per-position acceptance: for draft position i, accepted / proposed at that position.
+- tau_hat: the per-token acceptance probability of ParallelVLM's Lemma 1 / Theorem 6, A / (A + R) with A
+  accepted draft tokens and R rounds that ended in a rejection (pipeline/theory.py says why it is not the
+  acceptance rate). Results carry A and R so runs and items pool exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from vpsd.pipeline.theory import tau_hat
 
 
 @dataclass
@@ -54,6 +59,19 @@ class AcceptanceStats:
         drafted = sum(self.drafted_per_round)
         return sum(self.accepted_per_round) / drafted if drafted else 0.0
 
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_per_round)
+
+    @property
+    def rejections(self) -> int:
+        """Rounds that ended in a rejection (a draft token the target did not accept)."""
+        return sum(a < d for a, d in zip(self.accepted_per_round, self.drafted_per_round))
+
+    @property
+    def tau_hat(self) -> float:
+        return tau_hat(self.accepted_tokens, self.rejections)
+
     def per_position_acceptance(self) -> list[float]:
         """Share of rounds that accepted draft position i, among rounds that proposed it."""
         width = max(self.drafted_per_round, default=0)
@@ -77,5 +95,8 @@ class AcceptanceStats:
             "acceptance_rate": self.acceptance_rate,
             "rounds": self.rounds,
             "rollbacks": self.rollbacks,
+            "accepted_tokens": self.accepted_tokens,
+            "rejections": self.rejections,
+            "tau_hat": self.tau_hat,
             "per_position_acceptance": self.per_position_acceptance(),
         }

@@ -7,7 +7,17 @@ per-token acceptance rate tau:
 - parallel SD with rollback, Theorem 6 (Eq. 13), accepted length X ~ TruncGeo(tau, gamma) (Lemma 1, Eq. 12):
       E[X] = tau (1 - tau^gamma) / (1 - tau),   V = c * (1 + tau^gamma) * E[X] / (2 * max(gamma, c))
   vpsd's pipeline rolls back (conservative mode after a rejection), so Theorem 6 is its ideal.
-All are speedups over autoregressive decoding of the target, whose per-token time is T_p.
+The paper states them as speedups over autoregressive decoding whose per-token time is T_p. Measured
+accounting (`predicted_speedup`) departs from that in two ways, both because the paper's idealisations do
+not hold on real hardware:
+- the baseline is `ar`'s own measured per-token time T_ar, not T_p: a verification forward of gamma
+  tokens costs more than one `ar` step (2-4x on a CPU, where small-batch GEMMs are not memory-bound), so
+  dividing by T_p would credit the method with the target's extra verify cost;
+- tau is the per-token acceptance probability that Lemma 1 / Theorem 6 assume (each draft token accepted
+  i.i.d. with probability tau), estimated from the rounds as tau_hat = A / (A + R): A accepted draft tokens,
+  R rounds that ended in a rejection (each accepted token is a success, each rejection a failure of the
+  same Bernoulli trial; rounds that accepted everything end without a trial). accepted/drafted is not that
+  probability: it counts the tokens after a rejection, which were never tried, as failures.
 """
 
 from __future__ import annotations
@@ -30,3 +40,29 @@ def parallel_sd_speedup(c: float, gamma: int, tau: float) -> float:
 
 def parallel_sd_rollback_speedup(c: float, gamma: int, tau: float) -> float:
     return c * (1.0 + tau**gamma) * expected_accepted(tau, gamma) / (2.0 * max(gamma, c))
+
+
+def tau_hat(accepted: int, rejections: int) -> float:
+    """Per-token acceptance probability estimated from rounds: A / (A + R) (see the module docstring)."""
+    return accepted / (accepted + rejections) if accepted + rejections else 0.0
+
+
+def serial_sd_token_time(t_q: float, t_p: float, gamma: float, tau: float) -> float:
+    """Theorem 4 (Eq. 10): per-token time of serial SD, (gamma T_q + T_p) / (tau gamma + 1)."""
+    return (gamma * t_q + t_p) / (tau * gamma + 1.0)
+
+
+def parallel_sd_rollback_token_time(t_q: float, t_p: float, gamma: float, tau: float) -> float:
+    """Theorem 6 (Eq. 13): per-token time of parallel SD with rollback,
+    2 max(gamma T_q, T_p) / ((1 + tau^gamma) E[X]), E[X] from Lemma 1 (gamma rounded to the chunk size)."""
+    g = max(1, round(gamma))
+    produced = (1.0 + tau**g) * expected_accepted(tau, g)
+    return 2.0 * max(g * t_q, t_p) / produced if produced > 0 else float("inf")
+
+
+def predicted_speedup(parallel: bool, t_ar: float, t_q: float, t_p: float, gamma: float, tau: float) -> float:
+    """Decode-only speedup over `ar` that Appendix C predicts from measured times: T_ar over the method's
+    per-token time (Theorem 6 for the parallel pipeline, Theorem 4 for serial SD). t_ar: ar's measured
+    seconds per token; t_q: one draft step; t_p: one verification forward of the chunks actually sent."""
+    per_token = (parallel_sd_rollback_token_time if parallel else serial_sd_token_time)(t_q, t_p, gamma, tau)
+    return t_ar / per_token if per_token > 0 else 0.0

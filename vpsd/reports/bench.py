@@ -1,19 +1,25 @@
 """The method benchmark: every method, pruning baseline and ablation on one manifest, in one run.
 
-    python -m vpsd.reports.bench --config configs/world_qwen2_5_vl.yaml --manifest M --out runs/bench
+    python -m vpsd.reports.bench --config configs/world_qwen2_5_vl.yaml --manifest M --out runs/bench [--repeats 3]
 
 Each row is a real torchrun job of `vpsd.launch.entry` (the same launcher users run), writing its own run
-directory under --out. Rows: the methods (`ar` first, and once more at the very end: the faster of the two
-is the baseline every speedup is measured against, in this same invocation, and their gap is printed as
-the run's timing noise), then each pruning strategy in the parallel pipeline (`--baseline-method`,
-default `hippo`) at the config's ratio. Per row the table shows mean accepted tokens (MAT) and acceptance
-rate from the results, the measured speedup over `ar` (sum of item wall times on the ids both finished),
-whether every output equals `ar`'s, and the speedup ParallelVLM Appendix C predicts from this row's own
-measured T_p (mean target verify forward), T_q (mean draft forward) and acceptance (`pipeline/theory.py`:
-Theorem 6 for parallel methods, Theorem 4 for serial ones), so the gap to the ideal is visible.
-Writes OUT/bench.csv, OUT/bench.json and OUT/bench.png; exits 1 if any output differs from `ar`.
-A bench measures, it never resumes: each row's run directory is emptied before its job starts, so no row
-reuses results (or timings) that an earlier invocation, maybe with other weights, left there.
+directory under --out. Rows: the methods, then each pruning strategy in the parallel pipeline
+(`--baseline-method`, default `hippo`) at the config's ratio. Timing is measured side by side, never
+claimed: the whole list runs `--repeats` times in rounds, each round opening with an `ar` run, and one more
+`ar` run closes the bench, so `ar` brackets every row in time; the baseline is the per-item median over
+those `ar` runs, their spread (max - min over median of the totals) is printed as this run's timing noise,
+and a row repeated R times reports its median.
+
+Per row: MAT and acceptance; tau_hat (per-token acceptance, pipeline/theory.py); the window gamma the row
+ran with (the mean of what `gamma: auto` chose, ParallelVLM Eq. 6); the measured wall speedup (vision +
+prefill + decode) and decode-only speedup over `ar` on the same ids; the decode-only speedup ParallelVLM
+Appendix C predicts from the row's own measured T_p (mean target verify forward), T_q (mean draft forward),
+gamma and tau_hat against `ar`'s own measured per-token time (Theorem 6 for parallel rows, Theorem 4 for
+serial ones); efficiency = measured decode-only / predicted; per round, what the target spent neither
+verifying nor waiting for a chunk (overhead: Python, messaging, bookkeeping); the mean wait from the end of
+the target's prefill to the first chunk; whether every output equals `ar`'s.
+Writes OUT/bench.txt, bench.csv, bench.json and bench.png; exits 1 if any output differs from `ar`.
+A bench measures, it never resumes: each row's run directory is emptied before its job starts.
 """
 
 from __future__ import annotations
@@ -29,12 +35,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vpsd.config import load_config
-from vpsd.reports.summary import compare, summarize
-from vpsd.reports.timeline import load_spans
 from vpsd.pipeline.methods import METHODS, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
-from vpsd.pipeline.theory import parallel_sd_rollback_speedup, serial_sd_speedup
+from vpsd.pipeline.theory import predicted_speedup
+from vpsd.reports.summary import read_rows, summarize
+from vpsd.reports.timeline import Span, load_spans
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,18 @@ class BenchRow:
     identical: int
     mat: float
     acceptance: float
-    speedup: float
+    tau_hat: float
+    gamma: float | None  # mean window the row's chunks were drafted with (None: no draft)
+    speedup: float  # wall (vision + prefill + decode) over ar, median of the repeats
+    decode_speedup: float  # decode phase only over ar, median of the repeats
+    theory_speedup: float | None  # decode-only, ParallelVLM App. C against ar's per-token time
+    efficiency: float | None  # decode_speedup / theory_speedup
     tokens_per_s: float
     t_target_ms: float | None  # mean verify forward
     t_draft_ms: float | None  # mean draft forward (one token)
-    theory_speedup: float | None
+    overhead_ms: float | None  # per round: target time neither verifying nor waiting for a chunk
+    first_chunk_ms: float | None  # per item: target prefill end -> first chunk (parallel rows)
+    repeats: int
     exit_code: int
 
 
@@ -78,7 +90,7 @@ def default_runs(baseline_method: str = "hippo", methods: list[str] | None = Non
 
 def run_one(run: BenchRun, config: str, manifest: str, out: Path, torchrun: list[str], extra: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "vpsd.launch.entry", "--config", config,
-           "--manifest", manifest, "--out", str(out), *run.args(), *extra]
+           "--manifest", manifest, "--out", str(out), "--quiet", *run.args(), *extra]
     if out.exists():
         shutil.rmtree(out)  # the job would resume from an old results.jsonl and skip every item
     out.mkdir(parents=True)
@@ -86,46 +98,99 @@ def run_one(run: BenchRun, config: str, manifest: str, out: Path, torchrun: list
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def run_dir(out: Path, run: BenchRun) -> Path:
-    return out / run.label.replace("+", "_")
+def run_dir(out: Path, run: BenchRun, repeat: int = 0) -> Path:
+    """OUT/LABEL for a row's first run, OUT/LABEL_2, _3, ... for its repeats."""
+    return out / (run.label.replace("+", "_") + (f"_{repeat + 1}" if repeat else ""))
 
 
-def mean_span_ms(spans, role: str, name: str) -> float | None:
+def mean_span_ms(spans: list[Span], role: str, name: str) -> float | None:
     durs = [s.dur for s in spans if s.role == role and s.name == name and s.kind == "span"]
     return 1000 * statistics.mean(durs) if durs else None
 
 
-def measure(run: BenchRun, path: Path, ar_dir: Path, gamma: int, code: int) -> BenchRow:
+def target_round_overhead_ms(spans: list[Span], decode_s: float, rounds: int) -> float | None:
+    """Target decode time per round spent neither in a verify span nor waiting for a chunk."""
+    if not rounds:
+        return None
+    verify = sum(s.dur for s in spans if s.role == "target" and s.name == "verify" and s.kind == "span")
+    waits = sum(s.dur for s in spans if s.role == "target" and s.name == "recv_wait" and s.kind == "span"
+                and s.fields.get("what") is None)  # chunk waits (the keep report wait comes after decoding)
+    return 1000 * max(decode_s - verify - waits, 0.0) / rounds
+
+
+@dataclass
+class Baseline:
+    """The `ar` runs of one bench: per-item medians over every ar run, and their spread."""
+
+    dirs: list[Path]
+
+    def __post_init__(self) -> None:
+        runs = [{r["id"]: r for r in read_rows(d) if r.get("error") is None} for d in self.dirs]
+        self.reference = runs[0]  # outputs: every ar run decodes the same tokens (checked in the table)
+        ids = set.intersection(*(set(r) for r in runs)) if runs else set()
+        self.items = {i: {key: statistics.median(r[i]["stats"][key] for r in runs) for key in ("wall_s", "decode_s")}
+                      for i in ids}
+        totals = [sum(r[i]["stats"]["wall_s"] for i in ids) for r in runs]
+        self.noise = (max(totals) - min(totals)) / statistics.median(totals) if len(totals) > 1 and ids else 0.0
+        tokens = sum(len(runs[0][i]["token_ids"]) - 1 for i in ids)
+        # ar's seconds per decoded token (one target step), the unit of every speedup (pipeline/theory.py)
+        self.step_s = sum(v["decode_s"] for v in self.items.values()) / tokens if tokens > 0 else 0.0
+        self.consistent = all(r[i]["token_ids"] == runs[0][i]["token_ids"] for r in runs for i in ids)
+
+    def speedups(self, run_dir: Path) -> tuple[float, float, int, int]:
+        """(wall speedup, decode-only speedup, items compared, outputs identical to ar) for one run."""
+        run = {r["id"]: r for r in read_rows(run_dir) if r.get("error") is None}
+        common = [i for i in self.items if i in run]
+
+        def ratio(key: str) -> float:
+            mine = sum(run[i]["stats"][key] for i in common)
+            return sum(self.items[i][key] for i in common) / mine if mine else 0.0
+
+        same = sum(run[i]["token_ids"] == self.reference[i]["token_ids"] for i in common)
+        return ratio("wall_s"), ratio("decode_s"), len(common), same
+
+
+def measure(run: BenchRun, paths: list[Path], base: Baseline, code: int) -> BenchRow:
+    """One row from the run directories of its repeats (speedups: medians; rates and times: the first run's)."""
     method = get_method(run.method)
+    path = paths[0]
     s = summarize(path)
-    cmp = compare(ar_dir, path)
+    ratios = [base.speedups(p) for p in paths]
+    wall = statistics.median(r[0] for r in ratios)
+    decode = statistics.median(r[1] for r in ratios)
+    items, identical = min(r[2] for r in ratios), min(r[3] for r in ratios)
     spans = load_spans(path)
     t_p = mean_span_ms(spans, "target", "verify")
     t_q = mean_span_ms(spans, "draft", "draft_step") or mean_span_ms(spans, "target", "draft_step")
+    rounds = sum(r["stats"]["rounds"] for r in read_rows(path) if r.get("error") is None)
     theory = None
-    if method.uses_draft and t_p and t_q:
-        c, tau = t_p / t_q, s["acceptance_rate"]
-        theory = parallel_sd_rollback_speedup(c, gamma, tau) if method.parallel else serial_sd_speedup(c, gamma, tau)
+    gamma = s["gamma"]
+    if method.uses_draft and t_p and t_q and gamma and base.step_s:
+        theory = predicted_speedup(method.parallel, 1000 * base.step_s, t_q, t_p, gamma, s["tau_hat"])
     elif not method.uses_draft:
         theory = 1.0
-    strategy = run.strategy or method.default_strategy
-    return BenchRow(run.label, run.method, strategy, method.parallel, s["items_done"], cmp["identical_outputs"],
-                    s["mean_accepted_tokens"], s["acceptance_rate"], cmp["speedup_vs_baseline"], s["tokens_per_s"],
-                    t_p, t_q, theory, code)
+    overhead = target_round_overhead_ms(spans, s["decode_s"], rounds) if method.parallel else None
+    first = 1000 * s["first_chunk_wait_s"] / s["items_done"] if method.parallel and s["items_done"] else None
+    return BenchRow(run.label, run.method, run.strategy or method.default_strategy, method.parallel, items,
+                    identical, s["mean_accepted_tokens"], s["acceptance_rate"], s["tau_hat"], gamma, wall, decode,
+                    theory, decode / theory if theory else None, s["tokens_per_s"], t_p, t_q, overhead, first,
+                    len(paths), code)
 
 
 def format_table(rows: list[BenchRow]) -> str:
     def num(v: float | None, width: int, spec: str, suffix: str = "") -> str:
         return (format(v, spec) + suffix if v is not None else "-").rjust(width)
 
-    head = (f"{'run':<22}{'mode':<10}{'strategy':<16}{'MAT':>6}{'accept':>8}{'speedup':>9}{'theory':>8}"
-            f"{'T_p ms':>8}{'T_q ms':>8}{'same as ar':>12}")
+    head = (f"{'run':<20}{'mode':<9}{'strategy':<14}{'gamma':>6}{'MAT':>6}{'tau':>6}{'wall x':>8}{'decode x':>9}"
+            f"{'theory':>8}{'effic.':>7}{'T_p ms':>8}{'T_q ms':>8}{'ovh ms':>7}{'1st ms':>7}{'same as ar':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.label:<22}{'parallel' if r.parallel else 'serial':<10}{r.strategy:<16}{num(r.mat, 6, '.2f')}"
-            f"{num(r.acceptance, 8, '.1%')}{num(r.speedup, 9, '.2f', 'x')}{num(r.theory_speedup, 8, '.2f', 'x')}"
-            f"{num(r.t_target_ms, 8, '.1f')}{num(r.t_draft_ms, 8, '.1f')}{f'{r.identical}/{r.items}':>12}"
+            f"{r.label:<20}{'parallel' if r.parallel else 'serial':<9}{r.strategy:<14}{num(r.gamma, 6, '.1f')}"
+            f"{num(r.mat, 6, '.2f')}{num(r.tau_hat if r.gamma else None, 6, '.2f')}{num(r.speedup, 8, '.2f', 'x')}"
+            f"{num(r.decode_speedup, 9, '.2f', 'x')}{num(r.theory_speedup, 8, '.2f', 'x')}{num(r.efficiency, 7, '.2f')}"
+            f"{num(r.t_target_ms, 8, '.1f')}{num(r.t_draft_ms, 8, '.1f')}{num(r.overhead_ms, 7, '.2f')}"
+            f"{num(r.first_chunk_ms, 7, '.0f')}{f'{r.identical}/{r.items}':>11}"
         )
     return "\n".join(lines)
 
@@ -139,8 +204,10 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     labels = [r.label for r in rows]
     x = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 0.55 * len(rows)), 7), sharex=True)
-    ax1.bar([i - 0.2 for i in x], [r.speedup for r in rows], width=0.4, label="measured")
-    ax1.bar([i + 0.2 for i in x], [r.theory_speedup or 0 for r in rows], width=0.4, label="theory (ParallelVLM App. C)")
+    ax1.bar([i - 0.27 for i in x], [r.speedup for r in rows], width=0.27, label="measured, wall")
+    ax1.bar(list(x), [r.decode_speedup for r in rows], width=0.27, label="measured, decode only")
+    ax1.bar([i + 0.27 for i in x], [r.theory_speedup or 0 for r in rows], width=0.27,
+            label="decode, theory (ParallelVLM App. C)")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_ylabel("speedup over ar")
     ax1.legend()
@@ -160,45 +227,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", help="comma-separated (default: all)")
     p.add_argument("--strategies", help="comma-separated pruning strategies run in the baseline method (default: all)")
     p.add_argument("--baseline-method", default="hippo", help="parallel method the strategies run in")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over every row, each opened by an ar run")
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--torchrun", default="--standalone", help="torchrun options (quoted)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
     a = p.parse_args(argv)
     split = lambda v: [x for x in v.split(",") if x] if v is not None else None  # noqa: E731
     runs = default_runs(a.baseline_method, split(a.methods), split(a.strategies))
-    gamma = load_config(a.config).decoding.gamma
+    ar, rows_to_run = runs[0], runs[1:]
     torchrun = a.torchrun.split() + ["--nproc-per-node", str(a.nproc)]
     extra = [f"--set={kv}" for kv in a.set]
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    # ar runs first and again last: the faster of the two is the baseline (the conservative choice), and
-    # their spread shows how noisy this machine was during the benchmark.
-    runs.append(BenchRun("ar_again", "ar"))
+    # Rounds: ar, every row; ar, every row; ...; ar. Each row's repeats are spread over the whole bench, and
+    # ar brackets them, so drift (thermal, a neighbour's load) lands on the baseline as much as on the rows.
+    schedule = [(run, rep) for rep in range(a.repeats) for run in [ar] + rows_to_run] + [(ar, a.repeats)]
     codes: dict[str, int] = {}
-    for i, run in enumerate(runs, 1):
+    dirs: dict[str, list[Path]] = {}
+    for i, (run, rep) in enumerate(schedule, 1):
         t = time.time()
-        codes[run.label] = run_one(run, a.config, a.manifest, run_dir(a.out, run), torchrun, extra)
-        print(f"[{i}/{len(runs)}] {run.label:<22} exit {codes[run.label]}  ({time.time() - t:.0f} s)", flush=True)
-    walls = {label: summarize(a.out / label)["decode_wall_s"] for label in ("ar", "ar_again")}
-    base = a.out / min(walls, key=lambda k: walls[k] or float("inf"))
-    rows = [measure(run, run_dir(a.out, run), base, gamma, codes[run.label]) for run in runs[:-1]]
-    spread = abs(walls["ar"] - walls["ar_again"]) / max(min(walls.values()), 1e-9)
-    print()
+        path = run_dir(a.out, run, rep)
+        code = run_one(run, a.config, a.manifest, path, torchrun, extra)
+        codes[run.label] = max(codes.get(run.label, 0), code)
+        dirs.setdefault(run.label, []).append(path)
+        print(f"[{i}/{len(schedule)}] {path.name:<24} exit {code}  ({time.time() - t:.0f} s)", flush=True)
+    base = Baseline(dirs["ar"])
+    rows = [measure(run, dirs[run.label], base, codes[run.label]) for run in runs]
     table = format_table(rows)
-    table += (f"\nbaseline: {base.name} (ar wall {walls['ar']:.2f} s first, {walls['ar_again']:.2f} s last: "
-              f"{spread:.0%} apart, the timing noise of this run)")
+    table += (f"\nbaseline: median of {len(dirs['ar'])} interleaved ar runs ({1000 * base.step_s:.1f} ms per token); "
+              f"their totals spread {base.noise:.0%} (this run's timing noise)")
+    print()
     print(table)
     (a.out / "bench.txt").write_text(table + "\n")
     with open(a.out / "bench.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         w.writeheader()
         w.writerows(asdict(r) for r in rows)
-    (a.out / "bench.json").write_text(json.dumps({"config": a.config, "manifest": a.manifest, "gamma": gamma,
-                                                  "ar_wall_s": walls, "baseline": base.name,
-                                                  "rows": [asdict(r) for r in rows]}, indent=1))
+    (a.out / "bench.json").write_text(json.dumps({"config": a.config, "manifest": a.manifest, "repeats": a.repeats,
+                                                  "ar_runs": [d.name for d in dirs["ar"]], "noise": base.noise,
+                                                  "ar_step_s": base.step_s, "rows": [asdict(r) for r in rows]},
+                                                 indent=1))
     plot(rows, a.out / "bench.png")
-    print(f"\nwrote {a.out}/bench.csv, bench.json, bench.png  ({(time.time() - t0) / 60:.1f} min)")
+    print(f"\nwrote {a.out}/bench.txt, bench.csv, bench.json, bench.png  ({(time.time() - t0) / 60:.1f} min)")
     bad = [r.label for r in rows if r.identical != r.items or r.exit_code != 0 or r.items == 0]
+    if not base.consistent:
+        bad.append("ar (its runs disagree with each other)")
     if bad:
         print(f"vpsd bench: runs that failed or differ from ar: {', '.join(bad)}", file=sys.stderr)
         return 1

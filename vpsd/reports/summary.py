@@ -3,8 +3,10 @@
     python -m vpsd.reports.summary RUN_DIR [--baseline AR_RUN_DIR]
     python -m vpsd.reports.summary RUN_DIR --status   # exit 3 if the results hold failed items, else 0
 
-The comparison is measured, never claimed: speedup is the baseline's total decode wall time over
-the run's, on the ids both finished, and the lossless check counts ids whose tokens differ.
+The comparison is measured, never claimed: on the ids both finished, `speedup_vs_baseline` is the
+baseline's total wall time per item (vision + prefill + decode) over the run's, `decode_speedup_vs_baseline`
+the same for the decode phase alone (after the target's prefill); the lossless check counts ids whose
+tokens differ.
 
 `summarize` adds up the results file, whatever number of runs wrote it; reading the videos is
 reported apart from decoding: `video_read_s` (demux + decode), `preprocess_s` (scaling, patchify,
@@ -20,8 +22,10 @@ import json
 import sys
 from pathlib import Path
 
+from vpsd.pipeline.theory import tau_hat
 
-def _rows(run_dir: Path) -> list[dict]:
+
+def read_rows(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "results.jsonl"
     rows = []
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -40,35 +44,50 @@ EXIT_ITEMS_FAILED = 3
 
 
 def summarize(run_dir: Path) -> dict:
-    rows = _rows(run_dir)
+    rows = read_rows(run_dir)
     ok = [r for r in rows if r.get("error") is None]
     rounds = sum(r["stats"]["rounds"] for r in ok)
     tokens = sum(len(r["token_ids"]) for r in ok)
     wall = sum(r["stats"]["wall_s"] for r in ok)
+    decode = sum(r["stats"].get("decode_s", 0.0) for r in ok)
     drafted_accepted = [(r["stats"]["acceptance_rate"], r["stats"]["rounds"]) for r in ok]
+    accepted = sum(r["stats"].get("accepted_tokens", 0) for r in ok)
+    rejections = sum(r["stats"].get("rejections", 0) for r in ok)
+    gammas = [(r["stats"]["gamma"], r["stats"]["rounds"]) for r in ok if r["stats"].get("gamma") is not None]
     return {
         "items_done": len(ok),
         "items_failed": len(rows) - len(ok),
         "tokens": tokens,
         "mean_accepted_tokens": tokens / rounds if rounds else 0.0,
         "acceptance_rate": (sum(a * n for a, n in drafted_accepted) / rounds) if rounds else 0.0,
+        "tau_hat": tau_hat(accepted, rejections),
+        "gamma": (sum(g * n for g, n in gammas) / sum(n for _, n in gammas)) if gammas and rounds else None,
         "tokens_per_s": tokens / wall if wall else 0.0,
         "decode_wall_s": wall,
+        "decode_s": decode,
+        # Seconds per token produced after the prefill (its logits give the first token for free). For `ar`
+        # this is one target step: the per-token cost every speedup is measured against.
+        "decode_s_per_token": decode / max(tokens - len(ok), 1) if ok else 0.0,
         "prefill_s": sum(r["stats"]["prefill_s"] for r in ok),
+        "first_chunk_wait_s": sum(r["stats"].get("first_chunk_wait_s", 0.0) for r in ok),
         **{key: sum(float((r.get("stats") or {}).get(key, 0.0)) for r in rows) for key in VIDEO_TIMINGS},
     }
 
 
 def compare(baseline_dir: Path, run_dir: Path) -> dict:
-    base = {r["id"]: r for r in _rows(baseline_dir) if r.get("error") is None}
-    run = {r["id"]: r for r in _rows(run_dir) if r.get("error") is None}
+    base = {r["id"]: r for r in read_rows(baseline_dir) if r.get("error") is None}
+    run = {r["id"]: r for r in read_rows(run_dir) if r.get("error") is None}
     common = sorted(set(base) & set(run))
-    base_wall = sum(base[i]["stats"]["wall_s"] for i in common)
-    run_wall = sum(run[i]["stats"]["wall_s"] for i in common)
+
+    def ratio(key: str) -> float:
+        mine = sum(run[i]["stats"].get(key, 0.0) for i in common)
+        return sum(base[i]["stats"].get(key, 0.0) for i in common) / mine if mine else 0.0
+
     return {
         "items_compared": len(common),
         "identical_outputs": sum(base[i]["token_ids"] == run[i]["token_ids"] for i in common),
-        "speedup_vs_baseline": base_wall / run_wall if run_wall else 0.0,
+        "speedup_vs_baseline": ratio("wall_s"),
+        "decode_speedup_vs_baseline": ratio("decode_s"),
     }
 
 
@@ -92,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     width = max(map(len, summary))
     for k, v in summary.items():
+        if v is None:
+            v = "-"
         if isinstance(v, dict):
             v = " ".join(f"{name}={x:.3f}" if isinstance(x, float) else f"{name}={x}" for name, x in v.items())
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")

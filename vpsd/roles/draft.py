@@ -10,6 +10,8 @@ What it drafts with (one pruned prefix, or TABED's ensemble of views) is a draft
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vpsd.models.base import VideoLMAdapter
@@ -81,8 +83,9 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     temperature = cfg.decoding.temperature
     with_target_probs = verdicts_carry_target_probs(method.draft, tabed_section, temperature)
     gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
-    machine = DraftMachine(gamma=job.gamma, lookahead=ctx.extra.get("lookahead", 2 * job.gamma),
+    machine = DraftMachine(gamma=job.gamma, lookahead=_lookahead(ctx, job.gamma),
                            eager_when_idle=bool(cfg.extra.get("eager_when_idle", False)))
+    step_s = 0.0  # running mean of one draft step (propose + forward): T_q for the target's window (Eq. 6)
     cursor = CacheCursor(drafter.length)
     eos = set(draft.eos_token_ids)
     probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
@@ -96,7 +99,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
             start, tokens = chunk
             has_probs = temperature > 0
             with span("send", item=job.item_id, what="chunk", start=start, tokens=len(tokens), epoch=machine.epoch):
-                ctx.send("target", DraftChunk(job.item_id, machine.epoch, start, tokens, has_probs))
+                ctx.send("target", DraftChunk(job.item_id, machine.epoch, start, tokens, has_probs, step_s))
             if has_probs:
                 q = torch.stack([probs[start + i] for i in range(len(tokens))])
                 ctx.tensors.send(ctx.ranks["target"], [q], tag="draft_probs", epoch=machine.epoch).wait()
@@ -116,6 +119,10 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                 if msg.epoch >= machine.epoch:  # verified positions: the accepted ones and the rejected one
                     labels = machine.sequence[msg.start : msg.start + msg.num_accepted]
                     drafter.observe(msg.start, labels + ([msg.next_token] if msg.rollback else []), target_probs)
+                if msg.gamma and msg.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
+                    machine.set_gamma(msg.gamma, _lookahead(ctx, msg.gamma))
+                    if isinstance(drafter, TabedDrafter):  # its drafting blocks are windows too
+                        drafter.gamma = msg.gamma
                 if machine.on_verdict(msg.epoch, msg.committed_len, msg.next_token, msg.rollback, Mode(msg.mode)):
                     mark("rollback", item=job.item_id, epoch=msg.epoch, committed=msg.committed_len)
                     drafter.forget_from(msg.committed_len - 1)
@@ -129,6 +136,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
         # 3. Draft one more token, or wait for the target.
         if machine.may_draft() and not stopped():
             pos = len(machine.sequence)
+            t_step = time.perf_counter()
             with span("draft_step", item=job.item_id, pos=pos, epoch=machine.epoch):
                 token, q = drafter.propose(pos, temperature, gen)
                 if q is not None:
@@ -140,6 +148,8 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                 send_ready()
                 drafter.feed([token])
                 cursor.feed([token])
+            dt = time.perf_counter() - t_step
+            step_s = dt if step_s == 0.0 else 0.8 * step_s + 0.2 * dt
         else:
             with span("recv_wait", item=job.item_id):
                 ctx.ctrl.poll(ctx.timeout_s, src=ctx.ranks["target"])
@@ -147,6 +157,12 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                 raise RoleFailure(
                     f"draft (rank {ctx.rank}) heard nothing from target for {ctx.timeout_s:.0f} s on item {job.item_id}"
                 )
+
+
+def _lookahead(ctx: RoleContext, gamma: int) -> int:
+    """How far past the last confirmed token the draft may run: two windows (one being verified, one being
+    drafted), unless the run sets `lookahead`."""
+    return max(int(ctx.extra.get("lookahead", 2 * gamma)), gamma)
 
 
 def _recv_target_probs(ctx: RoleContext) -> torch.Tensor:

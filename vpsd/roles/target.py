@@ -18,7 +18,6 @@ import torch
 
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
-from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
@@ -27,8 +26,10 @@ from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, KeepIndices, 
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
+from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.verification import verify_chunk
+from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import pack
 from vpsd.tracing import get_logger, mark, span
@@ -59,6 +60,8 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
             result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
+        if ctx.method.uses_draft:
+            result.gamma = float(dec.serial_gamma())
         if result.kept is not None and ctx.extra.get("out"):
             # The pruner rank logs a parallel run's kept tokens; a serial run chose them here.
             append_kept(Path(ctx.extra["out"]), KeptRecord(item.id, cfg.pruning.strategy, cfg.pruning.applied_ratio,
@@ -70,12 +73,14 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
 def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: WorkItem, dec) -> DecodeResult:
     t0 = time.perf_counter()
     seed = int(dec.seed)
+    # One window for the whole job: what the last item measured is where the next one starts.
+    window = ctx.extra.setdefault("window", dec.window())
     job = JobStart(
         job_id=ctx.extra.get("job_id", ""),
         item_id=item.id,
         seed=seed,
         max_new_tokens=item.max_new_tokens,
-        gamma=dec.gamma,
+        gamma=window.gamma,
         mode="optimistic",
         extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt},
     )
@@ -86,7 +91,7 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
             emb = target.embed(target.prepare(frames, item.prompt))
         pre = _prefill_streaming_signals(ctx, target, emb, item)
         t1 = time.perf_counter()
-        result = _verify_loop(ctx, target, pre, item, dec)
+        result = _verify_loop(ctx, target, pre, item, dec, window)
         with span("recv_wait", item=item.id, what="keep_report"):
             result.num_kept = _recv_keep_report(ctx, item.id)
     result.prefill_s = t1 - t0
@@ -148,13 +153,16 @@ def _recv_chunk(ctx: RoleContext) -> tuple[DraftChunk, torch.Tensor | None]:
         log.warning("unexpected_message", type=type(msg).__name__, item=ctx.item_id)
 
 
-def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, dec) -> DecodeResult:
+def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, dec, window: WindowController) -> DecodeResult:
     machine = TargetMachine(max_new_tokens=item.max_new_tokens, eos_token_ids=frozenset(target.eos_token_ids))
     cursor = CacheCursor(pre.state.length)
     kept_row = pre.logits  # the target's row for position len(committed)
     gen = torch.Generator().manual_seed(int(dec.seed))
     stats = AcceptanceStats()
     with_target_probs = verdicts_carry_target_probs(ctx.method.draft, ctx.config.extra.get("tabed"), dec.temperature)
+    windows: list[int] = []  # the window each round's chunk was drafted under
+    first_chunk_wait = None  # prefill end -> first chunk that could be verified (HIPPO's synchronous prefill)
+    t_loop = time.perf_counter()
     while not machine.done:
         chunk, q = _recv_chunk(ctx)
         if chunk.item_id != item.id:
@@ -163,17 +171,26 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
         if isinstance(decision, Drop):
             log.debug("chunk_dropped", item=item.id, reason=decision.reason, epoch=chunk.epoch, start=chunk.start)
             continue
+        if first_chunk_wait is None:
+            first_chunk_wait = time.perf_counter() - t_loop
+            mark("first_chunk", item=item.id, wait_s=first_chunk_wait)
+        window.observe_draft_step(chunk.draft_step_s)
+        windows.append(window.gamma)
         tokens = list(chunk.token_ids)
         with span("verify", item=item.id, round=stats.rounds, start=chunk.start, tokens=len(tokens), epoch=machine.epoch,
-                  drafted=len(tokens), mode=machine.mode.value) as verify_fields:
+                  drafted=len(tokens), mode=machine.mode.value, gamma=window.gamma) as verify_fields:
+            t_fwd = time.perf_counter()
             if decision.use_kept_row:
                 rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens))])
                 cursor.feed(tokens)
+                fed = len(tokens)
             else:
                 length, pending = cursor.sync(machine.committed)
                 target.rollback(pre.state, length)
                 rows = target.step(pre.state, torch.tensor(pending + tokens))[len(pending) - 1 :]
                 cursor.feed(pending + tokens)
+                fed = len(pending) + len(tokens)
+            window.observe_verify(fed, time.perf_counter() - t_fwd)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             before = len(machine.committed)
             verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
@@ -188,11 +205,13 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
         ctx.send(
             "draft",
             VerifyResult(item.id, verdict.epoch, verdict.start, verdict.num_accepted, verdict.next_token,
-                         verdict.committed_len, verdict.mode.value, verdict.rollback),
+                         verdict.committed_len, verdict.mode.value, verdict.rollback, window.gamma),
         )
         if with_target_probs:  # TABED soft labels: p at the verified positions (pipeline/ensemble.py)
             _send_target_probs(ctx, probs_from_logits(rows[: v.num_accepted + int(not v.all_accepted)], dec.temperature))
-    return DecodeResult(token_ids=machine.output(), stats=stats)
+    return DecodeResult(token_ids=machine.output(), stats=stats,
+                        timings={"first_chunk_wait": first_chunk_wait or 0.0},
+                        gamma=sum(windows) / len(windows) if windows else float(window.gamma))
 
 
 def _send_target_probs(ctx: RoleContext, rows: torch.Tensor) -> None:

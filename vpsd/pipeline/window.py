@@ -1,0 +1,93 @@
+"""The draft window gamma, matched to the measured speed ratio (ParallelVLM Eq. 6: gamma = c* = T_p / T_q).
+
+The parallel pipeline balances when the draft takes as long to draft a window as the target takes to
+verify one: gamma T_q = T_p. Shorter, and the draft idles (the target's verification is the bottleneck
+and a longer window would commit more per round for the same verify); longer, and the target idles while
+the draft finishes its chunk (Theorem 6's max(gamma t, c t)).
+
+Where this departs from the paper, and why:
+- The paper measures T_p once, for a verification of a typical window. Here T_p depends on the window it
+  verifies: on a CPU (and for long windows on a GPU) a k-token verify costs more than a 1-token one. The
+  controller fits T_p(k) = a + b k to the verifications it has seen (a weighted least-squares line,
+  recent rounds weighing more) and solves the balance gamma T_q = a + b gamma, i.e. gamma = a / (T_q - b);
+  with one distinct window size seen so far it is Eq. 6 as printed, gamma = T_p / T_q. On a GPU, b ~ 0 and
+  both agree.
+- Both times are measured live, not once: T_q by the draft (its step time, sent with every chunk), T_p by
+  the target (which decides gamma, being the single source of truth, and sends it with every verdict).
+  Longer contexts and contended cores move the ratio; the window follows within a few rounds.
+- Rounding: to the nearest integer (ParallelVLM App. C discusses floor vs ceil: which wins depends on how
+  the mean accepted length compares with gamma), clamped to [gamma_min, gamma_max].
+Pure: no clocks here; the roles pass in what they measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+AUTO = "auto"
+
+
+@dataclass
+class WindowController:
+    """Chooses gamma. `fixed` set: gamma never moves (a user's --gamma N)."""
+
+    initial: int
+    gamma_min: int = 1
+    gamma_max: int = 16
+    fixed: bool = False
+    decay: float = 0.8  # weight of the history per new observation (about the last 5 rounds count)
+    t_q: float | None = None  # draft step seconds, exponentially averaged
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w k, w k^2, w t, w k t
+    gamma: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(f"gamma bounds must satisfy 1 <= min <= max, got [{self.gamma_min}, {self.gamma_max}]")
+        self.gamma = self._clamp(self.initial)
+
+    def _clamp(self, g: float) -> int:
+        return int(min(self.gamma_max, max(self.gamma_min, g)))
+
+    def observe_draft_step(self, seconds: float) -> None:
+        """One draft forward (T_q), or the draft's own running mean of it."""
+        if seconds > 0:
+            self.t_q = seconds if self.t_q is None else self.decay * self.t_q + (1 - self.decay) * seconds
+            self._update()
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        """One verification forward of `rows` new tokens that took `seconds` (T_p at that window)."""
+        if rows < 1 or seconds <= 0:
+            return
+        d = self.decay
+        s = self._sums
+        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            s[i] = d * s[i] + v
+        self._update()
+
+    def verify_time(self, rows: float) -> float | None:
+        """T_p(rows) from the fitted line (the mean, when only one window size was seen)."""
+        a, b = self._line()
+        return None if a is None else a + b * rows
+
+    def _line(self) -> tuple[float | None, float]:
+        w, wk, wkk, wt, wkt = self._sums
+        if w <= 0:
+            return None, 0.0
+        var = wkk / w - (wk / w) ** 2
+        if var < 1e-9:  # one window size so far: T_p is a constant, Eq. 6 as printed
+            return wt / w, 0.0
+        b = (wkt / w - (wk / w) * (wt / w)) / var
+        b = max(b, 0.0)  # a verify never gets cheaper with more rows; noise must not say otherwise
+        return wt / w - b * wk / w, b
+
+    def _update(self) -> None:
+        if self.fixed or self.t_q is None:
+            return
+        a, b = self._line()
+        if a is None:
+            return
+        if self.t_q <= b:  # each extra drafted token costs the target more than the draft: the longest window
+            self.gamma = self.gamma_max
+            return
+        self.gamma = self._clamp(math.floor(max(a, 0.0) / (self.t_q - b) + 0.5))
