@@ -6,6 +6,7 @@
     vpsd bias DIR [--strategy S] [--band 0.1] [--out PNG]   position bias of the kept tokens per frame
     vpsd acceptance DIR [--item ID] [--out PNG]              accepted draft tokens per verification round
     vpsd bench --manifest M [--config C] [--out DIR]         every method and strategy, one table
+    vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.acceptance import main as run
     elif command == "bench":
         from vpsd.reports.bench import main as run
+    elif command == "grow":
+        from vpsd.launch.grow import main as run
     else:
         print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2
