@@ -307,6 +307,22 @@ def test_main_writes_timeline_and_breakdown(run_dir, capsys):
     assert timeline.main([str(run_dir / "empty")]) == 1
 
 
+def test_chrome_trace_has_one_lane_per_role_and_every_span(run_dir):
+    assert timeline.main([str(run_dir)]) == 0
+    trace = json.loads((run_dir / "trace.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "target (rank 0)", 1: "draft (rank 1)", 2: "pruner (rank 2)"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == len([s for s in timeline.load_spans(run_dir) if s.kind == "span"])
+    # Times in microseconds from the first span (the target's video_read at -0.25 s).
+    verify = next(e for e in spans if e["name"] == "verify" and e["args"].get("round") == 1)
+    assert (verify["pid"], verify["ts"], verify["dur"]) == (0, 2.0e6, 0.25e6)
+    assert verify["args"]["item"] == "v1"
+    rollback = next(e for e in events if e["name"] == "rollback")
+    assert rollback["ph"] == "i" and rollback["ts"] == 1.75e6 and rollback["args"]["epoch"] == 1
+
+
 def test_spans_written_directly_match_structlog_lines_and_follow_reconfiguration(tmp_path):
     """Spans and marks skip structlog's chain when writing to a trace file (vpsd.tracing's fast path):
     the same keys in the same order as the chain writes; captured like any event under capture_logs."""

@@ -58,3 +58,31 @@ def test_fixed_gamma_never_moves_and_bounds_are_checked():
     assert w.gamma == 7
     with pytest.raises(ValueError):
         WindowController(initial=4, gamma_min=5, gamma_max=3)
+
+
+def theorem6_argmin(t_q, t_p_of, tau, lo, hi):
+    """The window a brute-force search over Theorem 6 (Eq. 13), written out from the paper, picks."""
+    def per_token(g):
+        ex = tau * (1 - tau**g) / (1 - tau)
+        return 2 * max(g * t_q, t_p_of(g)) / ((1 + tau**g) * ex)
+    return min(range(lo, hi + 1), key=per_token)
+
+
+def test_with_acceptance_measured_the_window_minimises_theorem6():
+    # T_p independent of the window (a GPU): the optimum is the balance, Eq. 6, whatever tau.
+    for tau_rounds in ([4, 4, 4, 2], [4, 1, 0, 3]):
+        w = WindowController(initial=4, gamma_max=16)
+        for acc in tau_rounds * 3:
+            w.observe_draft_step(0.010)
+            w.observe_verify(4, 0.070)
+            w.observe_round(acc, 4)
+        assert w.gamma == 7
+    # A CPU-like verify (b = 0.8 T_q): the balance says 16 (the cap), Theorem 6 a shorter window.
+    w = WindowController(initial=4, gamma_max=16)
+    for k, acc in [(4, 4), (1, 1), (6, 3), (4, 4), (1, 0), (6, 6)] * 3:
+        w.observe_draft_step(0.010)
+        w.observe_verify(k, 0.030 + 0.008 * k)
+        w.observe_round(acc, k)
+    tau = w.accepted / (w.accepted + w.rejections)
+    expected = theorem6_argmin(0.010, lambda g: 0.030 + 0.008 * g, tau, 1, 16)
+    assert w.gamma == expected < 16

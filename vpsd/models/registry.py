@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,10 +31,25 @@ class ModelSpec:
     dtype: str = "float32"
     device: str = "cpu"
     options: dict[str, Any] = field(default_factory=dict)  # adapter keyword arguments (e.g. fps)
+    # A scale model of the checkpoint at `path`: {width: k, layers: N} grows it function-preservingly
+    # (models/grow.py) into `grown_path()` on first use, reused while it matches the source's weights.
+    grow: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("a model spec needs exactly one of `path` (checkpoint) or `tiny` (config)")
+        if self.grow is not None:
+            if self.path is None or set(self.grow) != {"width", "layers"}:
+                raise ValueError(f"`grow` needs a checkpoint `path` and exactly width and layers, got {self.grow}")
+            if not all(type(v) is int and v >= 1 for v in self.grow.values()):
+                raise ValueError(f"grow width and layers must be positive integers, got {self.grow}")
+
+    def grown_path(self) -> str | None:
+        """Where the scale model lives: beside its source, named by its shape (git-ignored: *.grown-*)."""
+        if self.grow is None or self.path is None:
+            return None
+        src = Path(self.path)
+        return str(src.with_name(f"{src.name}.grown-w{self.grow['width']}-l{self.grow['layers']}"))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
@@ -77,8 +93,13 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
     fam = family(family_name)
     dtype = DTYPES[spec.dtype]
     if spec.path is not None:
-        model = fam.model_class.from_pretrained(spec.path, dtype=dtype)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(spec.path)
+        path = spec.path
+        if spec.grow is not None:
+            from vpsd.models.grow import ensure_grown  # grow imports this module
+
+            path = str(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
+        model = fam.model_class.from_pretrained(path, dtype=dtype)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
     else:
         tiny = dict(spec.tiny)
         tokenizer = tokenizer or tiny_tokenizer()

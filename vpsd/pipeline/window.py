@@ -12,6 +12,12 @@ Where this departs from the paper, and why:
   recent rounds weighing more) and solves the balance gamma T_q = a + b gamma, i.e. gamma = a / (T_q - b);
   with one distinct window size seen so far it is Eq. 6 as printed, gamma = T_p / T_q. On a GPU, b ~ 0 and
   both agree.
+- Once rounds have been verified, the window is the one that minimises Theorem 6's per-token time
+  2 max(gamma T_q, T_p(gamma)) / ((1 + tau^gamma) E[X]) with the measured tau_hat (pipeline/theory.py). With
+  T_p independent of gamma that minimum sits at the balance gamma = c (for gamma < c the numerator is flat
+  while E[X] grows; past it the numerator grows linearly and E[X] saturates), so it is Eq. 6 again; with a
+  verify that grows with the window, and an acceptance that makes long windows mostly wasted, it is shorter:
+  the balance would push a CPU, where b is close to T_q, to the longest window allowed.
 - Both times are measured live, not once: T_q by the draft (its step time, sent with every chunk), T_p by
   the target (which decides gamma, being the single source of truth, and sends it with every verdict).
   Longer contexts and contended cores move the ratio; the window follows within a few rounds.
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from vpsd.pipeline.theory import parallel_sd_rollback_token_time, tau_hat
 
 AUTO = "auto"
 
@@ -38,6 +46,8 @@ class WindowController:
     fixed: bool = False
     decay: float = 0.8  # weight of the history per new observation (about the last 5 rounds count)
     t_q: float | None = None  # draft step seconds, exponentially averaged
+    accepted: float = 0.0  # accepted draft tokens, exponentially weighted (tau_hat's A)
+    rejections: float = 0.0  # rounds that ended in a rejection, the same weights (tau_hat's R)
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w k, w k^2, w t, w k t
     gamma: int = 0
 
@@ -65,6 +75,14 @@ class WindowController:
             s[i] = d * s[i] + v
         self._update()
 
+    def observe_round(self, num_accepted: int, num_drafted: int) -> None:
+        """One verified chunk: how many of its draft tokens the target accepted."""
+        if num_drafted < 1:
+            return
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.rejections = self.decay * self.rejections + (num_accepted < num_drafted)
+        self._update()
+
     def verify_time(self, rows: float) -> float | None:
         """T_p(rows) from the fitted line (the mean, when only one window size was seen)."""
         a, b = self._line()
@@ -87,7 +105,11 @@ class WindowController:
         a, b = self._line()
         if a is None:
             return
-        if self.t_q <= b:  # each extra drafted token costs the target more than the draft: the longest window
+        if self.accepted + self.rejections > 0:
+            tau = tau_hat(self.accepted, self.rejections)
+            self.gamma = min(range(self.gamma_min, self.gamma_max + 1),
+                             key=lambda g: parallel_sd_rollback_token_time(self.t_q, a + b * g, g, tau))
+        elif self.t_q <= b:  # each extra drafted token costs the target more than the draft: the longest window
             self.gamma = self.gamma_max
-            return
-        self.gamma = self._clamp(math.floor(max(a, 0.0) / (self.t_q - b) + 0.5))
+        else:
+            self.gamma = self._clamp(math.floor(max(a, 0.0) / (self.t_q - b) + 0.5))

@@ -22,7 +22,8 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
       `waiting` = recv_wait time inside the wall time and outside busy time, the part of idle spent
       blocked on a peer. Shares of totals are of wall time.
 - `python -m vpsd.reports.timeline RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/timeline.png (or
-  --out) and RUN_DIR/breakdown.txt, and prints the table.
+  --out), RUN_DIR/breakdown.txt and RUN_DIR/trace.json (Chrome trace events for Perfetto, one lane per role:
+  reports/chrome_trace.py), and prints the table.
 """
 
 from __future__ import annotations
@@ -391,10 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1
+    from vpsd.reports.chrome_trace import write_chrome_trace  # it imports this module
+
+    chrome = write_chrome_trace(spans, args.run_dir / "trace.json")
     table = format_breakdown(breakdown(spans))
     (args.run_dir / "breakdown.txt").write_text(table)
     print(table, end="")
-    print(f"timeline: {png}\nbreakdown: {args.run_dir / 'breakdown.txt'}")
+    print(f"timeline: {png}\nbreakdown: {args.run_dir / 'breakdown.txt'}\nperfetto: {chrome} (open in ui.perfetto.dev)")
     return 0
 
 

@@ -192,6 +192,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
                 fed = len(pending) + len(tokens)
             window.observe_verify(fed, time.perf_counter() - t_fwd)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
+            window.observe_round(v.num_accepted, v.num_drafted)
             before = len(machine.committed)
             verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
             committed = verdict.committed_len - before
