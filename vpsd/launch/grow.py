@@ -21,6 +21,7 @@ import numpy as np
 
 from vpsd.config import DecodingConfig
 from vpsd.decoders.ar import decode_ar
+from vpsd.models.base import VideoLMAdapter
 from vpsd.models.grow import checkpoint_family, grow_checkpoint
 from vpsd.models.registry import ModelSpec, load_adapter
 
@@ -67,19 +68,30 @@ def check_growth(
     dtype: str = "float32",
 ) -> GrowthCheck:
     """Runs source and grown checkpoint on each (frames (T, H, W, 3) uint8, prompt) through the family's
-    adapter: prefill logits compared, greedy `ar` outputs of max_new_tokens compared token for token.
+    adapter (vpsd.models.registry.load_adapter): prefill logits compared, greedy `ar` outputs of
+    max_new_tokens compared token for token.
 
     Tolerance: TOLERANCE[dtype] relative to the logit scale (fp32: 1e-5; measured ~1e-7).
     """
     source = load_adapter(family, ModelSpec(path=str(src), dtype=dtype))
     grown = load_adapter(family, ModelSpec(path=str(dst), dtype=dtype))
+    return compare_adapters(source, grown, frames_and_prompts, max_new_tokens, TOLERANCE[dtype])
+
+
+def compare_adapters(
+    source: VideoLMAdapter,
+    grown: VideoLMAdapter,
+    frames_and_prompts: Iterable[tuple[np.ndarray, str]],
+    max_new_tokens: int,
+    tolerance: float = TOLERANCE["float32"],
+) -> GrowthCheck:
+    """check_growth on two loaded adapters of one family (a grown model need not be on disk)."""
     greedy = DecodingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     n = identical = 0
     max_diff = scale = 0.0
     differing: list[int] = []
     for i, (frames, prompt) in enumerate(frames_and_prompts):
-        inputs = source.prepare(frames, prompt)
-        ref = source.prefill(source.embed(inputs)).logits
+        ref = source.prefill(source.embed(source.prepare(frames, prompt))).logits
         got = grown.prefill(grown.embed(grown.prepare(frames, prompt))).logits
         max_diff = max(max_diff, float((got - ref).abs().max()))
         scale = max(scale, float(ref.abs().max()))
@@ -89,8 +101,8 @@ def check_growth(
             differing.append(i)
         n += 1
     if n == 0:
-        raise ValueError("check_growth needs at least one (frames, prompt) input")
-    return GrowthCheck(n, identical, max_diff, scale, TOLERANCE[dtype], differing)
+        raise ValueError("a growth check needs at least one (frames, prompt) input")
+    return GrowthCheck(n, identical, max_diff, scale, tolerance, differing)
 
 
 def random_inputs(count: int, num_frames: int = 8, side: int = 112) -> list[tuple[np.ndarray, str]]:
