@@ -15,6 +15,7 @@ from tests.torchrun_jobs import ROOT, free_port, job_args, results, run_job, tor
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.reports.kept_log import read_kept
+from vpsd.reports.timeline import load_spans
 from vpsd.launch.manifest import load_manifest
 from vpsd.pipeline.methods import get_method
 from vpsd.video.item import load_item_frames
@@ -39,7 +40,8 @@ def ar_reference(family: str, manifest) -> dict[str, list[int]]:
 CASES = [
     ("qwen2_5_vl", "ar", []),
     ("qwen2_5_vl", "sd", ["--pruning", "uniform", "--ratio", "0.5"]),
-    ("qwen2_5_vl", "pearl", []),
+    # gamma auto: the target re-matches the window every round (pipeline/window.py) and the draft follows.
+    ("qwen2_5_vl", "pearl", ["--gamma", "auto", "--set", "decoding.gamma_max=6"]),
     ("qwen2_5_vl", "pearl", ["--pruning", "temporal", "--ratio", "0.9", "--set", "draft=self"]),
     ("qwen2_5_vl", "pearl", ["--pruning", "random", "--ratio", "0.5", "--gamma", "2"]),
     ("qwen3_vl", "sd", ["--pruning", "frame", "--ratio", "0.5", "--set", "draft=self"]),
@@ -82,6 +84,10 @@ def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
         assert {k: int(r.kept.numel()) for k, r in kept.items()} == {k: r["stats"]["num_kept"] for k, r in got.items()}
     traces = sorted(p.name for p in (out / "traces").iterdir())
     assert "rank0_target.jsonl" in traces
+    if "auto" in extra:  # the window each round ran with is in the traces and, averaged, in the results
+        verify = [s for s in load_spans(out) if s.name == "verify" and s.kind == "span"]
+        assert verify and all(2 <= s.fields["gamma"] <= 6 and s.fields["drafted"] <= 6 for s in verify)
+        assert all(2 <= r["stats"]["gamma"] <= 6 for r in got.values())
     if method == "pearl":
         assert traces == ["rank0_target.jsonl", "rank1_draft.jsonl", "rank2_pruner.jsonl"]
 

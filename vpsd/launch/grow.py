@@ -22,7 +22,7 @@ import numpy as np
 from vpsd.config import DecodingConfig
 from vpsd.decoders.ar import decode_ar
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.grow import checkpoint_family, grow_checkpoint
+from vpsd.models.grow import checkpoint_family, grow_checkpoint, is_grown
 from vpsd.models.registry import ModelSpec, load_adapter
 
 # Largest |logit diff| allowed, relative to the source's largest |logit|. Growth only reorders float sums
@@ -128,10 +128,13 @@ def manifest_inputs(path: Path, count: int, num_frames: int) -> list[tuple[np.nd
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vpsd grow", description=__doc__.splitlines()[0])
-    p.add_argument("src", type=Path, help="source checkpoint directory (local)")
-    p.add_argument("dst", type=Path, help="grown checkpoint directory to write (replaced only if grown before)")
-    p.add_argument("--width", type=int, required=True, help="width factor k >= 1 (powers of 2 split exactly)")
-    p.add_argument("--layers", type=int, required=True, help="decoder layers N >= the source's")
+    p.add_argument("src", type=Path, nargs="?", help="source checkpoint directory (local)")
+    p.add_argument("dst", type=Path, nargs="?", help="grown checkpoint directory to write (replaced only if grown before)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="instead of SRC DST: the target a run config names with `grow:` (built on first use into "
+                        "its grown path, reused while it matches its source, then checked)")
+    p.add_argument("--width", type=int, help="width factor k >= 1 (powers of 2 split exactly)")
+    p.add_argument("--layers", type=int, help="decoder layers N >= the source's")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the source's")
     p.add_argument("--manifest", type=Path, default=None, help="check on its first items (default: random videos)")
     p.add_argument("--items", type=int, default=2, help="inputs to check (default 2)")
@@ -140,9 +143,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-check", action="store_true", help="write the checkpoint without checking it")
     args = p.parse_args(argv)
     try:
-        family = checkpoint_family(args.src)
-        grow_checkpoint(args.src, args.dst, args.width, args.layers, args.dtype)
-        print(f"wrote {args.dst} ({family}, width x{args.width}, {args.layers} layers)")
+        if args.config is not None:
+            from vpsd.config import load_config
+            from vpsd.models.grow import ensure_grown
+
+            spec = load_config(args.config).target
+            if spec.grow is None:
+                raise ValueError(f"{args.config}: the target has no `grow:` section")
+            src, dst = Path(spec.path), Path(spec.grown_path())
+            width, layers, check_dtype = spec.grow["width"], spec.grow["layers"], spec.dtype
+            built = not is_grown(src, dst, width, layers)
+            ensure_grown(src, dst, width, layers)
+            what = "built" if built else "reused"
+        else:
+            if args.src is None or args.dst is None or args.width is None or args.layers is None:
+                p.error("give SRC DST --width K --layers N, or --config CONFIG")
+            src, dst, width, layers = args.src, args.dst, args.width, args.layers
+            check_dtype = args.dtype or "float32"
+            grow_checkpoint(src, dst, width, layers, args.dtype)
+            what = "wrote"
+        family = checkpoint_family(src)
+        print(f"{what} {dst} ({family}, width x{width}, {layers} layers, from {src})")
         if args.no_check:
             return 0
         inputs = (
@@ -150,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.manifest
             else random_inputs(args.items)
         )
-        result = check_growth(args.src, args.dst, family, inputs, args.max_new_tokens, args.dtype or "float32")
+        result = check_growth(src, dst, family, inputs, args.max_new_tokens, check_dtype)
     except (ValueError, OSError) as err:  # GrowthError is a ValueError
         print(f"vpsd grow: {err}", file=sys.stderr)
         return 2
