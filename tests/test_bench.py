@@ -3,6 +3,8 @@
 import csv
 import json
 
+import pytest
+
 from tests.torchrun_jobs import ROOT, world_manifest
 from vpsd.reports.bench import BenchRun, default_runs, main
 
@@ -34,3 +36,45 @@ def test_bench_runs_ar_and_a_parallel_baseline_losslessly(tmp_path):
     assert parallel["theory_speedup"] is not None
     assert (out / "bench.png").stat().st_size > 0
     assert "stale" not in (out / "ar" / "results.jsonl").read_text()
+
+
+def _write_run(path, rows, spans=()):
+    path.mkdir(parents=True)
+    (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "traces").mkdir()
+    lines = [json.dumps({"event": "span", "role": role, "rank": rank, "name": name, "t0": 1000.0 + t, "dur": dur,
+                         "t": 1000.0 + t + dur, **fields}) for role, rank, name, t, dur, fields in spans]
+    (path / "traces" / "all.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _ar_row(item, tokens, wall, decode):
+    return {"id": item, "token_ids": tokens, "error": None,
+            "stats": {"rounds": len(tokens), "acceptance_rate": 0.0, "wall_s": wall, "decode_s": decode, "prefill_s": wall - decode}}
+
+
+def test_accounting_by_hand(tmp_path):
+    """Baseline = per-item median of the ar runs; speedups on the same ids; theory = Theorem 6 against ar's
+    per-token time with tau_hat and the full-window verify time; efficiency = measured / theory."""
+    from vpsd.pipeline.theory import predicted_speedup
+    from vpsd.reports.bench import Baseline, measure
+
+    toks = list(range(11))  # 11 tokens: 10 decoded after the prefill's first
+    for i, (wall, decode) in enumerate([(3.0, 2.0), (3.4, 2.4), (2.9, 1.9)]):
+        _write_run(tmp_path / f"ar{i}", [_ar_row("a", toks, wall, decode)])
+    base = Baseline([tmp_path / "ar0", tmp_path / "ar1", tmp_path / "ar2"])
+    assert base.items["a"] == {"wall_s": 3.0, "decode_s": 2.0}
+    assert base.step_s == 0.2 and base.noise == (3.4 - 2.9) / 3.0 and base.consistent
+    stats = {"rounds": 4, "acceptance_rate": 0.6, "wall_s": 2.0, "decode_s": 1.0, "prefill_s": 1.0,
+             "accepted_tokens": 9, "rejections": 1, "gamma": 4.0, "first_chunk_wait_s": 0.01}
+    spans = [("target", 0, "verify", 0.0, 0.3, {"gamma": 4, "drafted": 4}),
+             ("target", 0, "verify", 0.3, 0.1, {"gamma": 4, "drafted": 1}),  # a 1-token round: not T_p
+             ("target", 0, "verify", 0.4, 0.5, {"gamma": 4, "drafted": 4}),
+             ("draft", 1, "draft_step", 0.0, 0.05, {})]
+    _write_run(tmp_path / "hippo", [{"id": "a", "token_ids": toks, "error": None, "stats": stats}], spans)
+    row = measure(BenchRun("hippo", "hippo"), [tmp_path / "hippo"], base, 0)
+    assert (row.speedup, row.decode_speedup, row.identical, row.items) == (1.5, 2.0, 1, 1)
+    assert row.tau_hat == 0.9 and row.t_target_ms == 400.0 and row.t_draft_ms == 50.0
+    theory = predicted_speedup(True, 200.0, 50.0, 400.0, 4.0, 0.9)
+    assert row.theory_speedup == theory and row.efficiency == 2.0 / theory
+    assert row.overhead_ms == pytest.approx(1000 * (1.0 - 0.9) / 4)  # decode time neither verify nor chunk wait
+    assert row.first_chunk_ms == 10.0
