@@ -7,6 +7,7 @@ uncovered parameter raises, ensure_grown reuses and rebuilds, the CLI, and the s
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -82,6 +83,21 @@ def test_appended_layers_are_zeroed_copies_of_the_last():
     assert not extra.self_attn.o_proj.weight.any() and not extra.mlp.down_proj.weight.any()
     assert last.mlp.down_proj.weight.any()
     assert len(grown.model.visual.deepstack_merger_list) == len(model.model.visual.deepstack_merger_list)
+
+
+def test_tied_embeddings_are_grown_untied():
+    """Real small checkpoints (Qwen2.5-VL-3B, LLaVA-OneVision-0.5B) tie lm_head to the embeddings."""
+    source = tiny_pair("llava_onevision")[0]
+    cfg = copy.deepcopy(source.model.config)
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        tied = type(source)(type(source.model)(cfg).eval(), source.tokenizer)
+    assert tied.model.lm_head.weight is tied.model.model.language_model.embed_tokens.weight
+    grown = type(source)(grow_model(tied.model, 2, 5), source.tokenizer)
+    assert grown.model.lm_head.weight.data_ptr() != grown.model.model.language_model.embed_tokens.weight.data_ptr()
+    check = compare_adapters(tied, grown, INPUTS[:1], max_new_tokens=4)
+    assert check.ok, check.describe()
 
 
 def test_uncovered_parameter_and_bad_sizes_raise():

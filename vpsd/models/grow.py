@@ -207,7 +207,8 @@ def grow_model(model: PreTrainedModel, width: int, layers: int) -> PreTrainedMod
     Raises GrowthError on a parameter no rule covers or a grown shape that does not fit the grown config.
     """
     source_layers = _check_request(model, width, layers)
-    source = dict(model.named_parameters())
+    # remove_duplicate=False: a tied lm_head is listed under its own name too (it is grown untied).
+    source = dict(model.named_parameters(remove_duplicate=False))
     uncovered = [n for n in source if not any(p.fullmatch(n) for p, _ in RULES)]
     if uncovered:
         raise GrowthError(f"no growth rule covers parameter(s) {uncovered}; refusing to guess")
