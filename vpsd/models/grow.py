@@ -225,7 +225,8 @@ def grow_model(model: PreTrainedModel, width: int, layers: int) -> PreTrainedMod
         if appended and IDENTITY_ZEROED.fullmatch(name):
             tensor = torch.zeros_like(tensor)
         if tuple(tensor.shape) != tuple(param.shape):
-            raise GrowthError(f"{name}: grown shape {tuple(tensor.shape)} but the grown config needs {tuple(param.shape)}")
+            need = tuple(param.shape)
+            raise GrowthError(f"{name}: grown shape {tuple(tensor.shape)} but the grown config needs {need}")
         _set_tensor(grown, name, tensor.contiguous(), is_param=True)
     if set(source) - used:
         raise GrowthError(f"source parameters not carried into the grown model: {sorted(set(source) - used)}")
