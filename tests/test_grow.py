@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,13 @@ def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatc
     real = grow_module.grow_checkpoint
     monkeypatch.setattr(grow_module, "grow_checkpoint", lambda *a, **k: built.append(a[2:4]) or real(*a, **k))
 
+    racers = [threading.Thread(target=ensure_grown, args=(src, dst, 2, 5)) for _ in range(2)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join()
     ensure_grown(src, dst, 2, 5)
-    ensure_grown(src, dst, 2, 5)
-    assert built == [(2, 5)]  # second call reused
+    assert built == [(2, 5)]  # built once by the two at once, reused by the third call
     ensure_grown(src, dst, 4, 5)
     assert built == [(2, 5), (4, 5)] and AutoConfig.from_pretrained(dst).get_text_config().hidden_size == 4 * 64
 
@@ -134,7 +139,7 @@ def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatc
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
     ensure_grown(src, dst, 4, 5)
     assert len(built) == 3
-    assert not list(tmp_path.glob(".grown.*"))  # no temporary or old directory left behind
+    assert not list(tmp_path.glob(".grown.tmp-*")) + list(tmp_path.glob(".grown.old-*"))  # none left behind
 
     other = tmp_path / "not_grown"  # a directory ensure_grown did not make is never overwritten
     other.mkdir()

@@ -36,6 +36,7 @@ Checking a grown checkpoint against its source runs vpsd's own adapters and deco
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import json
 import os
@@ -372,8 +373,17 @@ def is_grown(src: Path, dst: Path, width: int, layers: int, dtype: str | None = 
 
 def ensure_grown(src: Path, dst: Path, width: int, layers: int, dtype: str | None = None) -> Path:
     """dst, grown from src on first use; reused while grown_from.json matches src's weights, width, layers
-    and dtype, rebuilt when any of them changed (the source hash reads every source weight byte)."""
+    and dtype, rebuilt when any of them changed (the source hash reads every source weight byte).
+
+    Processes calling this at once (ranks loading the same model) serialise on a lock file beside dst: the
+    first builds, the others wait and then reuse; none moves a checkpoint away while another reads it.
+    """
     src, dst = Path(src), Path(dst)
-    if not is_grown(src, dst, width, layers, dtype):
-        grow_checkpoint(src, dst, width, layers, dtype)
+    if is_grown(src, dst, width, layers, dtype):
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.parent / f".{dst.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not is_grown(src, dst, width, layers, dtype):  # another process may have built it meanwhile
+            grow_checkpoint(src, dst, width, layers, dtype)
     return dst
