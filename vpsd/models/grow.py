@@ -375,14 +375,16 @@ def ensure_grown(src: Path, dst: Path, width: int, layers: int, dtype: str | Non
     """dst, grown from src on first use; reused while grown_from.json matches src's weights, width, layers
     and dtype, rebuilt when any of them changed (the source hash reads every source weight byte).
 
-    Processes calling this at once (ranks loading the same model) serialise on a lock file beside dst: the
-    first builds, the others wait and then reuse; none moves a checkpoint away while another reads it.
+    Processes calling this at once (ranks loading the same model) serialise on a lock file named by dst's
+    absolute path in the temp directory (not beside dst: nothing to git-ignore): the first builds, the
+    others wait and then reuse; none moves a checkpoint away while another reads it.
     """
     src, dst = Path(src), Path(dst)
     if is_grown(src, dst, width, layers, dtype):
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(dst.parent / f".{dst.name}.lock", "a") as lock:
+    key = hashlib.sha256(str(dst.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"vpsd-grow-{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not is_grown(src, dst, width, layers, dtype):  # another process may have built it meanwhile
             grow_checkpoint(src, dst, width, layers, dtype)
