@@ -7,7 +7,9 @@ uncovered parameter raises, ensure_grown reuses and rebuilds, the CLI, and the s
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,21 @@ def test_appended_layers_are_zeroed_copies_of_the_last():
     assert len(grown.model.visual.deepstack_merger_list) == len(model.model.visual.deepstack_merger_list)
 
 
+def test_tied_embeddings_are_grown_untied():
+    """Real small checkpoints (Qwen2.5-VL-3B, LLaVA-OneVision-0.5B) tie lm_head to the embeddings."""
+    source = tiny_pair("llava_onevision")[0]
+    cfg = copy.deepcopy(source.model.config)
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        tied = type(source)(type(source.model)(cfg).eval(), source.tokenizer)
+    assert tied.model.lm_head.weight is tied.model.model.language_model.embed_tokens.weight
+    grown = type(source)(grow_model(tied.model, 2, 5), source.tokenizer)
+    assert grown.model.lm_head.weight.data_ptr() != grown.model.model.language_model.embed_tokens.weight.data_ptr()
+    check = compare_adapters(tied, grown, INPUTS[:1], max_new_tokens=4)
+    assert check.ok, check.describe()
+
+
 def test_uncovered_parameter_and_bad_sizes_raise():
     model = tiny_pair("qwen2_5_vl")[0].model
     layer = model.model.language_model.layers[0]
@@ -106,9 +123,13 @@ def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatc
     real = grow_module.grow_checkpoint
     monkeypatch.setattr(grow_module, "grow_checkpoint", lambda *a, **k: built.append(a[2:4]) or real(*a, **k))
 
+    racers = [threading.Thread(target=ensure_grown, args=(src, dst, 2, 5)) for _ in range(2)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join()
     ensure_grown(src, dst, 2, 5)
-    ensure_grown(src, dst, 2, 5)
-    assert built == [(2, 5)]  # second call reused
+    assert built == [(2, 5)]  # built once by the two at once, reused by the third call
     ensure_grown(src, dst, 4, 5)
     assert built == [(2, 5), (4, 5)] and AutoConfig.from_pretrained(dst).get_text_config().hidden_size == 4 * 64
 
@@ -118,7 +139,7 @@ def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatc
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
     ensure_grown(src, dst, 4, 5)
     assert len(built) == 3
-    assert not list(tmp_path.glob(".grown.*"))  # no temporary or old directory left behind
+    assert not list(tmp_path.glob(".grown.tmp-*")) + list(tmp_path.glob(".grown.old-*"))  # none left behind
 
     other = tmp_path / "not_grown"  # a directory ensure_grown did not make is never overwritten
     other.mkdir()

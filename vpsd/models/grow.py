@@ -36,6 +36,7 @@ Checking a grown checkpoint against its source runs vpsd's own adapters and deco
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import json
 import os
@@ -207,7 +208,8 @@ def grow_model(model: PreTrainedModel, width: int, layers: int) -> PreTrainedMod
     Raises GrowthError on a parameter no rule covers or a grown shape that does not fit the grown config.
     """
     source_layers = _check_request(model, width, layers)
-    source = dict(model.named_parameters())
+    # remove_duplicate=False: a tied lm_head is listed under its own name too (it is grown untied).
+    source = dict(model.named_parameters(remove_duplicate=False))
     uncovered = [n for n in source if not any(p.fullmatch(n) for p, _ in RULES)]
     if uncovered:
         raise GrowthError(f"no growth rule covers parameter(s) {uncovered}; refusing to guess")
@@ -224,7 +226,8 @@ def grow_model(model: PreTrainedModel, width: int, layers: int) -> PreTrainedMod
         if appended and IDENTITY_ZEROED.fullmatch(name):
             tensor = torch.zeros_like(tensor)
         if tuple(tensor.shape) != tuple(param.shape):
-            raise GrowthError(f"{name}: grown shape {tuple(tensor.shape)} but the grown config needs {tuple(param.shape)}")
+            need = tuple(param.shape)
+            raise GrowthError(f"{name}: grown shape {tuple(tensor.shape)} but the grown config needs {need}")
         _set_tensor(grown, name, tensor.contiguous(), is_param=True)
     if set(source) - used:
         raise GrowthError(f"source parameters not carried into the grown model: {sorted(set(source) - used)}")
@@ -370,8 +373,19 @@ def is_grown(src: Path, dst: Path, width: int, layers: int, dtype: str | None = 
 
 def ensure_grown(src: Path, dst: Path, width: int, layers: int, dtype: str | None = None) -> Path:
     """dst, grown from src on first use; reused while grown_from.json matches src's weights, width, layers
-    and dtype, rebuilt when any of them changed (the source hash reads every source weight byte)."""
+    and dtype, rebuilt when any of them changed (the source hash reads every source weight byte).
+
+    Processes calling this at once (ranks loading the same model) serialise on a lock file named by dst's
+    absolute path in the temp directory (not beside dst: nothing to git-ignore): the first builds, the
+    others wait and then reuse; none moves a checkpoint away while another reads it.
+    """
     src, dst = Path(src), Path(dst)
-    if not is_grown(src, dst, width, layers, dtype):
-        grow_checkpoint(src, dst, width, layers, dtype)
+    if is_grown(src, dst, width, layers, dtype):
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(dst.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"vpsd-grow-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not is_grown(src, dst, width, layers, dtype):  # another process may have built it meanwhile
+            grow_checkpoint(src, dst, width, layers, dtype)
     return dst
