@@ -166,3 +166,18 @@ def test_shipped_default_grown_x4_12_layers_decodes_identically():
     frames = load_item_frames(EXAMPLES.parent / item["video"], 8, None, None)
     check = compare_adapters(source, grown, [(frames, item["prompt"])], max_new_tokens=16)
     assert check.num_identical == 1 and check.relative_diff <= 1e-5, check.describe()
+
+
+def test_a_config_names_its_scale_model_and_specs_stay_checked():
+    from vpsd.config import load_config
+    from vpsd.models.registry import ModelSpec
+
+    spec = load_config(ROOT / "configs" / "world_qwen2_5_vl_scaled.yaml").target
+    assert spec.grow == {"width": 4, "layers": 12}
+    assert spec.grown_path() == str(ROOT / "checkpoints" / "world_qwen2_5_vl" / "target.grown-w4-l12")
+    with pytest.raises(ValueError, match="dtype"):
+        ModelSpec(path="x", dtype="bogus")
+    with pytest.raises(ValueError, match="width and layers"):
+        ModelSpec(path="x", grow={"width": 2})
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        ModelSpec(tiny={}, grow={"width": 2, "layers": 4})

@@ -38,6 +38,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("a model spec needs exactly one of `path` (checkpoint) or `tiny` (config)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.grow is not None:
             if self.path is None or set(self.grow) != {"width", "layers"}:
                 raise ValueError(f"`grow` needs a checkpoint `path` and exactly width and layers, got {self.grow}")
@@ -50,8 +52,6 @@ class ModelSpec:
             return None
         src = Path(self.path)
         return str(src.with_name(f"{src.name}.grown-w{self.grow['width']}-l{self.grow['layers']}"))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
