@@ -37,9 +37,8 @@ from pathlib import Path
 
 from vpsd.pipeline.methods import METHODS, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
-from vpsd.pipeline.theory import predicted_speedup
+from vpsd.reports.accounting import predict
 from vpsd.reports.summary import read_rows, summarize
-from vpsd.reports.timeline import Span, load_spans
 
 
 @dataclass(frozen=True)
@@ -103,33 +102,6 @@ def run_dir(out: Path, run: BenchRun, repeat: int = 0) -> Path:
     return out / (run.label.replace("+", "_") + (f"_{repeat + 1}" if repeat else ""))
 
 
-def mean_span_ms(spans: list[Span], role: str, name: str) -> float | None:
-    durs = [s.dur for s in spans if s.role == role and s.name == name and s.kind == "span"]
-    return 1000 * statistics.mean(durs) if durs else None
-
-
-def full_window_verify_ms(spans: list[Span]) -> float | None:
-    """Mean target verify forward over rounds that verified a whole window (drafted == the round's gamma).
-
-    Theorem 6 charges every round T_p at the window gamma; the shorter rounds (the first token alone after a
-    rollback, a short last chunk) verify fewer rows, which on a CPU is cheaper, and would pull the mean below
-    the T_p the theorem means. Serial runs and runs without a gamma field: every verify span."""
-    verify = [s for s in spans if s.role == "target" and s.name == "verify" and s.kind == "span"]
-    full = [s.dur for s in verify if s.fields.get("gamma") is not None and s.fields.get("drafted") == s.fields["gamma"]]
-    durs = full or [s.dur for s in verify]
-    return 1000 * statistics.mean(durs) if durs else None
-
-
-def target_round_overhead_ms(spans: list[Span], decode_s: float, rounds: int) -> float | None:
-    """Target decode time per round spent neither in a verify span nor waiting for a chunk."""
-    if not rounds:
-        return None
-    verify = sum(s.dur for s in spans if s.role == "target" and s.name == "verify" and s.kind == "span")
-    waits = sum(s.dur for s in spans if s.role == "target" and s.name == "recv_wait" and s.kind == "span"
-                and s.fields.get("what") is None)  # chunk waits (the keep report wait comes after decoding)
-    return 1000 * max(decode_s - verify - waits, 0.0) / rounds
-
-
 @dataclass
 class Baseline:
     """The `ar` runs of one bench: per-item medians over every ar run, and their spread."""
@@ -171,22 +143,12 @@ def measure(run: BenchRun, paths: list[Path], base: Baseline, code: int) -> Benc
     wall = statistics.median(r[0] for r in ratios)
     decode = statistics.median(r[1] for r in ratios)
     items, identical = min(r[2] for r in ratios), min(r[3] for r in ratios)
-    spans = load_spans(path)
-    t_p = full_window_verify_ms(spans)
-    t_q = mean_span_ms(spans, "draft", "draft_step") or mean_span_ms(spans, "target", "draft_step")
-    rounds = sum(r["stats"]["rounds"] for r in read_rows(path) if r.get("error") is None)
-    theory = None
-    gamma = s["gamma"]
-    if method.uses_draft and t_p and t_q and gamma and base.step_s:
-        theory = predicted_speedup(method.parallel, 1000 * base.step_s, t_q, t_p, gamma, s["tau_hat"])
-    elif not method.uses_draft:
-        theory = 1.0
-    overhead = target_round_overhead_ms(spans, s["decode_s"], rounds) if method.parallel else None
+    pred = predict(path, method, base.step_s, s)
     first = 1000 * s["first_chunk_wait_s"] / s["items_done"] if method.parallel and s["items_done"] else None
     return BenchRow(run.label, run.method, run.strategy or method.default_strategy, method.parallel, items,
-                    identical, s["mean_accepted_tokens"], s["acceptance_rate"], s["tau_hat"], gamma, wall, decode,
-                    theory, decode / theory if theory else None, s["tokens_per_s"], t_p, t_q, overhead, first,
-                    len(paths), code)
+                    identical, s["mean_accepted_tokens"], s["acceptance_rate"], s["tau_hat"], s["gamma"], wall, decode,
+                    pred.theory, decode / pred.theory if pred.theory else None, s["tokens_per_s"], pred.t_p_ms,
+                    pred.t_q_ms, pred.overhead_ms, first, len(paths), code)
 
 
 def format_table(rows: list[BenchRow]) -> str:

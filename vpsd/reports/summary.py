@@ -58,6 +58,7 @@ def summarize(run_dir: Path) -> dict:
         "items_done": len(ok),
         "items_failed": len(rows) - len(ok),
         "tokens": tokens,
+        "rounds": rounds,
         "mean_accepted_tokens": tokens / rounds if rounds else 0.0,
         "acceptance_rate": (sum(a * n for a, n in drafted_accepted) / rounds) if rounds else 0.0,
         "tau_hat": tau_hat(accepted, rejections),
@@ -107,7 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None:
             summary["run"] = run
     if args.baseline is not None:
+        from vpsd.pipeline.methods import METHODS, get_method
+        from vpsd.reports.accounting import predict  # it imports this module
+
         summary.update(compare(args.baseline, args.run_dir))
+        methods = {r.get("method") for r in read_rows(args.run_dir)} - {None}
+        if len(methods) == 1 and methods <= set(METHODS):  # the run's Appendix C prediction against this baseline's per-token time
+            theory = predict(args.run_dir, get_method(methods.pop()), summarize(args.baseline)["decode_s_per_token"],
+                             summary).theory
+            summary["theory_decode_speedup"] = theory
+            summary["efficiency"] = summary["decode_speedup_vs_baseline"] / theory if theory else None
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     width = max(map(len, summary))
     for k, v in summary.items():
