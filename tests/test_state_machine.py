@@ -44,9 +44,11 @@ def verify(prefix: list[int], chunk: list[int]) -> tuple[int, int]:
     schedule=st.lists(st.integers(0, 3), min_size=50, max_size=400),
     wrong=st.lists(st.booleans(), min_size=1, max_size=64),
     eager=st.booleans(),
+    windows=st.one_of(st.none(), st.lists(st.integers(1, 6), min_size=1, max_size=8)),
 )
-def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager):
-    """eager: the draft also sends short chunks when the target is idle (DraftMachine.eager_when_idle)."""
+def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager, windows):
+    """eager: the draft also sends short chunks when the target is idle (DraftMachine.eager_when_idle).
+    windows: gamma auto, the window the target sends with each verdict (pipeline/window.py) moves."""
     target = TargetMachine(max_new_tokens=max_new, eos_token_ids=frozenset({EOS}))
     draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead, eager_when_idle=eager)
     to_target: deque = deque()
@@ -69,7 +71,7 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
                 start, tokens = chunk
                 # Chunks are gamma long, but the first after a rollback (1) and, when eager, any chunk sent
                 # while nothing was in flight; never longer than gamma.
-                assert 1 <= len(tokens) <= gamma
+                assert 1 <= len(tokens) <= draft.gamma
                 to_target.append((draft.epoch, *chunk))
         elif action == 2 and to_target:
             epoch, start, tokens = to_target.popleft()
@@ -83,6 +85,9 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
                 assert isinstance(decision, Drop)
         elif action == 3 and to_draft:
             v = to_draft.popleft()
+            if windows:
+                g = windows[step % len(windows)]
+                draft.set_gamma(g, g + extra_lookahead)
             draft.on_verdict(v.epoch, v.committed_len, v.next_token, v.rollback, v.mode)
             # The draft never believes a token the target has not committed.
             assert draft.sequence[: draft.confirmed] == target.committed[: draft.confirmed]
