@@ -127,3 +127,14 @@ def test_self_speculation_tree_accepts_the_whole_depth(family):
                     tree=tree)
     assert got.token_ids == decode_ar(target, random_frames(5), PROMPT, cfg).token_ids
     assert got.stats.accepted_per_round == [3, 3, 3]
+
+
+def test_sampled_self_speculation_accepts_every_first_candidate(family):
+    """Sampling with q == p (the unpruned target drafting for itself): min(1, p/q) = 1, so every round accepts
+    its first candidate at every depth; proves each node's q reaches the rule with its own p. Seeded: repeatable."""
+    target, _ = tiny_pair(family)
+    cfg = DecodingConfig(max_new_tokens=13, temperature=0.3, seed=3)
+    keep = keep_policy_for(PruningConfig("none", 0.0))
+    runs = [decode_sd(target, target, random_frames(6), PROMPT, cfg, keep, tree=parse_tree([2, 2, 2])) for _ in range(2)]
+    assert runs[0].stats.accepted_per_round == [3, 3, 3]
+    assert runs[0].token_ids == runs[1].token_ids
