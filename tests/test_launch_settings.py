@@ -33,8 +33,9 @@ def test_tree_settings_at_launch():
     with pytest.raises(SystemExit, match="skips rank 0"):
         resolve_config(args("sd-tree", "--set", "decoding.tree=[[1]]"))
     # specvlm drafts SpecVLM's (EAGLE's) tree unless told "chain"; a chain method ignores the setting.
-    assert get_method("specvlm").draft_tree(resolve_config(args("specvlm")).decoding.tree).num_nodes == 25
-    assert get_method("specvlm").draft_tree(resolve_config(args("specvlm", "--set", "decoding.tree=chain")).decoding.tree) is None
+    specvlm = get_method("specvlm")
+    assert specvlm.draft_tree(resolve_config(args("specvlm")).decoding.tree).num_nodes == 25
+    assert specvlm.draft_tree(resolve_config(args("specvlm", "--set", "decoding.tree=chain")).decoding.tree) is None
     shaped = resolve_config(args("sd-tree", "--set", "decoding.tree=[3,1]")).decoding.tree
     assert get_method("sd-tree").draft_tree(shaped).paths == ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0))
     assert get_method("sd").draft_tree(shaped) is None

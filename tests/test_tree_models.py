@@ -135,6 +135,7 @@ def test_sampled_self_speculation_accepts_every_first_candidate(family):
     target, _ = tiny_pair(family)
     cfg = DecodingConfig(max_new_tokens=13, temperature=0.3, seed=3)
     keep = keep_policy_for(PruningConfig("none", 0.0))
-    runs = [decode_sd(target, target, random_frames(6), PROMPT, cfg, keep, tree=parse_tree([2, 2, 2])) for _ in range(2)]
+    tree = parse_tree([2, 2, 2])
+    runs = [decode_sd(target, target, random_frames(6), PROMPT, cfg, keep, tree=tree) for _ in range(2)]
     assert runs[0].stats.accepted_per_round == [3, 3, 3]
     assert runs[0].token_ids == runs[1].token_ids

@@ -196,7 +196,7 @@ class VideoLMAdapter(ABC):
         """
         impl = getattr(self.model.config.get_text_config(), "_attn_implementation", None) or ""
         if impl.startswith("flash"):
-            raise ValueError(f"tree attention needs a 4-D mask; attn_implementation {impl!r} takes none (use sdpa or eager)")
+            raise ValueError(f"tree attention needs a 4-D mask; attn_implementation {impl!r} takes none: use sdpa")
         token_ids = token_ids.reshape(1, -1).to(self.device)
         k = token_ids.shape[1]
         length = state.length

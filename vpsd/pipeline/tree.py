@@ -305,4 +305,5 @@ def verify_tree(
     """The one entry point decoders use: the greedy rule at temperature 0, else recursive rejection."""
     if temperature == 0.0:
         return verify_tree_greedy(tree, node_tokens, target_logits)
-    return verify_tree_sampling(tree, node_tokens, draft_probs, probs_from_logits(target_logits, temperature), generator)
+    target_probs = probs_from_logits(target_logits, temperature)
+    return verify_tree_sampling(tree, node_tokens, draft_probs, target_probs, generator)
