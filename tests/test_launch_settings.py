@@ -4,6 +4,7 @@ import pytest
 
 from tests.torchrun_jobs import ROOT
 from vpsd.launch.entry import parse_args, resolve_config
+from vpsd.pipeline.methods import get_method
 
 CONFIG = str(ROOT / "configs" / "tiny_qwen2_5_vl.yaml")
 
@@ -24,3 +25,17 @@ def test_std_refuses_an_input_pruning_strategy_at_launch():
     with pytest.raises(SystemExit, match="method std: std picks its own KV entries"):
         resolve_config(args("std", "--pruning", "hippo"))
     assert resolve_config(args("std", "--ratio", "0.5")).pruning.ratio == 0.5
+
+
+def test_tree_settings_at_launch():
+    with pytest.raises(SystemExit, match="unknown tree 'pine'"):
+        resolve_config(args("specvlm", "--set", "decoding.tree=pine"))
+    with pytest.raises(SystemExit, match="skips rank 0"):
+        resolve_config(args("sd-tree", "--set", "decoding.tree=[[1]]"))
+    # specvlm drafts SpecVLM's (EAGLE's) tree unless told "chain"; a chain method ignores the setting.
+    specvlm = get_method("specvlm")
+    assert specvlm.draft_tree(resolve_config(args("specvlm")).decoding.tree).num_nodes == 25
+    assert specvlm.draft_tree(resolve_config(args("specvlm", "--set", "decoding.tree=chain")).decoding.tree) is None
+    shaped = resolve_config(args("sd-tree", "--set", "decoding.tree=[3,1]")).decoding.tree
+    assert get_method("sd-tree").draft_tree(shaped).paths == ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0))
+    assert get_method("sd").draft_tree(shaped) is None

@@ -53,7 +53,7 @@ CASES = [
     ("qwen2_5_vl", "parallelvlm", []),
     ("qwen3_vl", "hippo", ["--pruning", "hippo_no_attn", "--ratio", "0.5"]),
     ("qwen3_vl", "parallelvlm", ["--set", "draft=self", "--set", "pruning.layers=3"]),
-    ("llava_onevision", "specvlm", []),
+    ("llava_onevision", "specvlm", []),  # SpecVLM's pruning and EAGLE's tree (decoders/tree_sd.py)
     ("llava_onevision", "hippo", ["--pruning", "attn", "--set", "draft=self", "--set", "pruning.layers=1"]),
     # The two remaining HIPPO ablations, so every strategy runs through torchrun somewhere in this list.
     ("qwen2_5_vl", "hippo", ["--pruning", "hippo_no_temp", "--set", "draft=self", "--set", "pruning.layers=2"]),

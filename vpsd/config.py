@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from vpsd.models.registry import ModelSpec
+from vpsd.pipeline.tree import parse_tree
 from vpsd.pipeline.window import AUTO, WindowController
 
 
@@ -46,8 +47,13 @@ class DecodingConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # seeds the acceptance test and sampling when temperature > 0
+    # The draft tree of the methods that draft one (sd-tree, specvlm; pipeline/tree.py): None = the method's
+    # default (EAGLE's / SpecVLM's tree), "chain" = a chain of gamma tokens instead, a name ("eagle"),
+    # per-depth branching factors ([4, 2, 1]) or node paths ([[0], [1], [0, 0]]). Chain methods ignore it.
+    tree: Any = None
 
     def __post_init__(self) -> None:
+        parse_tree(self.tree)  # a bad shape fails here, with the reason
         if self.gamma != AUTO and (type(self.gamma) is not int or self.gamma < 1):
             raise ValueError(f"gamma must be an int >= 1 or {AUTO!r}, got {self.gamma!r}")
         if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:

@@ -16,11 +16,13 @@ import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.result import DecodeResult, finished, truncate
+from vpsd.decoders.tree_sd import speculate_tree
 from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.tree import DraftTree
 from vpsd.pipeline.verification import verify_chunk
 from vpsd.tracing import span
 
@@ -67,8 +69,10 @@ def decode_sd(
     cfg: DecodingConfig,
     keep_policy: KeepPolicy,
     pruning: PruningConfig | None = None,
+    tree: DraftTree | None = None,
 ) -> DecodeResult:
-    """`pruning`: the strategy whose prefill signals (attention, hidden states) the keep policy reads."""
+    """`pruning`: the strategy whose prefill signals (attention, hidden states) the keep policy reads;
+    `tree`: draft and verify a static tree each round (tree_sd.py) instead of a chain of gamma tokens."""
     t0 = time.perf_counter()
     t_emb = target.embed(target.prepare(frames, prompt))
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt))
@@ -81,7 +85,10 @@ def decode_sd(
     verify_gen = torch.Generator().manual_seed(cfg.seed)
     committed = [next_token(t_pre.logits, cfg.temperature, verify_gen)]
     t1 = time.perf_counter()
-    committed, stats = speculate(target, t_pre.state, draft, d_pre.state, committed, cfg, verify_gen)
+    if tree is None:
+        committed, stats = speculate(target, t_pre.state, draft, d_pre.state, committed, cfg, verify_gen)
+    else:
+        committed, stats = speculate_tree(target, t_pre.state, draft, d_pre.state, committed, cfg, tree, verify_gen)
     return DecodeResult(
         token_ids=committed,
         stats=stats,

@@ -29,4 +29,5 @@ def decode_serial(
         return decode_ar(target, frames, prompt, cfg)
     if method.draft == "sparse_kv":
         return decode_std(target, frames, prompt, cfg, pruning)
-    return decode_sd(target, draft or target, frames, prompt, cfg, keep_policy_for(pruning), pruning)
+    return decode_sd(target, draft or target, frames, prompt, cfg, keep_policy_for(pruning), pruning,
+                     tree=method.draft_tree(cfg.tree))

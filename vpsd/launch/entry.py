@@ -86,7 +86,10 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides["decoding.gamma"] = args.gamma
     if args.temperature is not None:
         overrides["decoding.temperature"] = args.temperature
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ValueError as e:  # a bad setting (a tree shape, gamma, a ratio) stops the launch with its reason
+        raise SystemExit(f"vpsd: {args.config}: {e}") from None
     check_method_settings(method, cfg)
     return cfg
 

@@ -7,7 +7,9 @@ pooled video tokens) and exposes four operations that the decoders and roles use
     embeds  = adapter.embed(inputs)                    # vision tower: sequence embeddings + positions
     result  = adapter.prefill(embeds, keep=None)       # full or pruned prefill -> logits + DecodeState
     logits  = adapter.step(state, token_ids)           # decode / verify k tokens, appending to the cache
+    logits  = adapter.step_tree(state, ids, seq_index, visible)  # the same for tree nodes (tree mask)
     adapter.rollback(state, length)                    # drop cache entries past `length`
+    adapter.compact(state, start, keep)                # keep only an accepted tree path's entries
 
 A pruned prefill feeds only the text tokens and the kept video tokens, each at its ORIGINAL position,
 so a kept token sees exactly the rotary phase it has in the full sequence. Decoded tokens then continue
@@ -179,6 +181,58 @@ class VideoLMAdapter(ABC):
             use_cache=True,
         )
         return self.model.lm_head(out.last_hidden_state).float()[0]
+
+    @torch.inference_mode()
+    def step_tree(
+        self, state: DecodeState, token_ids: torch.Tensor, seq_index: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Feeds k tokens of a draft tree after the cache; returns (k, V) float32 logits, row i for token i's successor.
+
+        seq_index (k,): the index each token would have in a plain chain (a tree node: its root's index + its
+        depth), so its rotary position is seq_index + position_offset, every M-RoPE row alike, as `step` does.
+        visible (k, m + k) bool: what each token attends to among the last m cache entries (tree nodes fed
+        before) and the k fed now; every earlier cache entry is visible to all. The mask goes to the language
+        model as a 4-D additive float mask, which eager and sdpa attention both take as it is.
+        """
+        impl = getattr(self.model.config.get_text_config(), "_attn_implementation", None) or ""
+        if impl.startswith("flash"):
+            raise ValueError(f"tree attention needs a 4-D mask; attn_implementation {impl!r} takes none: use sdpa")
+        token_ids = token_ids.reshape(1, -1).to(self.device)
+        k = token_ids.shape[1]
+        length = state.length
+        m = visible.shape[1] - k
+        if visible.shape[0] != k or not 0 <= m <= length or seq_index.numel() != k:
+            raise ValueError(f"tree step of {k} tokens got visible {tuple(visible.shape)} on a cache of {length}")
+        allowed = torch.ones(k, length + k, dtype=torch.bool)
+        allowed[:, length - m :] = visible
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, k, length + k, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        pos = (seq_index.long() + state.position_offset).view(1, 1, k).to(self.device)
+        num_rows = self.position_rows
+        out = self.language_model(
+            input_ids=token_ids,
+            attention_mask=mask.to(self.device),
+            position_ids=pos.expand(num_rows, 1, k) if num_rows > 1 else pos[0],
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        return self.model.lm_head(out.last_hidden_state).float()[0]
+
+    def compact(self, state: DecodeState, start: int, keep: list[int]) -> None:
+        """Keeps the cache entries before `start` and, moved right after them in this order, the entries
+        start + keep[i]; drops the rest. After a tree round `keep` is the accepted path's nodes: their keys
+        already carry the rotary phase of consecutive positions, so the cache equals a chain's."""
+        current = state.length
+        if not state.prefill_len <= start <= current or any(not 0 <= i < current - start for i in keep):
+            raise ValueError(f"cannot keep {keep} after {start} in a cache of {current} (prefill {state.prefill_len})")
+        if keep == list(range(len(keep))):  # already in place: a crop does it
+            self.rollback(state, start + len(keep))
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        for layer in state.cache.layers:
+            tail = idx.to(layer.keys.device) + start
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, tail]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, tail]], dim=2)
 
     def rollback(self, state: DecodeState, length: int) -> None:
         """Drops every cache entry past `length` (Cache.crop is the one rollback mechanism)."""

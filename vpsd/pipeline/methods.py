@@ -8,6 +8,9 @@ how baselines and ablations run through the same pipeline).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from vpsd.pipeline.tree import DraftTree, parse_tree
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,20 @@ class Method:
     # with the kept video tokens), "sparse_kv" (the target's own weights on a per-head top-K subset of its
     # prefill KV cache, Sparse-to-Dense), "views" (TABED: several drafting views of the draft model, ensembled).
     draft: str = "pruned_input"
+    # The static tree the method drafts and verifies each round (pipeline/tree.py; `decoding.tree` overrides
+    # it, "chain" turning it off); None: a chain of gamma tokens, whatever `decoding.tree` says.
+    tree: str | None = None
 
     @property
     def loads_draft_model(self) -> bool:
         """Whether the run loads the config's draft model (sparse_kv drafts with the target's weights)."""
         return self.uses_draft and self.draft != "sparse_kv"
+
+    def draft_tree(self, setting: Any = None) -> DraftTree | None:
+        """The tree this method drafts under the `decoding.tree` setting (None: it drafts a chain)."""
+        if self.tree is None:
+            return None
+        return parse_tree(self.tree if setting is None else setting)
 
 
 METHODS: dict[str, Method] = {
@@ -33,8 +45,12 @@ METHODS: dict[str, Method] = {
     for m in [
         Method("ar", parallel=False, uses_draft=False, default_strategy="none", default_ratio=0.0),
         Method("sd", parallel=False, uses_draft=True, default_strategy="none", default_ratio=0.0),
+        # HIPPO's SD-tree baseline (and SpecVLM Table 1's): serial SD drafting EAGLE's static tree, no pruning.
+        Method("sd-tree", parallel=False, uses_draft=True, default_strategy="none", default_ratio=0.0, tree="eagle"),
         Method("pearl", parallel=True, uses_draft=True, default_strategy="none", default_ratio=0.0),
-        Method("specvlm", parallel=False, uses_draft=True, default_strategy="specvlm"),
+        # As the paper runs it: two-stage pruning and the EAGLE tree (App. B); `decoding.tree: chain` is
+        # its Table 4 "SpecVLM-Chain".
+        Method("specvlm", parallel=False, uses_draft=True, default_strategy="specvlm", tree="eagle"),
         Method("parallelvlm", parallel=True, uses_draft=True, default_strategy="uv"),
         Method("hippo", parallel=True, uses_draft=True, default_strategy="hippo"),
         # STD reads only the ratio (K per KV head); it prunes no input, so its strategy is "none".
