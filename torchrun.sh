@@ -5,7 +5,9 @@
 #   ./torchrun.sh --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --rdzv-id job1 run --config ...
 # Exit status: 0 all items done, 3 the job finished but some items failed, other: the job failed.
 # Environment: NPROC (ranks on this node, default 3), VPSD_HOST (address peers use to reach this node's
-# control sockets, default 127.0.0.1), LOG_RANK (ranks whose output is shown, default all).
+# control sockets, default 127.0.0.1), LOG_RANK (ranks whose output is shown, default all), VPSD_JOB_SECRET
+# (the control plane's keys derive from it; made fresh for a single-node run, required on every node of a
+# multi-node one: README "Security").
 set -euo pipefail
 cd "$(dirname "$0")"
 [ -f .venv/bin/activate ] && [ -z "${VIRTUAL_ENV:-}" ] && . .venv/bin/activate
@@ -15,6 +17,8 @@ while [ $# -gt 0 ] && [ "$1" != "run" ]; do torchrun_args+=("$1"); shift; done
 shift
 if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   torchrun_args=(--standalone "${torchrun_args[@]}")
+  # One node: a fresh secret for this job alone (ranks inherit it; other users cannot read it).
+  [ -n "${VPSD_JOB_SECRET:-}" ] || export VPSD_JOB_SECRET="$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
 fi
 # Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
 # attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).

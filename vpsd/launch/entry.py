@@ -32,6 +32,7 @@ from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
 from vpsd.tracing import configure_tracing, get_logger
+from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vpsd: {problem}", file=sys.stderr, flush=True)
         return 2
     try:
+        secret = job_secret()  # before anything binds a socket: no secret, no control plane
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
-    except JobMismatch as e:
+    except (JobMismatch, MissingSecret) as e:
         print(f"vpsd: {e}", file=sys.stderr, flush=True)
         return 2
     rank, world, backend = init_distributed(timeout_s=timeout_s)
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     # starts with. Pinned to the role's core it must preempt the role's own compute thread to move every
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
-    ctrl = ControlChannel.from_process_group(role)
+    ctrl = ControlChannel.from_process_group(role, secret=secret)
     cpus = (cfg.extra.get("cpu_affinity") or {}).get(role)
     if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only

@@ -4,8 +4,12 @@ Contract:
 - One `ControlChannel` per rank. It binds a ROUTER on a random port and publishes
   `{"address", "role"}` (msgpack) under `<namespace>/<rank>` in the torch.distributed store, so peers on
   other nodes find it. The advertised host is `host`, else env `VPSD_HOST`, else 127.0.0.1 (standalone).
-- `send(dst, msg)` goes through one DEALER per peer whose identity is the sender's rank, so the receiver
-  knows who sent what. Sends are queued by ZeroMQ; a send that cannot be queued within `send_timeout_s`
+- Authenticated (vpsd/transport/auth.py): every ROUTER is a CURVE server that admits only the world's rank
+  keys, derived from the job's secret. The sender of a message is the rank its key belongs to (the
+  `User-Id` ZeroMQ reports), never what the peer says it is; a peer without a rank key never completes the
+  handshake, so it can neither deliver a message nor take over a rank's link.
+- `send(dst, msg)` goes through one DEALER per peer (its routing identity is the sender's rank, which must
+  match the authenticated one). Sends are queued by ZeroMQ; a send that cannot be queued within `send_timeout_s`
   raises `PeerTimeout` naming the peer.
 - `recv(timeout_s, src=None)` returns `(src_rank, message)` in arrival order, optionally only from one
   rank (messages from others stay queued for later calls), and raises `PeerTimeout` naming the rank and
@@ -35,6 +39,7 @@ import torch.distributed as dist
 import zmq
 
 from vpsd.pipeline.messages import Heartbeat, Message, MessageError, decode, encode
+from vpsd.transport.auth import ZAP_DOMAIN, RankAuthenticator, job_secret, rank_keypair
 
 log = structlog.get_logger(__name__)
 
@@ -71,19 +76,30 @@ class ControlChannel:
         role: str,
         store: dist.Store,
         *,
+        secret: bytes,
         host: str | None = None,
         bind_host: str | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         send_timeout_s: float = 10.0,
         connect_timeout_s: float = 60.0,
     ) -> None:
-        """`bind_host` defaults to the advertised host's IPv4 address; pass "*" to listen on every interface."""
+        """`secret`: the job's secret (auth.job_secret()). `bind_host` defaults to the advertised host's IPv4
+        address; pass "*" to listen on every interface."""
         self.rank, self.world_size, self.role = rank, world_size, role
         self._store, self._namespace = store, namespace
         self._send_timeout_s, self._connect_timeout_s = send_timeout_s, connect_timeout_s
+        self._secret = secret
+        self._public, self._secret_key = rank_keypair(secret, rank)
         self._ctx = zmq.Context()
+        # The ZAP handler must run before the ROUTER binds: a CURVE server without one admits any client key.
+        self._auth = RankAuthenticator(self._ctx, secret, world_size)
         self._router = self._ctx.socket(zmq.ROUTER)
-        # A peer that reconnects (restarted socket) takes its identity over instead of being ignored.
+        self._router.curve_server = True
+        self._router.curve_secretkey = self._secret_key
+        self._router.curve_publickey = self._public
+        self._router.zap_domain = ZAP_DOMAIN.encode()
+        # A peer that reconnects (restarted socket) takes its identity over instead of being ignored. Only
+        # peers that passed the CURVE handshake have an identity at all, so no stranger can take one over.
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -102,9 +118,11 @@ class ControlChannel:
 
     @classmethod
     def from_process_group(cls, role: str, **kwargs) -> "ControlChannel":
-        """A channel for this rank of the default process group, published in its TCPStore."""
+        """A channel for this rank of the default process group, published in its TCPStore; the secret
+        defaults to the job's (VPSD_JOB_SECRET, MissingSecret if unset)."""
         store = kwargs.pop("store", None) or dist.distributed_c10d._get_default_store()
-        return cls(dist.get_rank(), dist.get_world_size(), role, store, **kwargs)
+        secret = kwargs.pop("secret", None) or job_secret()
+        return cls(dist.get_rank(), dist.get_world_size(), role, store, secret=secret, **kwargs)
 
     # --- sending ----------------------------------------------------------------------------------------
 
@@ -130,6 +148,9 @@ class ControlChannel:
             raise ValueError(f"rank {dst} is outside world of size {self.world_size}")
         peer = self._lookup(dst, self._connect_timeout_s)
         sock = self._ctx.socket(zmq.DEALER)
+        sock.curve_secretkey = self._secret_key
+        sock.curve_publickey = self._public
+        sock.curve_serverkey = rank_keypair(self._secret, dst)[0]  # only the real rank dst can answer the handshake
         sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
         sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
         # On close, give queued messages a moment to leave; a dead peer must not hang shutdown.
@@ -199,20 +220,18 @@ class ControlChannel:
 
     def _accept(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        # ZeroMQ gives identity-less peers a binary id: log those as hex, names as text.
-        sender: int | str = ident.decode() if ident.isascii() and ident.decode().isprintable() else "0x" + ident.hex()
+        # The rank is the one the peer's CURVE key proved (ZAP's User-Id), not the identity it chose.
+        src = int(_user_id(frames[-1]))
         try:
-            src = int(ident) if ident.isdigit() else -1
-            if not 0 <= src < self.world_size:
-                raise MessageError("sender identity is not a rank of this world")
-            sender = src
+            if ident != str(src).encode():
+                raise MessageError(f"routing identity {ident!r} is not the authenticated rank {src}")
             if len(frames) != 2:
                 raise MessageError(f"expected one payload frame, got {len(frames) - 1}")
             msg = decode(frames[1].bytes)
         except MessageError as e:
             log.warning(
                 "bad_message",
-                sender=sender,
+                sender=src,
                 peer_address=_peer_address(frames[-1]),
                 rank=self.rank,
                 role=self.role,
@@ -248,6 +267,7 @@ class ControlChannel:
         for sock in self._dealers.values():
             sock.close()
         self._router.close()
+        self._auth.stop()
         self._ctx.term()
 
     def __enter__(self) -> "ControlChannel":
@@ -258,6 +278,11 @@ class ControlChannel:
 
     def _key(self, rank: int) -> str:
         return f"{self._namespace}/{rank}"
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The rank ZAP authenticated the frame's sender as (RankAuthenticator.curve_user_id)."""
+    return frame.get("User-Id")
 
 
 def _peer_address(frame: zmq.Frame) -> str | None:
