@@ -25,15 +25,24 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 extra=()
 [ -n "${LOG_RANK:-}" ] && extra+=(--local-ranks-filter "$LOG_RANK")
-python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
-  -m vpsd.launch.entry "$@"
-# torchrun says 0 or 1. A job that ran to the end but has failed items exits 3, read from its summary
-# (on the node that holds the output directory; elsewhere 0).
 out=""; prev=""
 for a in "$@"; do
   case "$a" in --out=*) out="${a#--out=}" ;; esac
   [ "$prev" = "--out" ] && out="$a"
   prev="$a"
 done
+rc=0
+python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
+  -m vpsd.launch.entry "$@" || rc=$?
+if [ "$rc" -gt 128 ]; then
+  # torchrun itself was killed. Its ranks die with it (they asked the kernel to), so nothing writes to the
+  # output directory any more: what finished is kept and the same command resumes the rest.
+  echo "vpsd: torchrun was killed by signal $(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128))); its ranks" \
+       "were stopped with it. Finished items are kept${out:+ in $out}: rerun the same command to do the rest." >&2
+  exit "$rc"
+fi
+[ "$rc" -ne 0 ] && exit "$rc"
+# torchrun says 0 or 1. A job that ran to the end but has failed items exits 3, read from its summary
+# (on the node that holds the output directory; elsewhere 0).
 [ -n "$out" ] && [ -f "$out/summary.json" ] && exec python -m vpsd.launch.summary "$out" --status
 exit 0

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from vpsd.config import RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
+from vpsd.launch.lifetime import OutDirBusy, die_with_parent, lock_out_dir
 from vpsd.launch.manifest import Shard
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
@@ -117,6 +118,8 @@ def restart_problem(env: Mapping[str, str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
+        die_with_parent()
     args = parse_args(argv)
     cfg = resolve_config(args)
     method = get_method(args.method)
@@ -128,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         secret = job_secret()  # before anything binds a socket: no secret, no control plane
+        if int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]:
+            lock_out_dir(out)  # the results writer holds --out for its whole life: one job per directory
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
-    except (JobMismatch, MissingSecret) as e:
+    except (JobMismatch, MissingSecret, OutDirBusy) as e:
         print(f"vpsd: {e}", file=sys.stderr, flush=True)
         return 2
     rank, world, backend = init_distributed(timeout_s=timeout_s)
