@@ -24,7 +24,7 @@ import torch.distributed as dist
 from vpsd.config import RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
-from vpsd.launch.lifetime import OutDirBusy, die_with_parent, lock_out_dir
+from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.manifest import Shard
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
@@ -34,7 +34,7 @@ from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
-from vpsd.transport.control import ControlChannel
+from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
 
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them (roles/context.py).
+    ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     try:
         if role == "target":
             run_batch(ctx, args, cfg, out)
@@ -176,9 +178,16 @@ def main(argv: list[str] | None = None) -> int:
             run_draft(ctx, load_adapter(cfg.family, device_cfg))
         else:
             run_pruner(ctx)
-    except RoleFailure as e:
-        log.error("role_failed", error=str(e))
-        print(f"vpsd: {e}", file=sys.stderr)
+    except (RoleFailure, PeerTimeout) as e:
+        silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
+        msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
+        log.error("role_failed", error=msg)
+        print(f"vpsd: {msg}", file=sys.stderr, flush=True)
+        if silent is not None:
+            try:  # a stopped rank would hold torchrun 30 s past this report
+                end_silent_peer(ctrl.peer_record(silent))
+            except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
+                pass
         os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
     ctrl.close()
     dist.barrier()

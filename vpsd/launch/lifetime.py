@@ -8,6 +8,9 @@
 - `die_with_parent()`: the rank asks the kernel for SIGKILL when its parent (the torchrun agent) dies, so a
   killed launcher takes its ranks with it at once instead of leaving them writing results for a rerun to
   duplicate. Linux only (prctl); elsewhere a no-op.
+- `end_silent_peer(record)`: a rank that found a peer silent past the timeout kills it (SIGKILL) when it runs on
+  the same host. A stopped or hung rank ignores torchrun's SIGTERM, and torchrun waits 30 s before its SIGKILL
+  (not configurable on the failure path), so without this the job would end 30 s after it was reported.
 """
 
 from __future__ import annotations
@@ -73,3 +76,17 @@ def die_with_parent() -> None:
         return  # not allowed here (a sandbox): the launcher's death then ends the ranks by their timeouts
     if os.getppid() == 1:  # the parent died before the request took effect (orphans go to init)
         os._exit(1)
+
+
+def end_silent_peer(record: dict) -> bool:
+    """SIGKILL the rank `record` describes (ControlChannel.peer_record) if it is a vpsd rank on this host."""
+    pid = int(record.get("pid") or 0)
+    if pid <= 0 or pid == os.getpid() or record.get("host") != socket.gethostname():
+        return False
+    try:
+        if b"vpsd.launch.entry" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False  # gone, and the pid reused by something else
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        return False
+    return True

@@ -46,7 +46,7 @@ def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
 def _wait_keep(ctx: RoleContext, item_id: str) -> torch.Tensor | None:
     """Kept indices from the pruner; None when the target gave the item up first."""
     while True:
-        src, msg = ctx.recv()
+        src, msg = ctx.recv(awaiting="pruner")  # the target may still say ItemDone; the pruner must not fall silent
         if isinstance(msg, TensorAnnounce) and msg.tag == f"keep:{item_id}":
             return ctx.tensors.recv_announced(msg)[0]
         if isinstance(msg, ItemDone) and msg.item_id == item_id:
@@ -142,11 +142,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                 cursor.feed([token])
         else:
             with span("recv_wait", item=job.item_id):
-                ctx.ctrl.poll(ctx.timeout_s, src=ctx.ranks["target"])
-            if not ctx.ctrl.poll(0.0, src=ctx.ranks["target"]):
-                raise RoleFailure(
-                    f"draft (rank {ctx.rank}) heard nothing from target for {ctx.timeout_s:.0f} s on item {job.item_id}"
-                )
+                ctx.wait("target")  # RoleFailure naming the target if it falls silent
 
 
 def _recv_target_probs(ctx: RoleContext) -> torch.Tensor:

@@ -119,7 +119,7 @@ def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, it
         pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()))
     pre.signals = None  # queries and key views are not needed while decoding (the views pin the prefill keys)
     for handle in in_flight:
-        handle.wait()
+        handle.wait(ctx.timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
     return pre
 
 

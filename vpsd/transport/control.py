@@ -16,7 +16,10 @@ Contract:
   role waited on. A malformed, unknown or oversized message is logged (structlog event `bad_message`,
   with the sender) and dropped: it never reaches the caller and is never acted on.
 - `Heartbeat` messages are consumed by the channel: they only refresh `last_seen`; `check_alive` turns
-  a silent peer into a `PeerTimeout`. Every valid message counts as a sign of life.
+  a silent peer into a `PeerTimeout`. Every valid message counts as a sign of life. `start_heartbeat(dsts,
+  interval_s)` sends them from a thread of its own (own sockets, routing identity `<rank>/hb`), so a rank busy in
+  a long forward still shows it is alive, and one that is stopped or dead falls silent.
+- The store record also holds the rank's pid and host (`peer_record`), to name and end a silent peer.
 - Not thread-safe (ZeroMQ sockets are not): use a channel from the thread that created it.
 
 Why timeouts everywhere: a rank blocked on a ZeroMQ recv while its peer waits in a torch.distributed
@@ -28,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -113,7 +117,10 @@ class ControlChannel:
         self._inbox: deque[tuple[int, Message]] = deque()
         self._last_seen: dict[int, float] = {}
         self._started = time.monotonic()
-        store.set(self._key(rank), msgpack.packb({"address": self.address, "role": role}))
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        store.set(self._key(rank), msgpack.packb({"address": self.address, "role": role, "pid": os.getpid(),
+                                                  "host": socket.gethostname()}))
         log.debug("control_bound", rank=rank, role=role, address=self.address)
 
     @classmethod
@@ -140,6 +147,28 @@ class ControlChannel:
         for dst in dsts:
             self.send(dst, hb)
 
+    def start_heartbeat(self, dsts: Iterable[int], interval_s: float) -> None:
+        """Send each rank in `dsts` a Heartbeat every `interval_s` from a background thread, until close()."""
+        peers = {dst: self._lookup(dst, self._connect_timeout_s)["address"] for dst in dsts}
+        self._beat_thread = threading.Thread(target=self._beat, args=(peers, interval_s), name="vpsd-heartbeat",
+                                             daemon=True)
+        self._beat_thread.start()
+
+    def _beat(self, peers: dict[int, str], interval_s: float) -> None:
+        socks = {dst: self._connect(dst, address, f"{self.rank}/hb") for dst, address in peers.items()}
+        try:
+            while not self._beat_stop.is_set():
+                data = encode(Heartbeat(self.role, self.rank, time.time()))
+                for sock in socks.values():
+                    try:
+                        sock.send(data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # that peer is not reading: it is the one to be reported, not us
+                self._beat_stop.wait(interval_s)
+        finally:
+            for sock in socks.values():
+                sock.close(linger=0)
+
     def _dealer(self, dst: int) -> zmq.Socket:
         sock = self._dealers.get(dst)
         if sock is not None:
@@ -147,16 +176,20 @@ class ControlChannel:
         if not 0 <= dst < self.world_size:
             raise ValueError(f"rank {dst} is outside world of size {self.world_size}")
         peer = self._lookup(dst, self._connect_timeout_s)
+        sock = self._connect(dst, peer["address"], str(self.rank))
+        sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
+        # On close, give queued messages a moment to leave; a dead peer must not hang shutdown.
+        sock.setsockopt(zmq.LINGER, 1000)
+        self._dealers[dst] = sock
+        return sock
+
+    def _connect(self, dst: int, address: str, identity: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.curve_secretkey = self._secret_key
         sock.curve_publickey = self._public
         sock.curve_serverkey = rank_keypair(self._secret, dst)[0]  # only the real rank dst can answer the handshake
-        sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
-        sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
-        # On close, give queued messages a moment to leave; a dead peer must not hang shutdown.
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(peer["address"])
-        self._dealers[dst] = sock
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.connect(address)
         return sock
 
     def _lookup(self, rank: int, timeout_s: float) -> dict:
@@ -168,6 +201,10 @@ class ControlChannel:
         peer = msgpack.unpackb(self._store.get(key), raw=False)
         self._roles[rank] = peer["role"]
         return peer
+
+    def peer_record(self, rank: int) -> dict:
+        """What `rank` published: address, role, pid, host (waits for it up to the connect timeout)."""
+        return self._lookup(rank, self._connect_timeout_s)
 
     def peer_role(self, rank: int) -> str | None:
         """Role of `rank` if it has published its endpoint, without waiting."""
@@ -223,7 +260,7 @@ class ControlChannel:
         # The rank is the one the peer's CURVE key proved (ZAP's User-Id), not the identity it chose.
         src = int(_user_id(frames[-1]))
         try:
-            if ident != str(src).encode():
+            if ident not in (str(src).encode(), f"{src}/hb".encode()):
                 raise MessageError(f"routing identity {ident!r} is not the authenticated rank {src}")
             if len(frames) != 2:
                 raise MessageError(f"expected one payload frame, got {len(frames) - 1}")
@@ -264,6 +301,9 @@ class ControlChannel:
 
     def close(self) -> None:
         """Close the sockets (queued sends get up to 1 s to leave) and the ZeroMQ context."""
+        self._beat_stop.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join()
         for sock in self._dealers.values():
             sock.close()
         self._router.close()
