@@ -21,11 +21,12 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from vpsd.config import RunConfig, load_config, parse_overrides
+from vpsd.config import ConfigError, RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.manifest import Shard
+from vpsd.launch.preflight import checkpoint_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.methods import get_method
@@ -80,6 +81,9 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides["decoding.temperature"] = args.temperature
     cfg = load_config(args.config, overrides)
     check_method_settings(method, cfg)
+    problems = checkpoint_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
@@ -117,26 +121,45 @@ def restart_problem(env: Mapping[str, str]) -> str | None:
     return None
 
 
+def refuse(problems: list[str], reporter: bool | None = None) -> int:
+    """A job that cannot start: one line per problem, said once (by rank 0: every rank finds the same ones,
+    before any model loads); exit status 2."""
+    if reporter is None:
+        reporter = os.environ.get("RANK", "0") == "0"
+    if reporter:
+        for problem in problems:
+            print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
         die_with_parent()
     args = parse_args(argv)
-    cfg = resolve_config(args)
+    try:
+        cfg = resolve_config(args)
+    except FileNotFoundError as e:
+        return refuse([f"no such config file: {e.filename}"])
+    except (ConfigError, ValueError) as e:
+        return refuse(str(e).splitlines())
+    except SystemExit as e:  # check_method_settings' message
+        return refuse([str(e.code).removeprefix("vpsd: ")])
     method = get_method(args.method)
     out = Path(args.out)
     timeout_s = float(args.timeout or cfg.extra.get("timeout_s", 120.0))
     problem = restart_problem(os.environ)
     if problem is not None:
-        print(f"vpsd: {problem}", file=sys.stderr, flush=True)
-        return 2
+        return refuse([problem])
     try:
         secret = job_secret()  # before anything binds a socket: no secret, no control plane
-        if int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]:
+        target_rank = role_ranks(cfg)["target"]
+        if int(os.environ.get("RANK", "0")) == target_rank:
             lock_out_dir(out)  # the results writer holds --out for its whole life: one job per directory
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
-    except (JobMismatch, MissingSecret, OutDirBusy) as e:
-        print(f"vpsd: {e}", file=sys.stderr, flush=True)
-        return 2
+    except OutDirBusy as e:
+        return refuse([str(e)], reporter=True)  # only the target rank tried the lock: it reports
+    except (JobMismatch, MissingSecret, ValueError) as e:
+        return refuse([str(e)])
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     ranks = role_ranks(cfg)
     role = next((r for r, k in ranks.items() if k == rank), "spare")
