@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.prompt import ControlText
 from vpsd.pipeline.ensemble import TabedConfig, verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
@@ -66,7 +67,8 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     videos.ahead(extra.get("next_video"))  # read the next item's video while this one is drafted
     if frames is not None:
         with span("vision", item=job.item_id):
-            emb = draft.embed(draft.prepare(frames, extra["prompt"]))
+            prompt = ControlText(extra["prompt"]) if extra.get("prompt_special_tokens") else extra["prompt"]
+            emb = draft.embed(draft.prepare(frames, prompt))
     keep = _wait_keep(ctx, job.item_id)
     if keep is None or emb is None:
         _drain_until_done(ctx, job.item_id)

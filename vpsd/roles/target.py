@@ -20,6 +20,7 @@ from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
 from vpsd.launch.kept_log import KeptRecord, append_kept
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.prompt import ControlText
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
@@ -77,7 +78,8 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
         max_new_tokens=item.max_new_tokens,
         gamma=dec.gamma,
         mode="optimistic",
-        extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt},
+        extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
+               "prompt_special_tokens": isinstance(item.prompt, ControlText)},
     )
     ctx.send("draft", job)
     ctx.send("pruner", job)
