@@ -33,6 +33,7 @@ from vpsd.pipeline.methods import get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
+from vpsd.storage import FULL, DiskFull
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel, PeerTimeout
@@ -212,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
                 pass
         os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        # A full disk: the results and traces end on whole lines (vpsd/storage.py); say so once, plainly.
+        msg = str(e) if isinstance(e, DiskFull) else f"no space left on the device of {out}: {e}"
+        print(f"vpsd: {role} (rank {rank}): {msg}", file=sys.stderr, flush=True)
+        os._exit(2)
     ctrl.close()
     dist.barrier()
     dist.destroy_process_group()
