@@ -24,7 +24,8 @@ import pytest
 import zmq
 
 from tests.test_pipeline_torchrun import ar_reference
-from tests.torchrun_jobs import ROOT, job_args, launcher_cmd, results, run_job, torchrun_cmd, world_manifest
+from tests.torchrun_jobs import ROOT, job_args, launcher_cmd, results, torchrun_cmd, world_manifest
+from vpsd.launch.entry import main
 from vpsd.launch.lifetime import LOCK_FILE
 
 pytestmark = pytest.mark.torchrun
@@ -77,7 +78,7 @@ def attack(out: Path, stop: threading.Event, sent: list[int]) -> None:
     ctx.term()
 
 
-def test_strangers_change_nothing_and_a_second_job_on_the_same_out_refuses(tmp_path_factory):
+def test_strangers_change_nothing_and_a_second_job_on_the_same_out_refuses(tmp_path_factory, monkeypatch, capsys):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp("guarded")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -107,19 +108,22 @@ def test_strangers_change_nothing_and_a_second_job_on_the_same_out_refuses(tmp_p
     assert len(lines) == len(got) == 2
     assert {k: r["token_ids"] for k, r in got.items()} == ar_reference("qwen2_5_vl", manifest)
 
-    # Another job's process holding the directory: a job launched on it stops at launch, naming it.
+    # Another job's process holding the directory: a job launched on it stops at launch, naming it. Its
+    # target rank's launch runs here in-process (what every torchrun rank runs first; a torchrun launch would
+    # only add seconds): the refusal comes before any process group, socket or model.
     holder = subprocess.Popen([sys.executable, "-c", f"from vpsd.launch.lifetime import lock_out_dir; "
                                f"lock_out_dir({str(out)!r}); print('held', flush=True); import time; time.sleep(120)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        second = run_job(CONFIG, manifest, out, "pearl", "--retry-failed", "--quiet", timeout=120)
+        monkeypatch.setenv("RANK", "0")
+        code = main(job_args(CONFIG, manifest, out, "pearl", "--retry-failed", "--quiet")[2:])
     finally:
         holder.kill()
         holder.wait()
-    assert second.returncode != 0
-    assert f"{out} is in use by another job (pid {holder.pid} on " in second.stderr
-    assert second.stderr.count("is in use by another job") == 1  # said once, by the rank that writes results
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"vpsd: {out} is in use by another job (pid {holder.pid} on " in err and err.count("\n") == 1
     assert (out / "results.jsonl").read_text().splitlines() == lines
 
 
