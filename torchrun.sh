@@ -5,7 +5,9 @@
 #   ./torchrun.sh --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --rdzv-id job1 run --config ...
 # Exit status: 0 all items done, 3 the job finished but some items failed, other: the job failed.
 # Environment: NPROC (ranks on this node, default 3), VPSD_HOST (address peers use to reach this node's
-# control sockets, default 127.0.0.1), LOG_RANK (ranks whose output is shown, default all).
+# control sockets, default 127.0.0.1), LOG_RANK (ranks whose output is shown, default all), VPSD_JOB_SECRET
+# (the control plane's keys derive from it; made fresh for a single-node run, required on every node of a
+# multi-node one: README "Security").
 set -euo pipefail
 cd "$(dirname "$0")"
 [ -f .venv/bin/activate ] && [ -z "${VIRTUAL_ENV:-}" ] && . .venv/bin/activate
@@ -15,21 +17,32 @@ while [ $# -gt 0 ] && [ "$1" != "run" ]; do torchrun_args+=("$1"); shift; done
 shift
 if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   torchrun_args=(--standalone "${torchrun_args[@]}")
+  # One node: a fresh secret for this job alone (ranks inherit it; other users cannot read it).
+  [ -n "${VPSD_JOB_SECRET:-}" ] || export VPSD_JOB_SECRET="$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
 fi
 # Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
 # attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 extra=()
 [ -n "${LOG_RANK:-}" ] && extra+=(--local-ranks-filter "$LOG_RANK")
-python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
-  -m vpsd.launch.entry "$@"
-# torchrun says 0 or 1. A job that ran to the end but has failed items exits 3, read from its summary
-# (on the node that holds the output directory; elsewhere 0).
 out=""; prev=""
 for a in "$@"; do
   case "$a" in --out=*) out="${a#--out=}" ;; esac
   [ "$prev" = "--out" ] && out="$a"
   prev="$a"
 done
+rc=0
+python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
+  -m vpsd.launch.entry "$@" || rc=$?
+if [ "$rc" -gt 128 ]; then
+  # torchrun itself was killed. Its ranks die with it (they asked the kernel to), so nothing writes to the
+  # output directory any more: what finished is kept and the same command resumes the rest.
+  echo "vpsd: torchrun was killed by signal $(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128))); its ranks" \
+       "were stopped with it. Finished items are kept${out:+ in $out}: rerun the same command to do the rest." >&2
+  exit "$rc"
+fi
+[ "$rc" -ne 0 ] && exit "$rc"
+# torchrun says 0 or 1. A job that ran to the end but has failed items exits 3, read from its summary
+# (on the node that holds the output directory; elsewhere 0).
 [ -n "$out" ] && [ -f "$out/summary.json" ] && exec python -m vpsd.reports.summary "$out" --status
 exit 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava_onevision"]
 
 torch.set_num_threads(1)
+# The control plane's keys come from it (vpsd/transport/auth.py); jobs the tests launch inherit it.
+os.environ.setdefault("VPSD_JOB_SECRET", secrets.token_hex(16))
 
 
 def config_path(family: str) -> Path:

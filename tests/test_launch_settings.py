@@ -2,6 +2,8 @@
 
 import pytest
 
+from vpsd.config import ConfigError
+
 from tests.torchrun_jobs import ROOT
 from vpsd.launch.entry import parse_args, resolve_config
 from vpsd.pipeline.methods import get_method
@@ -28,9 +30,9 @@ def test_std_refuses_an_input_pruning_strategy_at_launch():
 
 
 def test_tree_settings_at_launch():
-    with pytest.raises(SystemExit, match="unknown tree 'pine'"):
+    with pytest.raises(ConfigError, match="unknown tree 'pine'"):
         resolve_config(args("specvlm", "--set", "decoding.tree=pine"))
-    with pytest.raises(SystemExit, match="skips rank 0"):
+    with pytest.raises(ConfigError, match="skips rank 0"):
         resolve_config(args("sd-tree", "--set", "decoding.tree=[[1]]"))
     # specvlm drafts SpecVLM's (EAGLE's) tree unless told "chain"; a chain method ignores the setting.
     specvlm = get_method("specvlm")
@@ -39,3 +41,45 @@ def test_tree_settings_at_launch():
     shaped = resolve_config(args("sd-tree", "--set", "decoding.tree=[3,1]")).decoding.tree
     assert get_method("sd-tree").draft_tree(shaped).paths == ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0))
     assert get_method("sd").draft_tree(shaped) is None
+
+
+def bad_settings_job(tmp_path):
+    """A config with a missing checkpoint and a checkpoint of another family, plus mistyped --set values."""
+    other = tmp_path / "qwen3-ckpt"
+    other.mkdir(exist_ok=True)
+    (other / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    config = tmp_path / "c.yaml"
+    config.write_text(f"family: qwen2_5_vl\ntarget: {{path: {tmp_path / 'nope'}}}\ndraft: {{path: {other}}}\n")
+    return ["--config", str(config), "--manifest", "m.jsonl", "--out", str(tmp_path / "o"), "--method", "pearl",
+            "--set", "decoding.gamma=abc", "--set", "nosuch.key=1", "--set", "decodng.seed=1",
+            "--set", "pruning.ratoi=0.5"]
+
+
+EXPECTED = [
+    "vpsd: --set nosuch.key: unknown setting",
+    "vpsd: --set decodng.seed: unknown setting (did you mean 'decoding'?)",
+    "vpsd: decoding: gamma must be an int >= 1 or 'auto', got 'abc'",
+    "vpsd: unknown key pruning.ratoi (did you mean 'ratio'?)",
+]
+
+
+def test_every_bad_setting_is_one_line_said_once(tmp_path, capsys, monkeypatch):
+    from vpsd.launch.entry import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(bad_settings_job(tmp_path)) == 2
+    assert capsys.readouterr().err.splitlines() == EXPECTED  # settings first: paths are checked once they parse
+    assert main(bad_settings_job(tmp_path)[:8]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"vpsd: target.path: no such checkpoint directory: {tmp_path / 'nope'}",
+                   f"vpsd: family 'qwen2_5_vl' does not match the draft checkpoint {tmp_path / 'qwen3-ckpt'} "
+                   "(its config.json says model_type 'qwen3_vl'); set family: qwen3_vl"]
+    monkeypatch.setenv("RANK", "1")  # the other ranks find the same problems and say nothing
+    assert main(bad_settings_job(tmp_path)) == 2
+    assert capsys.readouterr().err == ""
+    assert not (tmp_path / "o").exists()  # nothing written, no model loaded
+
+
+def test_gamma_auto_and_numbers_pass_the_settings_check():
+    assert resolve_config(args("pearl", "--set", "decoding.gamma=auto")).decoding.gamma == "auto"
+    assert resolve_config(args("pearl", "--set", "decoding.gamma=7")).decoding.gamma == 7

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -117,32 +118,42 @@ def _wait_for(pred, timeout: float) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_a_dead_or_hung_draft_ends_the_job_with_a_clear_error(tmp_path_factory, fault):
+FAULT_TIMEOUT_S = 5
+
+
+@pytest.mark.parametrize("role,fault", [("draft", "kill"), ("target", "hang"), ("draft", "hang"), ("pruner", "hang")])
+def test_a_dead_or_hung_rank_ends_the_job_naming_it(tmp_path_factory, role, fault):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=6)
-    out = tmp_path_factory.mktemp(f"fault-{fault}")
-    cmd = torchrun_cmd(3) + job_args("tiny_qwen2_5_vl.yaml", manifest, out, "pearl", "--timeout", "5")
+    out = tmp_path_factory.mktemp(f"fault-{role}-{fault}")
+    cmd = torchrun_cmd(3) + job_args("tiny_qwen2_5_vl.yaml", manifest, out, "pearl", "--timeout", str(FAULT_TIMEOUT_S))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         _wait_for(lambda: len(results(out)) >= 1, 120)  # at least one item finished before the fault
-        pid = _pids(out)["draft"]
-        killed_at = time.time()
+        pid = _pids(out)[role]
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        # torchrun gives a SIGSTOPped rank its 30 s SIGTERM grace before SIGKILL: the job ends after that.
+        stopped_at = time.monotonic()
         _, stderr = proc.communicate(timeout=90)
+        ended_after = time.monotonic() - stopped_at
     finally:
         if proc.poll() is None:
             proc.kill()
+        if fault == "hang":
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert proc.returncode != 0
+    rank = {"target": 0, "draft": 1, "pruner": 2}[role]
     if fault == "hang":
-        assert "heard nothing from draft" in stderr and "on item world-" in stderr
-        failed = [json.loads(line) for line in (out / "traces" / "rank0_target.jsonl").read_text().splitlines()
-                  if '"role_failed"' in line]
-        # The target gave up within its 5 s timeout (plus scheduling slack), not at torchrun's teardown.
-        assert failed and failed[0]["t"] - killed_at < 12
+        # A surviving rank names the silent one, its rank and the item, and ends it (same host), so the job ends
+        # within the timeout plus slack, not after torchrun's 30 s SIGTERM grace on a stopped process.
+        named = re.search(rf"vpsd: \w+ \(rank \d\) .*({role} \(rank {rank}\)|rank {rank} \({role}\)).* on item world-",
+                          stderr)
+        assert named, stderr[-3000:]
+        assert ended_after < FAULT_TIMEOUT_S + 15, ended_after  # loose (2 shared cores); was 30 s more before
     else:
-        assert "another rank failed" in stderr or "heard nothing from draft" in stderr
+        assert "another rank failed" in stderr or f"{role} (rank {rank})" in stderr
     done = results(out)
     assert done and all(r["error"] is None for r in done.values())  # finished results are kept
 

@@ -11,13 +11,16 @@ import zmq
 from structlog.testing import capture_logs
 
 from vpsd.pipeline.messages import DraftChunk, KeepIndices, MessageError, Shutdown
+from vpsd.transport.auth import MissingSecret, job_secret, rank_keypair
 from vpsd.transport.control import ControlChannel, PeerTimeout, advertised_host
+
+SECRET = b"test-secret"
 
 
 @pytest.fixture
 def world():
     store = dist.HashStore()
-    chans = [ControlChannel(r, 3, role, store) for r, role in enumerate(["target", "draft", "pruner"])]
+    chans = [ControlChannel(r, 3, role, store, secret=SECRET) for r, role in enumerate(["target", "draft", "pruner"])]
     yield chans
     for ch in chans:
         ch.close()
@@ -37,7 +40,7 @@ def test_recv_from_one_src_keeps_others_queued(world):
     d.send(0, Shutdown("from draft"))
     assert t.poll(2.0, src=1)
     assert t.recv(2.0, src=1) == (1, Shutdown("from draft"))
-    assert t.recv(0.0) == (2, Shutdown("from pruner"))
+    assert t.recv(2.0) == (2, Shutdown("from pruner"))  # another connection: its handshake may finish later
 
 
 def test_self_send(world):
@@ -68,20 +71,72 @@ def test_bad_message_from_a_rank_is_logged_and_dropped(world):
     assert len(bad) == 1 and bad[0]["sender"] == 1 and "msgpack" in bad[0]["error"]
 
 
-def test_stranger_is_dropped(world):
-    t = world[0]
+def _attacker(address: str, identity: bytes, *, keys: tuple[bytes, bytes] | None, server_key: bytes | None):
+    """A DEALER from outside the job: plain (no CURVE), or CURVE with keys of its own."""
     ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.connect(t.address)
-    raw.send(msgpack.packb({"type": "Shutdown", "v": 1, "reason": "not a rank"}))
+    sock = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey = keys
+        sock.curve_serverkey = server_key
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(address)
+    return ctx, sock
+
+
+def test_no_stranger_delivers_a_message_or_breaks_a_link(world):
+    """The issue's attacks: a forged Shutdown under the draft's identity, and random bytes under it, from
+    peers without the job's secret: plain, with a random CURVE key, with rank 1's key under another secret,
+    even with the target's public key (were it leaked). None is heard, and the real draft's link keeps working."""
+    t, d, _ = world
+    d.send(0, KeepIndices("before", 0))  # the real draft's link is up before the attacks
+    assert t.recv(10.0) == (1, KeepIndices("before", 0))
+    server_key = rank_keypair(SECRET, 0)[0]
+    attackers = [
+        _attacker(t.address, b"1", keys=None, server_key=None),
+        _attacker(t.address, b"1", keys=zmq.curve_keypair(), server_key=server_key),
+        _attacker(t.address, b"1", keys=rank_keypair(b"another job", 1), server_key=server_key),
+        _attacker(t.address, b"0", keys=zmq.curve_keypair(), server_key=rank_keypair(b"guess", 0)[0]),
+    ]
+    forged = msgpack.packb({"type": "Shutdown", "v": 1, "reason": "forged"})
     with capture_logs() as logs:
+        for _, sock in attackers:
+            for payload in (forged, bytes(range(256)) * 16):
+                try:
+                    sock.send(payload, zmq.NOBLOCK)  # queued until the handshake, which fails
+                except zmq.Again:
+                    pass  # or refused outright: the handshake already failed and the link is gone
+        assert not t.poll(0.5)  # nothing from any of them, not even a bad_message
+        for i in range(3):
+            d.send(0, KeepIndices("after", i))
+        assert [t.recv(10.0) for _ in range(3)] == [(1, KeepIndices("after", i)) for i in range(3)]
+    assert not [e for e in logs if e["event"] == "bad_message"]
+    for ctx, sock in attackers:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_the_rank_is_the_authenticated_one_not_the_claimed_one(world):
+    """A rank's own key under another rank's identity is refused as a bad message, attributed to the key."""
+    t = world[0]
+    ctx, sock = _attacker(t.address, b"1", keys=rank_keypair(SECRET, 2), server_key=rank_keypair(SECRET, 0)[0])
+    with capture_logs() as logs:
+        sock.send(msgpack.packb({"type": "Shutdown", "v": 1, "reason": "claims to be rank 1"}))
         deadline = time.monotonic() + 2.0
         while not logs and time.monotonic() < deadline:
             t.poll(0.02)
-    raw.close(linger=0)
+    sock.close(linger=0)
     ctx.term()
-    assert logs and logs[0]["event"] == "bad_message" and logs[0]["sender"].startswith("0x")
+    assert logs and logs[0]["event"] == "bad_message" and logs[0]["sender"] == 2
+    assert "not the authenticated rank 2" in logs[0]["error"]
     assert not t.poll(0.0)
+
+
+def test_the_secret_comes_from_the_environment():
+    with pytest.raises(MissingSecret, match="VPSD_JOB_SECRET is not set.*torchrun.sh"):
+        job_secret({})
+    assert job_secret({"VPSD_JOB_SECRET": "abc"}) == b"abc"
+    assert rank_keypair(b"abc", 1) == rank_keypair(b"abc", 1) != rank_keypair(b"abc", 2)
+    assert rank_keypair(b"abc", 1) != rank_keypair(b"abd", 1)
 
 
 def test_heartbeats_are_consumed_and_refresh_liveness(world):
@@ -101,7 +156,7 @@ def test_heartbeats_are_consumed_and_refresh_liveness(world):
 
 def test_unpublished_peer_times_out_by_name():
     store = dist.HashStore()
-    with ControlChannel(0, 2, "target", store, connect_timeout_s=0.1) as ch:
+    with ControlChannel(0, 2, "target", store, secret=SECRET, connect_timeout_s=0.1) as ch:
         with pytest.raises(PeerTimeout) as info:
             ch.send(1, Shutdown("nobody there"))
         assert info.value.rank == 1

@@ -9,6 +9,9 @@ Every component reads only its own section.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,43 +112,108 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _section(cls, data: dict | None):
+# Top-level sections that components other than this module read from `extra` (roles, launch, TABED, draft).
+EXTRA_SECTIONS = ("roles", "timeout_s", "idle_timeout_s", "cpu_affinity", "tabed", "eager_when_idle")
+SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning")
+
+
+class ConfigError(ValueError):
+    """Settings that cannot run; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def nearest(key: str, known: typing.Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest known key, or ''."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _section(cls, data: dict | None, name: str | None = None):
     data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise ValueError(f"unknown keys in {cls.__name__}: {sorted(unknown)}")
-    return cls(**data)
+    name = name or cls.__name__
+    names = [f.name for f in dataclasses.fields(cls)]
+    problems = [f"unknown key {name}.{k}{nearest(k, names)}" for k in data if k not in names]
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key in names and not _fits(value, hints[key]):
+            problems.append(f"{name}.{key} must be {_type_name(hints[key])}, got {value!r}")
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return cls(**data)
+    except (ValueError, TypeError) as e:
+        raise ConfigError([f"{name}: {e}"]) from None
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a YAML value fits a field's annotation (only the simple types settings use are checked)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (dict, list, tuple):
+        return isinstance(value, origin)
+    return True  # Any and the like
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    origin = typing.get_origin(hint)
+    return getattr(origin or hint, "__name__", str(hint))
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     data = dict(data)
-    try:
-        family = data.pop("family")
-        target = _section(ModelSpec, data.pop("target"))
-    except KeyError as e:
-        raise ValueError(f"config is missing {e}") from None
-    draft_data = data.pop("draft", "self")
-    draft = None if draft_data in ("self", None) else _section(ModelSpec, draft_data)
-    return RunConfig(
-        family=family,
-        target=target,
-        draft=draft,
-        video=_section(VideoConfig, data.pop("video", None)),
-        decoding=_section(DecodingConfig, data.pop("decoding", None)),
-        pruning=_section(PruningConfig, data.pop("pruning", None)),
-        extra=data,
-    )
+    missing = [k for k in ("family", "target") if k not in data]
+    if missing:
+        raise ConfigError([f"config is missing {k!r}" for k in missing])
+    family, draft_data = data.pop("family"), data.pop("draft", "self")
+    sections = {"target": (ModelSpec, data.pop("target")), "video": (VideoConfig, data.pop("video", None)),
+                "decoding": (DecodingConfig, data.pop("decoding", None)),
+                "pruning": (PruningConfig, data.pop("pruning", None))}
+    if draft_data not in ("self", None):
+        sections["draft"] = (ModelSpec, draft_data)
+    built, problems = {}, []
+    for name, (cls, section) in sections.items():  # every section's problems, not just the first one's
+        try:
+            built[name] = _section(cls, section, name)
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems)
+    return RunConfig(family=family, target=built["target"], draft=built.get("draft"), video=built["video"],
+                     decoding=built["decoding"], pruning=built["pruning"], extra=data)
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` arguments as load_config overrides; values are YAML ("4" -> 4, "self" -> "self")."""
-    overrides = {}
+    overrides, problems = {}, []
     for kv in pairs:
         key, sep, value = kv.partition("=")
         if not sep:
-            raise SystemExit(f"--set needs KEY=VALUE, got {kv!r}")
-        overrides[key] = yaml.safe_load(value)
+            problems.append(f"--set needs KEY=VALUE, got {kv!r}")
+            continue
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            overrides[key] = value  # not YAML: the text itself (the type check then says what was expected)
+    if problems:
+        raise ConfigError(problems)
     return overrides
 
 
@@ -157,13 +225,25 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     """
     data = yaml.safe_load(Path(path).read_text())
     _resolve_model_paths(data, Path(path).resolve().parent)
+    known = set(SECTIONS) | set(EXTRA_SECTIONS) | set(data)  # a file's own extra sections are its business
+    unknown = [k for k in overrides or {} if k.split(".")[0] not in known]
+    # A mistyped --set would otherwise land in `extra`, read by nobody.
+    problems = [f"--set {k}: unknown setting{nearest(k.split('.')[0], known)}" for k in unknown]
     for key, value in (overrides or {}).items():
+        if key in unknown:
+            continue
         node = data
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    return config_from_dict(data)
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError as e:
+        problems += e.problems
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def _resolve_model_paths(data: dict, base: Path) -> None:

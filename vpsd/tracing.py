@@ -3,8 +3,8 @@
 Contract:
 - `configure_tracing(out_dir, role, rank)` routes every structlog event of the process (all levels,
   including the module loggers made with `structlog.get_logger(__name__)`) to
-  `out_dir/traces/rank{rank}_{role}.jsonl`, one JSON object per line, written and flushed line by line so
-  a crashing rank loses nothing. Every line carries `role`, `rank` and `t` (time.time() at logging) and
+  `out_dir/traces/rank{rank}_{role}.jsonl`, one JSON object per line, written line by line so a crashing
+  rank loses nothing, and always ending on a whole line (a full disk raises vpsd.storage.DiskFull). Every line carries `role`, `rank` and `t` (time.time() at logging) and
   `level`; these keys are reserved and overwrite fields of the same name. Warnings and errors are also
   printed to stderr as one line `[role rank] level event key=value ...`. With `out_dir` None nothing is
   written to disk and events of level info and above go to stderr in that same one-line form.
@@ -42,17 +42,19 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
+
+from vpsd.storage import LineFile
 
 # Numeric ranks of the levels structlog passes as method names; what reaches stderr is filtered on them.
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "exception": 40, "critical": 50}
 _STDERR_LEVEL_WITH_FILE = 30
 _STDERR_LEVEL_ALONE = 20
 
-_trace_file: IO[str] | None = None
+_trace_file: LineFile | None = None
 _direct: "_DirectWriter | None" = None  # the fast path of spans and marks (see the module doc)
 
 
@@ -77,8 +79,9 @@ def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
     else:
         path = trace_path(Path(out_dir), role, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Line-buffered: each JSON line reaches the OS as it is written, so a crash loses nothing.
-        _trace_file = open(path, "a", buffering=1, encoding="utf-8")
+        # Each JSON line reaches the OS as it is written, so a crash loses nothing; a full disk cuts the file back
+        # to its last whole line and raises DiskFull naming the directory (vpsd/storage.py).
+        _trace_file = LineFile(path)
         renderer = structlog.processors.JSONRenderer(default=_jsonable)
         processors = shared + [_StderrLine(identity.prefix, _STDERR_LEVEL_WITH_FILE, drop=False), renderer]
         factory = structlog.WriteLoggerFactory(file=_trace_file)
@@ -146,7 +149,7 @@ class _DirectWriter:
 
     _HEAD = frozenset(("event", "level", "role", "rank", "t", "name", "t0", "dur"))
 
-    def __init__(self, file: IO[str], role: str, rank: int, renderer: Any) -> None:
+    def __init__(self, file: LineFile, role: str, rank: int, renderer: Any) -> None:
         self.file, self.role, self.rank, self.renderer = file, role, rank, renderer
         self.encode = json.JSONEncoder(default=_jsonable).encode
         try:  # the lock structlog's WriteLogger holds for this file, so lines of both never interleave

@@ -79,8 +79,8 @@ def main(out_dir: Path) -> dict:
     }
 
     # 3. malformed messages to rank 0 are dropped and logged; the channel keeps working.
-    #    From strangers on raw sockets (no identity, a non-rank identity), and raw bytes from rank 2's own
-    #    socket (a buggy peer): the last ones are attributed to sender 2.
+    #    Strangers on raw sockets (no identity, a rank's identity) never pass the CURVE handshake: not even
+    #    logged. Raw bytes from rank 2's own socket (a buggy peer) are attributed to sender 2.
     from_strangers = [b"\xc1not msgpack", pickle.dumps(Shutdown("pwned")),
                       msgpack.packb({"type": "Shutdown", "v": 1, "reason": "not a rank"})]
     from_rank2 = [b"\xc1not msgpack", pickle.dumps(Shutdown("pwned")), msgpack.packb({"type": "Nope", "v": 1}),
@@ -88,7 +88,7 @@ def main(out_dir: Path) -> dict:
     if rank == 2:
         peer = msgpack.unpackb(ch._store.get("vpsd/ctrl/0"), raw=False)
         ctx = zmq.Context()
-        for identity in (None, b"x-raw"):
+        for identity in (None, b"1"):
             raw = ctx.socket(zmq.DEALER)
             if identity:
                 raw.setsockopt(zmq.IDENTITY, identity)
@@ -102,7 +102,7 @@ def main(out_dir: Path) -> dict:
             own.send_multipart(payload) if isinstance(payload, list) else own.send(payload)
         ch.send(0, VerifyResult("after-garbage", 0, 0, 0, 0, 0, "full", False))
     if rank == 0:
-        expected = 2 * len(from_strangers) + len(from_rank2)
+        expected = len(from_rank2)
         with capture_logs() as logs:
             src, msg = ch.recv(TIMEOUT_S, src=2)  # same socket as the rank-2 garbage: arrives after it
             deadline = time.monotonic() + TIMEOUT_S

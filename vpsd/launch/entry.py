@@ -21,18 +21,22 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from vpsd.config import RunConfig, load_config, parse_overrides
+from vpsd.config import ConfigError, RunConfig, load_config, parse_overrides
 from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
+from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.manifest import Shard
+from vpsd.launch.preflight import checkpoint_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.methods import get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
+from vpsd.storage import FULL, DiskFull
 from vpsd.tracing import configure_tracing, get_logger
-from vpsd.transport.control import ControlChannel
+from vpsd.transport.auth import MissingSecret, job_secret
+from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
 
@@ -86,11 +90,11 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides["decoding.gamma"] = args.gamma
     if args.temperature is not None:
         overrides["decoding.temperature"] = args.temperature
-    try:
-        cfg = load_config(args.config, overrides)
-    except ValueError as e:  # a bad setting (a tree shape, gamma, a ratio) stops the launch with its reason
-        raise SystemExit(f"vpsd: {args.config}: {e}") from None
+    cfg = load_config(args.config, overrides)  # ConfigError: one line per bad setting (main prints them)
     check_method_settings(method, cfg)
+    problems = checkpoint_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
@@ -128,21 +132,45 @@ def restart_problem(env: Mapping[str, str]) -> str | None:
     return None
 
 
+def refuse(problems: list[str], reporter: bool | None = None) -> int:
+    """A job that cannot start: one line per problem, said once (by rank 0: every rank finds the same ones,
+    before any model loads); exit status 2."""
+    if reporter is None:
+        reporter = os.environ.get("RANK", "0") == "0"
+    if reporter:
+        for problem in problems:
+            print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
+        die_with_parent()
     args = parse_args(argv)
-    cfg = resolve_config(args)
+    try:
+        cfg = resolve_config(args)
+    except FileNotFoundError as e:
+        return refuse([f"no such config file: {e.filename}"])
+    except (ConfigError, ValueError) as e:
+        return refuse(str(e).splitlines())
+    except SystemExit as e:  # check_method_settings' message
+        return refuse([str(e.code).removeprefix("vpsd: ")])
     method = get_method(args.method)
     out = Path(args.out)
     timeout_s = float(args.timeout or cfg.extra.get("timeout_s", 120.0))
     problem = restart_problem(os.environ)
     if problem is not None:
-        print(f"vpsd: {problem}", file=sys.stderr, flush=True)
-        return 2
+        return refuse([problem])
     try:
+        secret = job_secret()  # before anything binds a socket: no secret, no control plane
+        target_rank = role_ranks(cfg)["target"]
+        if int(os.environ.get("RANK", "0")) == target_rank:
+            lock_out_dir(out)  # the results writer holds --out for its whole life: one job per directory
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
-    except JobMismatch as e:
-        print(f"vpsd: {e}", file=sys.stderr, flush=True)
-        return 2
+    except OutDirBusy as e:
+        return refuse([str(e)], reporter=True)  # only the target rank tried the lock: it reports
+    except (JobMismatch, MissingSecret, ValueError) as e:
+        return refuse([str(e)])
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     ranks = role_ranks(cfg)
     role = next((r for r, k in ranks.items() if k == rank), "spare")
@@ -158,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     # starts with. Pinned to the role's core it must preempt the role's own compute thread to move every
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
-    ctrl = ControlChannel.from_process_group(role)
+    ctrl = ControlChannel.from_process_group(role, secret=secret)
     cpus = (cfg.extra.get("cpu_affinity") or {}).get(role)
     if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only
@@ -174,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them (roles/context.py).
+    ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     try:
         if role == "target":
             run_batch(ctx, args, cfg, out)
@@ -182,10 +212,24 @@ def main(argv: list[str] | None = None) -> int:
             run_draft(ctx, load_adapter(cfg.family, device_cfg))
         else:
             run_pruner(ctx)
-    except RoleFailure as e:
-        log.error("role_failed", error=str(e))
-        print(f"vpsd: {e}", file=sys.stderr)
+    except (RoleFailure, PeerTimeout) as e:
+        silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
+        msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
+        log.error("role_failed", error=msg)
+        print(f"vpsd: {msg}", file=sys.stderr, flush=True)
+        if silent is not None:
+            try:  # a stopped rank would hold torchrun 30 s past this report
+                end_silent_peer(ctrl.peer_record(silent))
+            except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
+                pass
         os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        # A full disk: the results and traces end on whole lines (vpsd/storage.py); say so once, plainly.
+        msg = str(e) if isinstance(e, DiskFull) else f"no space left on the device of {out}: {e}"
+        print(f"vpsd: {role} (rank {rank}): {msg}", file=sys.stderr, flush=True)
+        os._exit(2)
     ctrl.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -5,7 +5,8 @@ Format, one JSON object per line (blank lines and lines starting with `#` are sk
      "max_new_tokens": 64, "num_frames": 16, "reference": "..."}
 - `id`: non-empty string or integer, unique in the file; always handed on as a string.
 - `video`: a file or a folder of frame images; relative paths are relative to the manifest's folder.
-- `prompt`: non-empty string.
+- `prompt`: non-empty string; text, even where it spells a special token such as `<|im_end|>` (encoded as
+  the characters, vpsd/models/prompt.py), unless the item sets `"prompt_special_tokens": true`.
 - optional `max_new_tokens` (int > 0), and `num_frames` (int > 0) or `fps` (number > 0), not both;
   null means absent.
 - any other field is carried untouched in `ManifestItem.extra` (references, metadata).
@@ -27,6 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vpsd.models.prompt import ControlText
 
 KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps")
 
@@ -161,8 +164,13 @@ def _parse_object(
     if obj.get("num_frames") is not None and obj.get("fps") is not None:
         problems.append("give 'num_frames' or 'fps', not both")
     video_path = _video_path(video, base_dir, check_files, problems) if video is not None else None
+    special = obj.get("prompt_special_tokens", False)
+    if not isinstance(special, bool):
+        problems.append(f"'prompt_special_tokens' must be true or false, got {special!r}")
     if problems:
         return item_id, None, problems
+    if special:  # the item asks for its prompt's special-token strings to act as control tokens
+        prompt = ControlText(prompt)
     extra = {key: value for key, value in obj.items() if key not in KNOWN_FIELDS}
     item = ManifestItem(item_id, video_path, prompt, max_new_tokens, num_frames, fps, extra, line)
     return item_id, item, problems

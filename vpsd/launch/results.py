@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vpsd.storage import LineFile
+
 
 class ResultsFile:
     def __init__(self, out_dir: Path):
@@ -39,10 +41,10 @@ class ResultsFile:
         return done
 
     def append(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
+        """One whole line, on disk (fsync) before returning; DiskFull (vpsd/storage.py) leaves the file as it was."""
+        with LineFile(self.path) as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            f.fsync()
 
     def _rows(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
+from vpsd.models.prompt import PROMPT_SLOT, encode_chat
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.video import normalized_frames, resize_frames
 
@@ -100,8 +101,7 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         pixel_values = llava_video_tensor(frames, self.vision_spec)
         num_frames, side = frames.shape[0], self.vision_spec.pooled_side
         n = num_frames * side * side + 1
-        text = llava_chat_prompt(prompt, n)
-        input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
+        input_ids = torch.tensor([encode_chat(self.tokenizer, llava_chat_prompt(PROMPT_SLOT, n), prompt)], dtype=torch.long)
         is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")

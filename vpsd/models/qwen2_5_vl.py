@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
+from vpsd.models.prompt import PROMPT_SLOT, encode_chat
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
 from vpsd.pipeline.layout import VideoTokenLayout
 
@@ -54,17 +55,18 @@ class QwenAdapterMixin:
         return 3  # M-RoPE: temporal, height, width
 
     def _prepare_qwen(
-        self, frames: np.ndarray, chat_text: Callable[[tuple[int, int, int]], str], **pixel_extra: torch.Tensor
+        self, frames: np.ndarray, prompt: str, chat_text: Callable[[tuple[int, int, int]], str],
+        **pixel_extra: torch.Tensor,
     ) -> VideoInputs:
-        """Video tensors, then `chat_text(token_grid)` (the family's prompt with the video tokens expanded)
-        tokenized and checked against the grid; `pixel_extra` joins the pixel inputs."""
+        """Video tensors, then `chat_text(token_grid)` (the family's template with the video tokens expanded and
+        PROMPT_SLOT for the prompt) tokenized with `prompt` as text (encode_chat) and checked against the grid;
+        `pixel_extra` joins the pixel inputs."""
         spec = self.vision_spec
         pixel_values, grid = qwen_video_tensors(resize_for_qwen(frames, spec), spec)
         t, h, w = (int(v) for v in grid[0])
         token_grid = (t, h // spec.merge_size, w // spec.merge_size)
         n = token_grid[0] * token_grid[1] * token_grid[2]
-        text = chat_text(token_grid)
-        input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
+        input_ids = torch.tensor([encode_chat(self.tokenizer, chat_text(token_grid), prompt)], dtype=torch.long)
         is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
@@ -106,7 +108,8 @@ class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
         return self._prepare_qwen(
             frames,
-            lambda grid: qwen_chat_prompt(prompt, grid[0] * grid[1] * grid[2]),
+            prompt,
+            lambda grid: qwen_chat_prompt(PROMPT_SLOT, grid[0] * grid[1] * grid[2]),
             # Time is in the rotary phase: seconds per temporal patch space the frames.
             second_per_grid_ts=torch.tensor([self.vision_spec.temporal_patch_size / self.fps]),
         )

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
+from vpsd.models.prompt import PROMPT_SLOT, encode_chat
 from vpsd.models.qwen2_5_vl import QwenAdapterMixin, qwen_token_ids
 from vpsd.models.qwen_video import QwenVisionSpec
 
@@ -81,7 +82,7 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
             frame_times = np.arange(frames.shape[0]) / self.fps
         stamps = group_timestamps(frame_times, self.vision_spec.temporal_patch_size)
         return self._prepare_qwen(
-            frames, lambda grid: qwen3_chat_prompt(prompt, qwen3_video_text(stamps, grid[1] * grid[2]))
+            frames, prompt, lambda grid: qwen3_chat_prompt(PROMPT_SLOT, qwen3_video_text(stamps, grid[1] * grid[2]))
         )
 
     @torch.inference_mode()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -94,7 +96,9 @@ def run_one(run: BenchRun, config: str, manifest: str, out: Path, torchrun: list
         shutil.rmtree(out)  # the job would resume from an old results.jsonl and skip every item
     out.mkdir(parents=True)
     with open(out / "launch.log", "w") as log:
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        # Its own control-plane secret, as ./torchrun.sh makes one (vpsd/transport/auth.py).
+        env = {**os.environ, "VPSD_JOB_SECRET": os.environ.get("VPSD_JOB_SECRET") or secrets.token_hex(32)}
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
 def run_dir(out: Path, run: BenchRun, repeat: int = 0) -> Path:

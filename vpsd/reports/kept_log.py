@@ -19,13 +19,13 @@ ints per video token, ~150 kB for a 10k-token item, and a person can grep it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.storage import LineFile
 
 FILENAME = "kept.jsonl"
 
@@ -61,10 +61,9 @@ class KeptRecord:
 def append_kept(out_dir: Path, record: KeptRecord) -> None:
     path = Path(out_dir) / FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
+    with LineFile(path) as f:  # whole lines only, also on a full disk (vpsd/storage.py)
         f.write(json.dumps(record.to_json()) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        f.fsync()
 
 
 def read_kept(path: Path) -> list[KeptRecord]:

@@ -1,12 +1,16 @@
 """What every role loop is handed: its rank, the transport, the run configuration, the peers' ranks.
 
 Roles talk only through `ctrl` (ZeroMQ control messages) and `tensors` (torch.distributed), never by
-importing each other. Every blocking wait goes through `recv`, which turns silence into a PeerTimeout
-naming the role and the item, so a dead or hung peer ends the job instead of hanging it.
+importing each other. Every blocking wait goes through `wait` / `recv`: the wait ends in a RoleFailure naming
+the awaited role, its rank and the item as soon as that peer has been silent (not even a heartbeat: every
+rank sends them from a thread, ControlChannel.start_heartbeat) for `timeout_s`, so a dead or stopped peer
+ends the job within the timeout. A peer that is alive but busy (a long prefill, a video being read) is waited
+for, up to the wait's own limit (`idle_timeout_s` by default).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from vpsd.config import RunConfig
@@ -31,20 +35,47 @@ class RoleContext:
     item_id: str = ""  # the item in flight, for error messages
     extra: dict = field(default_factory=dict)
 
-    def recv(self, src_role: str | None = None, timeout_s: float | None = None) -> tuple[int, Message]:
+    def wait(self, src_role: str | None = None, limit_s: float | None = None, awaiting: str | None = None) -> None:
+        """Block until a message from `src_role` (any peer if None) is ready.
+
+        RoleFailure when the awaited peer (`awaiting`, default `src_role`) has been silent for `timeout_s`, or
+        after `limit_s` (default extra["idle_timeout_s"], else 3600 s) of waiting on a peer that is alive.
+        """
         src = None if src_role is None else self.ranks[src_role]
-        wait = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            return self.ctrl.recv(timeout_s=wait, src=src)
-        except PeerTimeout as e:
-            raise RoleFailure(
-                f"{self.role} (rank {self.rank}) heard nothing from "
-                f"{src_role or 'any peer'} for {wait:.0f} s while on item {self.item_id or '-'}"
-            ) from e
+        awaiting = awaiting or src_role
+        limit = float(limit_s if limit_s is not None else self.extra.get("idle_timeout_s", 3600.0))
+        deadline = time.monotonic() + limit
+        step = min(self.timeout_s, 1.0)
+        while not self.ctrl.poll(max(0.0, min(step, deadline - time.monotonic())), src=src):
+            watched = [self.ranks[awaiting]] if awaiting else [r for k, r in self.ranks.items() if k != self.role]
+            try:
+                self.ctrl.check_alive(watched, self.timeout_s)
+            except PeerTimeout as e:
+                raise RoleFailure(
+                    f"{self.role} (rank {self.rank}) heard nothing from {e.role or 'a peer'} (rank {e.rank}) for "
+                    f"{e.waited_s:.0f} s while on item {self.item_id or '-'}: it is stopped, hung or dead",
+                    silent_rank=e.rank,
+                ) from None
+            if time.monotonic() >= deadline:
+                raise RoleFailure(
+                    f"{self.role} (rank {self.rank}) waited {limit:.0f} s for {awaiting or 'any peer'} while on item "
+                    f"{self.item_id or '-'}; it is alive but sent nothing"
+                )
+
+    def recv(self, src_role: str | None = None, timeout_s: float | None = None,
+             awaiting: str | None = None) -> tuple[int, Message]:
+        """The next message from `src_role` (any peer if None), waited for as `wait` says (`timeout_s`: its limit)."""
+        self.wait(src_role, timeout_s, awaiting)
+        return self.ctrl.recv(timeout_s=0.0, src=None if src_role is None else self.ranks[src_role])
 
     def send(self, dst_role: str, msg: Message) -> None:
         self.ctrl.send(self.ranks[dst_role], msg)
 
 
 class RoleFailure(RuntimeError):
-    """A role cannot go on (peer silent, protocol broken); the message names role, peer and item."""
+    """A role cannot go on (peer silent, protocol broken); the message names role, peer and item.
+    `silent_rank`: the peer that fell silent, when that is the cause."""
+
+    def __init__(self, message: str, silent_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.silent_rank = silent_rank

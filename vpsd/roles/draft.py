@@ -15,6 +15,7 @@ import time
 import torch
 
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.prompt import ControlText
 from vpsd.pipeline.ensemble import TabedConfig, verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
@@ -48,7 +49,7 @@ def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
 def _wait_keep(ctx: RoleContext, item_id: str) -> torch.Tensor | None:
     """Kept indices from the pruner; None when the target gave the item up first."""
     while True:
-        src, msg = ctx.recv()
+        src, msg = ctx.recv(awaiting="pruner")  # the target may still say ItemDone; the pruner must not fall silent
         if isinstance(msg, TensorAnnounce) and msg.tag == f"keep:{item_id}":
             return ctx.tensors.recv_announced(msg)[0]
         if isinstance(msg, ItemDone) and msg.item_id == item_id:
@@ -68,7 +69,8 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     videos.ahead(extra.get("next_video"))  # read the next item's video while this one is drafted
     if frames is not None:
         with span("vision", item=job.item_id):
-            emb = draft.embed(draft.prepare(frames, extra["prompt"]))
+            prompt = ControlText(extra["prompt"]) if extra.get("prompt_special_tokens") else extra["prompt"]
+            emb = draft.embed(draft.prepare(frames, prompt))
     keep = _wait_keep(ctx, job.item_id)
     if keep is None or emb is None:
         _drain_until_done(ctx, job.item_id)
@@ -152,11 +154,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
             step_s = dt if step_s == 0.0 else 0.8 * step_s + 0.2 * dt
         else:
             with span("recv_wait", item=job.item_id):
-                ctx.ctrl.poll(ctx.timeout_s, src=ctx.ranks["target"])
-            if not ctx.ctrl.poll(0.0, src=ctx.ranks["target"]):
-                raise RoleFailure(
-                    f"draft (rank {ctx.rank}) heard nothing from target for {ctx.timeout_s:.0f} s on item {job.item_id}"
-                )
+                ctx.wait("target")  # RoleFailure naming the target if it falls silent
 
 
 def _lookahead(ctx: RoleContext, gamma: int) -> int:

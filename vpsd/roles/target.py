@@ -19,6 +19,7 @@ import torch
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.prompt import ControlText
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
@@ -82,7 +83,8 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
         max_new_tokens=item.max_new_tokens,
         gamma=window.gamma,
         mode="optimistic",
-        extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt},
+        extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
+               "prompt_special_tokens": isinstance(item.prompt, ControlText)},
     )
     ctx.send("draft", job)
     ctx.send("pruner", job)
@@ -124,7 +126,7 @@ def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, it
         pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()))
     pre.signals = None  # queries and key views are not needed while decoding (the views pin the prefill keys)
     for handle in in_flight:
-        handle.wait()
+        handle.wait(ctx.timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
     return pre
 
 

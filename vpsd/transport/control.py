@@ -4,15 +4,22 @@ Contract:
 - One `ControlChannel` per rank. It binds a ROUTER on a random port and publishes
   `{"address", "role"}` (msgpack) under `<namespace>/<rank>` in the torch.distributed store, so peers on
   other nodes find it. The advertised host is `host`, else env `VPSD_HOST`, else 127.0.0.1 (standalone).
-- `send(dst, msg)` goes through one DEALER per peer whose identity is the sender's rank, so the receiver
-  knows who sent what. Sends are queued by ZeroMQ; a send that cannot be queued within `send_timeout_s`
+- Authenticated (vpsd/transport/auth.py): every ROUTER is a CURVE server that admits only the world's rank
+  keys, derived from the job's secret. The sender of a message is the rank its key belongs to (the
+  `User-Id` ZeroMQ reports), never what the peer says it is; a peer without a rank key never completes the
+  handshake, so it can neither deliver a message nor take over a rank's link.
+- `send(dst, msg)` goes through one DEALER per peer (its routing identity is the sender's rank, which must
+  match the authenticated one). Sends are queued by ZeroMQ; a send that cannot be queued within `send_timeout_s`
   raises `PeerTimeout` naming the peer.
 - `recv(timeout_s, src=None)` returns `(src_rank, message)` in arrival order, optionally only from one
   rank (messages from others stay queued for later calls), and raises `PeerTimeout` naming the rank and
   role waited on. A malformed, unknown or oversized message is logged (structlog event `bad_message`,
   with the sender) and dropped: it never reaches the caller and is never acted on.
 - `Heartbeat` messages are consumed by the channel: they only refresh `last_seen`; `check_alive` turns
-  a silent peer into a `PeerTimeout`. Every valid message counts as a sign of life.
+  a silent peer into a `PeerTimeout`. Every valid message counts as a sign of life. `start_heartbeat(dsts,
+  interval_s)` sends them from a thread of its own (own sockets, routing identity `<rank>/hb`), so a rank busy in
+  a long forward still shows it is alive, and one that is stopped or dead falls silent.
+- The store record also holds the rank's pid and host (`peer_record`), to name and end a silent peer.
 - Not thread-safe (ZeroMQ sockets are not): use a channel from the thread that created it.
 
 Why timeouts everywhere: a rank blocked on a ZeroMQ recv while its peer waits in a torch.distributed
@@ -24,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -35,6 +43,7 @@ import torch.distributed as dist
 import zmq
 
 from vpsd.pipeline.messages import Heartbeat, Message, MessageError, decode, encode
+from vpsd.transport.auth import ZAP_DOMAIN, RankAuthenticator, job_secret, rank_keypair
 
 log = structlog.get_logger(__name__)
 
@@ -71,19 +80,30 @@ class ControlChannel:
         role: str,
         store: dist.Store,
         *,
+        secret: bytes,
         host: str | None = None,
         bind_host: str | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         send_timeout_s: float = 10.0,
         connect_timeout_s: float = 60.0,
     ) -> None:
-        """`bind_host` defaults to the advertised host's IPv4 address; pass "*" to listen on every interface."""
+        """`secret`: the job's secret (auth.job_secret()). `bind_host` defaults to the advertised host's IPv4
+        address; pass "*" to listen on every interface."""
         self.rank, self.world_size, self.role = rank, world_size, role
         self._store, self._namespace = store, namespace
         self._send_timeout_s, self._connect_timeout_s = send_timeout_s, connect_timeout_s
+        self._secret = secret
+        self._public, self._secret_key = rank_keypair(secret, rank)
         self._ctx = zmq.Context()
+        # The ZAP handler must run before the ROUTER binds: a CURVE server without one admits any client key.
+        self._auth = RankAuthenticator(self._ctx, secret, world_size)
         self._router = self._ctx.socket(zmq.ROUTER)
-        # A peer that reconnects (restarted socket) takes its identity over instead of being ignored.
+        self._router.curve_server = True
+        self._router.curve_secretkey = self._secret_key
+        self._router.curve_publickey = self._public
+        self._router.zap_domain = ZAP_DOMAIN.encode()
+        # A peer that reconnects (restarted socket) takes its identity over instead of being ignored. Only
+        # peers that passed the CURVE handshake have an identity at all, so no stranger can take one over.
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -97,14 +117,19 @@ class ControlChannel:
         self._inbox: deque[tuple[int, Message]] = deque()
         self._last_seen: dict[int, float] = {}
         self._started = time.monotonic()
-        store.set(self._key(rank), msgpack.packb({"address": self.address, "role": role}))
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        store.set(self._key(rank), msgpack.packb({"address": self.address, "role": role, "pid": os.getpid(),
+                                                  "host": socket.gethostname()}))
         log.debug("control_bound", rank=rank, role=role, address=self.address)
 
     @classmethod
     def from_process_group(cls, role: str, **kwargs) -> "ControlChannel":
-        """A channel for this rank of the default process group, published in its TCPStore."""
+        """A channel for this rank of the default process group, published in its TCPStore; the secret
+        defaults to the job's (VPSD_JOB_SECRET, MissingSecret if unset)."""
         store = kwargs.pop("store", None) or dist.distributed_c10d._get_default_store()
-        return cls(dist.get_rank(), dist.get_world_size(), role, store, **kwargs)
+        secret = kwargs.pop("secret", None) or job_secret()
+        return cls(dist.get_rank(), dist.get_world_size(), role, store, secret=secret, **kwargs)
 
     # --- sending ----------------------------------------------------------------------------------------
 
@@ -122,6 +147,28 @@ class ControlChannel:
         for dst in dsts:
             self.send(dst, hb)
 
+    def start_heartbeat(self, dsts: Iterable[int], interval_s: float) -> None:
+        """Send each rank in `dsts` a Heartbeat every `interval_s` from a background thread, until close()."""
+        peers = {dst: self._lookup(dst, self._connect_timeout_s)["address"] for dst in dsts}
+        self._beat_thread = threading.Thread(target=self._beat, args=(peers, interval_s), name="vpsd-heartbeat",
+                                             daemon=True)
+        self._beat_thread.start()
+
+    def _beat(self, peers: dict[int, str], interval_s: float) -> None:
+        socks = {dst: self._connect(dst, address, f"{self.rank}/hb") for dst, address in peers.items()}
+        try:
+            while not self._beat_stop.is_set():
+                data = encode(Heartbeat(self.role, self.rank, time.time()))
+                for sock in socks.values():
+                    try:
+                        sock.send(data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # that peer is not reading: it is the one to be reported, not us
+                self._beat_stop.wait(interval_s)
+        finally:
+            for sock in socks.values():
+                sock.close(linger=0)
+
     def _dealer(self, dst: int) -> zmq.Socket:
         sock = self._dealers.get(dst)
         if sock is not None:
@@ -129,13 +176,20 @@ class ControlChannel:
         if not 0 <= dst < self.world_size:
             raise ValueError(f"rank {dst} is outside world of size {self.world_size}")
         peer = self._lookup(dst, self._connect_timeout_s)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        sock = self._connect(dst, peer["address"], str(self.rank))
         sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
         # On close, give queued messages a moment to leave; a dead peer must not hang shutdown.
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(peer["address"])
         self._dealers[dst] = sock
+        return sock
+
+    def _connect(self, dst: int, address: str, identity: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.curve_secretkey = self._secret_key
+        sock.curve_publickey = self._public
+        sock.curve_serverkey = rank_keypair(self._secret, dst)[0]  # only the real rank dst can answer the handshake
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.connect(address)
         return sock
 
     def _lookup(self, rank: int, timeout_s: float) -> dict:
@@ -147,6 +201,10 @@ class ControlChannel:
         peer = msgpack.unpackb(self._store.get(key), raw=False)
         self._roles[rank] = peer["role"]
         return peer
+
+    def peer_record(self, rank: int) -> dict:
+        """What `rank` published: address, role, pid, host (waits for it up to the connect timeout)."""
+        return self._lookup(rank, self._connect_timeout_s)
 
     def peer_role(self, rank: int) -> str | None:
         """Role of `rank` if it has published its endpoint, without waiting."""
@@ -199,20 +257,18 @@ class ControlChannel:
 
     def _accept(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        # ZeroMQ gives identity-less peers a binary id: log those as hex, names as text.
-        sender: int | str = ident.decode() if ident.isascii() and ident.decode().isprintable() else "0x" + ident.hex()
+        # The rank is the one the peer's CURVE key proved (ZAP's User-Id), not the identity it chose.
+        src = int(_user_id(frames[-1]))
         try:
-            src = int(ident) if ident.isdigit() else -1
-            if not 0 <= src < self.world_size:
-                raise MessageError("sender identity is not a rank of this world")
-            sender = src
+            if ident not in (str(src).encode(), f"{src}/hb".encode()):
+                raise MessageError(f"routing identity {ident!r} is not the authenticated rank {src}")
             if len(frames) != 2:
                 raise MessageError(f"expected one payload frame, got {len(frames) - 1}")
             msg = decode(frames[1].bytes)
         except MessageError as e:
             log.warning(
                 "bad_message",
-                sender=sender,
+                sender=src,
                 peer_address=_peer_address(frames[-1]),
                 rank=self.rank,
                 role=self.role,
@@ -245,9 +301,13 @@ class ControlChannel:
 
     def close(self) -> None:
         """Close the sockets (queued sends get up to 1 s to leave) and the ZeroMQ context."""
+        self._beat_stop.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join()
         for sock in self._dealers.values():
             sock.close()
         self._router.close()
+        self._auth.stop()
         self._ctx.term()
 
     def __enter__(self) -> "ControlChannel":
@@ -258,6 +318,11 @@ class ControlChannel:
 
     def _key(self, rank: int) -> str:
         return f"{self._namespace}/{rank}"
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The rank ZAP authenticated the frame's sender as (RankAuthenticator.curve_user_id)."""
+    return frame.get("User-Id")
 
 
 def _peer_address(frame: zmq.Frame) -> str | None:

@@ -11,11 +11,14 @@ Contract:
   `recv(src, shapes, dtypes)`); tensors from one sender must be received in the order announced.
 - dtypes travel as names ("float32", "bfloat16", "int64"); unknown names raise ValueError.
 - Only tensors: never `send_object_list` and friends, which pickle.
+- A transfer the peer does not complete within the process group's timeout (a stopped or dead peer) raises
+  `PeerTimeout` naming the peer, not gloo's bare RuntimeError.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Sequence
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vpsd.pipeline.messages import TensorAnnounce
-from vpsd.transport.control import ControlChannel
+from vpsd.transport.control import ControlChannel, PeerTimeout
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -80,13 +83,12 @@ class SendHandle:
 
     works: list[dist.Work]
     tensors: list[torch.Tensor] = field(repr=False)  # the wire tensors, alive until the sends complete
+    dst: int = -1
+    dst_role: str | None = None
 
     def wait(self, timeout_s: float | None = None) -> None:
         for work in self.works:
-            if timeout_s is None:
-                work.wait()
-            else:
-                work.wait(timedelta(seconds=timeout_s))
+            _wait(work, timeout_s, self.dst, self.dst_role, "tensors to be taken by")
         self.works.clear()
         self.tensors.clear()
 
@@ -120,7 +122,7 @@ class TensorChannel:
         # once it knows the shapes; a large gloo/nccl send blocks until then.
         self.control.send(dst, announce)
         works = [dist.isend(t, dst, group=self.group) for t in wire if t.numel() > 0]
-        return SendHandle([w for w in works if w is not None], wire)
+        return SendHandle([w for w in works if w is not None], wire, dst, self.control.peer_role(dst))
 
     def recv(
         self,
@@ -139,12 +141,24 @@ class TensorChannel:
         works = [dist.irecv(t, src, group=self.group) for t in out if t.numel() > 0]
         for work in works:
             if work is not None:
-                work.wait()
+                _wait(work, None, src, self.control.peer_role(src), "announced tensors from")
         return out
 
     def recv_announced(self, announce: TensorAnnounce) -> list[torch.Tensor]:
         """Receive the tensors that `announce` described, from its sender."""
         return self.recv(announce.src, announce.shapes, announce.dtypes, announce.devices)
+
+
+def _wait(work: dist.Work, timeout_s: float | None, peer: int, role: str | None, what: str) -> None:
+    """work.wait(), with a timeout (the process group's when None) that names the peer."""
+    started = time.monotonic()
+    try:
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # gloo: "Timed out waiting ...ms for send/recv operation", or the peer's socket closed
+        raise PeerTimeout(peer, role, time.monotonic() - started, what) from e
 
 
 def _device_type(device: torch.device) -> str:

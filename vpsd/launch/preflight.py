@@ -1,0 +1,40 @@
+"""Checks of a job's settings that need no weights: run at launch, so a bad setting costs seconds, not a model load.
+
+`checkpoint_problems(cfg)`: every checkpoint `path` exists and is a transformers checkpoint (a config.json), and
+its `model_type` is the config's `family` (a Qwen3-VL checkpoint under `family: qwen2_5_vl` would otherwise load
+its weights into the wrong classes and fail later on an attribute). One line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vpsd.config import RunConfig, nearest
+from vpsd.models.registry import FAMILY_MODULES
+
+
+def checkpoint_problems(cfg: RunConfig) -> list[str]:
+    if cfg.family not in FAMILY_MODULES:
+        return [f"unknown model family {cfg.family!r}{nearest(cfg.family, FAMILY_MODULES)}; known: {sorted(FAMILY_MODULES)}"]
+    problems = []
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
+        if spec is None or spec.path is None:
+            continue
+        path = Path(spec.path)
+        if not path.exists():
+            problems.append(f"{role}.path: no such checkpoint directory: {path}")
+        elif not (path / "config.json").is_file():
+            problems.append(f"{role}.path: {path} has no config.json: not a transformers checkpoint")
+        else:
+            try:
+                model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            except (OSError, ValueError) as e:
+                problems.append(f"{role}.path: cannot read {path / 'config.json'}: {e}")
+                continue
+            # The family names are the transformers model_type of their checkpoints.
+            if model_type != cfg.family:
+                hint = f"; set family: {model_type}" if model_type in FAMILY_MODULES else ""
+                problems.append(f"family {cfg.family!r} does not match the {role} checkpoint {path} "
+                                f"(its config.json says model_type {model_type!r}){hint}")
+    return problems
