@@ -29,9 +29,9 @@ def ar_reference(family: str, manifest) -> dict[str, list[int]]:
     items, _ = load_manifest(manifest)
     out = {}
     for it in items:
-        frames = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
+        frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
         dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens, temperature=0.0)
-        out[it.id] = decode_ar(target, frames, it.prompt, dec).token_ids
+        out[it.id] = decode_ar(target, frames, it.prompt, dec, times).token_ids
     return out
 
 

@@ -67,11 +67,13 @@ def decode_sd(
     cfg: DecodingConfig,
     keep_policy: KeepPolicy,
     pruning: PruningConfig | None = None,
+    frame_times: np.ndarray | None = None,
 ) -> DecodeResult:
-    """`pruning`: the strategy whose prefill signals (attention, hidden states) the keep policy reads."""
+    """`pruning`: the strategy whose prefill signals (attention, hidden states) the keep policy reads.
+    `frame_times`: (T,) seconds of each frame (VideoLMAdapter.prepare)."""
     t0 = time.perf_counter()
-    t_emb = target.embed(target.prepare(frames, prompt))
-    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt))
+    t_emb = target.embed(target.prepare(frames, prompt, frame_times))
+    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
     if d_emb.layout.grid != t_emb.layout.grid:
         raise ValueError(f"draft video grid {d_emb.layout.grid} differs from the target's {t_emb.layout.grid}")
     t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)

@@ -3,7 +3,7 @@
 An adapter owns an architecture's quirks (video preprocessing, rotary positions, deepstack features,
 pooled video tokens) and exposes four operations that the decoders and roles use:
 
-    inputs  = adapter.prepare(frames, prompt)          # tokens + pixel tensors + video token layout
+    inputs  = adapter.prepare(frames, prompt, times)   # tokens + pixel tensors + video token layout
     embeds  = adapter.embed(inputs)                    # vision tower: sequence embeddings + positions
     result  = adapter.prefill(embeds, keep=None)       # full or pruned prefill -> logits + DecodeState
     logits  = adapter.step(state, token_ids)           # decode / verify k tokens, appending to the cache
@@ -96,8 +96,13 @@ class VideoLMAdapter(ABC):
     # ---- family hooks -------------------------------------------------------------------------
 
     @abstractmethod
-    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
-        """frames: (T, H, W, 3) uint8 RGB. Builds tokens, pixel tensors and the video token layout."""
+    def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
+        """frames: (T, H, W, 3) uint8 RGB. Builds tokens, pixel tensors and the video token layout.
+
+        frame_times: (T,) seconds at which each frame was taken in the source video (what
+        `vpsd.video.item.load_frames` returns beside the frames). A family that tells its model
+        the time (Qwen2.5-VL in the rotary phase, Qwen3-VL in the prompt) takes it from there; None
+        means the frames were sampled at the family's default rate from time 0."""
 
     @abstractmethod
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:

@@ -94,7 +94,8 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
             image_size=vc.image_size, patch_size=vc.patch_size, mean=tuple(image_mean), std=tuple(image_std)
         )
 
-    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
+    def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
+        """frame_times is unused: LLaVA-OneVision's prompt and positions carry no time."""
         size = self.vision_spec.image_size
         frames = resize_frames(frames, size, size)
         pixel_values = llava_video_tensor(frames, self.vision_spec)

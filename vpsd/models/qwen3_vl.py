@@ -75,11 +75,8 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     default_fps = DEFAULT_FPS
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
-        """frame_times: (T,) seconds of each frame in the source video (VideoClip.timestamps);
-        by default the frames are taken as sampled at `fps` from time 0."""
-        if frame_times is None:
-            frame_times = np.arange(frames.shape[0]) / self.fps
-        stamps = group_timestamps(frame_times, self.vision_spec.temporal_patch_size)
+        """frame_times: (T,) seconds of each frame in the source video (see VideoLMAdapter.prepare)."""
+        stamps = group_timestamps(self.frame_times(frames, frame_times), self.vision_spec.temporal_patch_size)
         return self._prepare_qwen(
             frames, lambda grid: qwen3_chat_prompt(prompt, qwen3_video_text(stamps, grid[1] * grid[2]))
         )

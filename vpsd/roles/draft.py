@@ -60,13 +60,13 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     extra = job.extra
     emb = None
     try:
-        frames, _ = videos.take(extra["video"])  # the target's frames: same request, same cap
+        frames, times, _ = videos.take(extra["video"])  # the target's frames: same request, same cap
     except VideoError:
         frames = None  # the target read the same file and reports any error; wait for its ItemDone
     videos.ahead(extra.get("next_video"))  # read the next item's video while this one is drafted
     if frames is not None:
         with span("vision", item=job.item_id):
-            emb = draft.embed(draft.prepare(frames, extra["prompt"]))
+            emb = draft.embed(draft.prepare(frames, extra["prompt"], times))
     keep = _wait_keep(ctx, job.item_id)
     if keep is None or emb is None:
         _drain_until_done(ctx, job.item_id)

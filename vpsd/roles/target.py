@@ -49,6 +49,7 @@ class WorkItem:
     video: dict = field(default_factory=dict)
     next_video: dict | None = None
     extra: dict = field(default_factory=dict)
+    frame_times: np.ndarray | None = None  # (T,) seconds each frame was taken (None: the family's default rate)
 
 
 def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter | None, item: WorkItem) -> DecodeResult:
@@ -58,7 +59,7 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
     frames = item.frames
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
-            result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
+            result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning, item.frame_times)
         if result.kept is not None and ctx.extra.get("out"):
             # The pruner rank logs a parallel run's kept tokens; a serial run chose them here.
             append_kept(Path(ctx.extra["out"]), KeptRecord(item.id, cfg.pruning.strategy, cfg.pruning.applied_ratio,
@@ -83,7 +84,7 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
     ctx.send("pruner", job)
     with span("item", item=item.id, method=ctx.method.name):
         with span("vision", item=item.id):
-            emb = target.embed(target.prepare(frames, item.prompt))
+            emb = target.embed(target.prepare(frames, item.prompt, item.frame_times))
         pre = _prefill_streaming_signals(ctx, target, emb, item)
         t1 = time.perf_counter()
         result = _verify_loop(ctx, target, pre, item, dec)
