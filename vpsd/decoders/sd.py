@@ -74,8 +74,7 @@ def decode_sd(
     t0 = time.perf_counter()
     t_emb = target.embed(target.prepare(frames, prompt, frame_times))
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
-    if d_emb.layout.grid != t_emb.layout.grid:
-        raise ValueError(f"draft video grid {d_emb.layout.grid} differs from the target's {t_emb.layout.grid}")
+    d_emb.layout.check_same_grid(t_emb.layout.grid)
     t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)
     keep = keep_policy(t_emb, t_pre, d_emb)
     t_pre.signals = None  # the copied keys are not needed while decoding

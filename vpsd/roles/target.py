@@ -23,7 +23,7 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, KeepIndices, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, KeepIndices, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
@@ -79,6 +79,7 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
         gamma=dec.gamma,
         mode="optimistic",
         extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt},
+        eos_token_ids=list(target.eos_token_ids),
     )
     ctx.send("draft", job)
     ctx.send("pruner", job)
@@ -146,6 +147,8 @@ def _recv_chunk(ctx: RoleContext) -> tuple[DraftChunk, torch.Tensor | None]:
                     raise RoleFailure(f"target: chunk announced probabilities, got {type(announce).__name__}")
                 q = ctx.tensors.recv_announced(announce)[0]
             return msg, q
+        if isinstance(msg, Error) and msg.item_id == ctx.item_id:
+            raise ValueError(f"{msg.role} (rank {msg.rank}): {msg.message}")  # the item fails, the job goes on
         log.warning("unexpected_message", type=type(msg).__name__, item=ctx.item_id)
 
 
