@@ -5,7 +5,7 @@
                                     [--set KEY=VALUE ...]
 
 Per item the target's signals are captured once (one full prefill with hooks on its first `pruning.layers`
-layers: text queries + keys, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
+layers, all by default as in a serial run: text queries + keys, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
 they travel to the pruner rank (roles/signals_wire.py), and reused for every strategy, so each strategy
 selects from the same input. For each strategy:
 
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
     table = format_table(rows)
     tokens = statistics.fmean(c.layout.num_tokens for c in captured)
-    layers = min(cfg.pruning.layers, len(target.language_model.layers))
+    depth = len(target.language_model.layers)
+    layers = depth if cfg.pruning.layers is None else min(cfg.pruning.layers, depth)
     print(f"\n{cfg.family}, {len(captured)} items, {tokens:.0f} video tokens per item, ratio {ratio}, "
           f"gamma {cfg.decoding.gamma}, signals from {layers} target layers\n{table}")
     with (args.out / "bench_pruning.csv").open("w", newline="") as f:

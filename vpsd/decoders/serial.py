@@ -31,4 +31,4 @@ def decode_serial(
         return decode_ar(target, frames, prompt, cfg, frame_times)
     if method.draft == "sparse_kv":
         return decode_std(target, frames, prompt, cfg, pruning, frame_times)
-    return decode_sd(target, draft or target, frames, prompt, cfg, keep_policy_for(pruning), pruning, frame_times)
+    return decode_sd(target, draft or target, frames, prompt, cfg, keep_policy_for(pruning, target.family), pruning, frame_times)

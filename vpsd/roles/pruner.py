@@ -16,10 +16,10 @@ import torch
 
 from pathlib import Path
 
+from vpsd.decoders.keep import configured_strategy
 from vpsd.launch.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Shutdown, TensorAnnounce
-from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import unpack
 from vpsd.tracing import get_logger, span
@@ -29,7 +29,7 @@ log = get_logger()
 
 def run_pruner(ctx: RoleContext) -> None:
     cfg = ctx.config.pruning
-    strategy = STRATEGIES[cfg.strategy]
+    strategy = configured_strategy(cfg, ctx.config.family)
     while True:
         _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
         if isinstance(msg, Shutdown):

@@ -79,7 +79,7 @@ def evaluate(cfg: RunConfig, workdir: Path, count: int, seeds: range = HELD_OUT_
             if name == "target":
                 reference_ids = out.token_ids
         for label, pruning in settings.items():
-            res = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(pruning), pruning, times)
+            res = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(pruning, target.family), pruning, times)
             if res.token_ids != reference_ids:
                 raise AssertionError(f"speculative output differs from the target's on {item['id']} ({label})")
             row[f"sd_{label}"] = {"mat": res.stats.mean_accepted_tokens, "acceptance": res.stats.acceptance_rate}
