@@ -16,8 +16,9 @@ output of layer L, its sum telescopes: pipeline/pruning/uv.py), so no per-layer 
 As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
 layers after L are still to run (the target starts the send to the pruner in it). Memory: L x (Hq, Nt, d)
 queries; the keys are views of the cache's own tensors (no copy: Sparse-to-Dense reads every layer's, which
-would have briefly doubled the KV memory), stacked into one tensor only when they are sent to the pruner;
-the text-to-video attention itself is rebuilt in chunks by pipeline/pruning/attention.py.
+would have briefly doubled the KV memory), sent to the pruner layer by layer from the cache itself; the
+text-to-video attention is rebuilt in chunks by pipeline/pruning/attention.py (one layer, one chunk of
+queries at a time). scripts/signal_memory.py measures all of it at a real target's depth and 24k tokens.
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
@@ -54,14 +55,15 @@ class PrefillSignals:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return dataclasses.replace(signals, **{k: v for k, v in fields.items() if v is not None})
 
-    def as_tensors(self) -> dict[str, torch.Tensor]:
-        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor,
-        the per-layer keys one (L, Hkv, S, d) tensor)."""
-        out = {}
+    def as_tensors(self) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor;
+        the per-layer keys stay the cache's own L views: the wire sends them one by one, never a stacked copy,
+        which for a 7B target and 24k tokens would be 0.7 GB more on the target)."""
+        out: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple):
-                out[f.name] = torch.stack(value)  # the wire takes one tensor; this is the keys' only copy
+                out[f.name] = value
             elif value is not None:
                 out[f.name] = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
         return out
