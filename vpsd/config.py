@@ -35,6 +35,10 @@ class DecodingConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # seeds the acceptance test and sampling when temperature > 0
+    # The target verifies a chunk with one-token forwards, the kernels `ar` runs: greedy output then equals
+    # `ar`'s bit for bit in any dtype, even at near-ties (README "What lossless means"), at the price of
+    # k target forwards per verify instead of one.
+    exact_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.gamma < 1:

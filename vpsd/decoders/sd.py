@@ -122,7 +122,7 @@ def speculate(
         # Same span names as the parallel roles, so benchmarks read T_p and T_q the same way.
         # Verification sits inside the span, as in the target role, so the span can carry `accepted`.
         with span("verify", tokens=len(pending) + len(drafts), drafted=len(drafts)) as verify_fields:
-            logits = target.step(t_state, torch.tensor(pending + drafts))[len(pending) - 1 :]
+            logits = target.step(t_state, torch.tensor(pending + drafts), rowwise=cfg.exact_verify)[len(pending) - 1 :]
             v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
             verify_fields["accepted"] = v.num_accepted
         t_cur.feed(pending + drafts)

@@ -170,10 +170,18 @@ class VideoLMAdapter(ABC):
         return PrefillResult(logits=logits, state=state, hidden_states=out.hidden_states if output_hidden_states else None)
 
     @torch.inference_mode()
-    def step(self, state: DecodeState, token_ids: torch.Tensor) -> torch.Tensor:
-        """Feeds k tokens after the cache; returns (k, V) float32 logits, the i-th predicting token i+1."""
+    def step(self, state: DecodeState, token_ids: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+        """Feeds k tokens after the cache; returns (k, V) float32 logits, the i-th predicting token i+1.
+
+        rowwise: k one-token forwards instead of one k-token forward. They are the forwards `ar` runs, so
+        every row and every cache entry is bit-identical to `ar`'s (same kernels, same shapes), where a
+        k-row forward differs by float noise (up to 0.016 in bf16 on the world pair), enough to flip a
+        greedy choice whose top-2 logits are that close. Costs k forwards per verify.
+        """
         token_ids = token_ids.reshape(1, -1).to(self.device)
         k = token_ids.shape[1]
+        if rowwise and k > 1:
+            return torch.cat([self.step(state, token_ids[:, i : i + 1]) for i in range(k)])
         start = state.length + state.position_offset
         pos = torch.arange(start, start + k, device=self.device).view(1, 1, k)
         num_rows = self.position_rows

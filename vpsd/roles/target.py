@@ -171,12 +171,12 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
         with span("verify", item=item.id, round=stats.rounds, start=chunk.start, tokens=len(tokens), epoch=machine.epoch,
                   drafted=len(tokens), mode=machine.mode.value) as verify_fields:
             if decision.use_kept_row:
-                rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens))])
+                rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens), rowwise=dec.exact_verify)])
                 cursor.feed(tokens)
             else:
                 length, pending = cursor.sync(machine.committed)
                 target.rollback(pre.state, length)
-                rows = target.step(pre.state, torch.tensor(pending + tokens))[len(pending) - 1 :]
+                rows = target.step(pre.state, torch.tensor(pending + tokens), rowwise=dec.exact_verify)[len(pending) - 1 :]
                 cursor.feed(pending + tokens)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             before = len(machine.committed)
