@@ -32,6 +32,7 @@ from vpsd.models.base import SequenceEmbeddings
 from vpsd.models.registry import ModelSpec, load_adapter
 from vpsd.models.signals import prefill_for_strategy, text_positions
 from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.signals_wire import pack
 
 MIB = 2**20
@@ -62,6 +63,7 @@ def sequence(adapter, groups: int, side: int, text: int = 24) -> SequenceEmbeddi
     length = prefix + n + text
     gen = torch.Generator().manual_seed(0)
     embeds = torch.randn(1, length, adapter.model.config.get_text_config().hidden_size, generator=gen)
+    embeds = embeds.to(adapter.model.dtype)
     layout = VideoTokenLayout.from_grid(torch.arange(prefix, prefix + n), (groups, side, side))
     positions = torch.arange(length).view(1, 1, length).expand(3, 1, length).contiguous()
     return SequenceEmbeddings(embeds=embeds, positions=positions, next_position=length, layout=layout)
@@ -126,13 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=24)
     p.add_argument("--tokens-side", type=int, default=32)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--strategies", nargs="+", default=["hippo", "uv"])
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    adapter = load_adapter("qwen2_5_vl", ModelSpec(tiny={"seed": 0, "text": TEXT, "vision": VISION}))
+    spec = ModelSpec(tiny={"seed": 0, "text": TEXT, "vision": VISION}, dtype=args.dtype)
+    adapter = load_adapter("qwen2_5_vl", spec)
     emb = sequence(adapter, args.groups, args.tokens_side)
     nt = len(text_positions(emb))
     print(f"{emb.layout.num_tokens} video tokens, {emb.seq_len} in all, {DEPTH} layers, hidden {TEXT['hidden_size']}")
-    for strategy in ("hippo", "uv"):
+    for strategy in args.strategies:
         pruning = PruningConfig(strategy, 0.9)
         try:
             layers_read = pruning.signal_layers(parallel=True)
@@ -145,14 +150,15 @@ def main(argv: list[str] | None = None) -> None:
         capture = sum(_bytes(v) for v in held.values() if not (_storages(v) & cache))
         sent = pre.signals.as_tensors()
         stacked = sum(_bytes(v) for v in sent.values() if not (_storages(v) & cache) and not (_storages(v) & _storages(list(held.values()))))
-        tag, tensors = pack({"visual_embeds": emb.visual_embeds.float(), **sent}, emb.layout)
+        base = {"visual_embeds": emb.visual_embeds.float()} if STRATEGIES[strategy].needs_visual_embeds else {}
+        tag, tensors = pack({**base, **sent}, emb.layout)
         wire = sum(_bytes(t) for t in tensors)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "wire.pt"
             torch.save((tag, [t.clone() for t in tensors]), path)
             del pre, sent, tensors
             peak = pruner_peak(path, strategy)
-        print(f"{strategy:6s} measured (float32, tiny width): capture {(capture + stacked) / MIB:8.1f} MiB "
+        print(f"{strategy:6s} measured ({args.dtype}, tiny width): capture {(capture + stacked) / MIB:8.1f} MiB "
               f"(of which a stacked copy {stacked / MIB:.1f}), wire {wire / MIB:8.1f} MiB, pruner peak {peak:8.1f} MiB")
         for name, dims in REAL.items():
             c, w = scaled(strategy, emb.layout.num_tokens, nt, dims, layers_read)

@@ -2,7 +2,7 @@
 
 Greedy speculative decoding returns, at every position, the target's argmax of a logits row. `ar` computes
 that row with one-token forwards; a verify computes it inside a k-token forward. Same math, other kernel
-shapes: the rows differ by float noise (about 1e-5 in float32, 0.016 in bf16 on the world pair), so where the
+shapes: the rows differ by float noise (up to about 1e-5 in float32, 0.125 in bf16 on the world pair), so where the
 target's top-2 logits are closer than that noise the two can pick different tokens, and from there on the
 outputs differ. That is a tie in the target's own distribution, not a wrong draft getting through.
 
@@ -29,9 +29,10 @@ import torch
 
 from vpsd.models.base import VideoLMAdapter
 
-# Top-2 margins below these are float noise of a k-row forward against a 1-row one (measured on the world
-# pair: 1.1e-5 in float32, 0.016 in bf16; the tolerances leave headroom for larger models).
-TIE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.125, torch.float16: 0.03}
+# Top-2 margins below these are float noise of a k-row forward against a 1-row one. Measured on the world
+# pair: |k-row - 1-row| up to 1.1e-5 in float32 and 0.125 in bf16 (one bf16 step at logits of 16-32), and
+# each of the two logits may move by that much, so a margin under twice the noise can flip.
+TIE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.03}
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,18 @@ class VideoLMAdapter(ABC):
 
     # ---- shared machinery ---------------------------------------------------------------------
 
+    def render_chat(self, prompt: str, video_block: str) -> str | None:
+        """The tokenizer's own chat template for one user turn (the video, then `prompt`), or None when the
+        tokenizer has none (the tiny offline models: the family's hand-written form is used). The render must
+        hold `video_block`, the placeholder the family expands, exactly once."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if text.count(video_block) != 1:
+            raise ValueError(f"the chat template rendered {text.count(video_block)} {video_block!r} for one video")
+        return text
+
     @property
     def language_model(self) -> torch.nn.Module:
         return self.model.model.language_model

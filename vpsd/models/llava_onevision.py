@@ -101,7 +101,8 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         pixel_values = llava_video_tensor(frames, self.vision_spec)
         num_frames, side = frames.shape[0], self.vision_spec.pooled_side
         n = num_frames * side * side + 1
-        text = llava_chat_prompt(prompt, n)
+        chat = self.render_chat(prompt, "<video>")
+        text = llava_chat_prompt(prompt, n) if chat is None else chat.replace("<video>", "<video>" * n)
         input_ids = torch.tensor([self.tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long)
         is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:

@@ -17,6 +17,7 @@ from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_fo
 from vpsd.pipeline.layout import VideoTokenLayout
 
 VIDEO_TYPE_ID = 2  # mm_token_type_ids: text 0, image 1, video 2
+QWEN_VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"  # what Qwen's chat templates render for a video
 DEFAULT_FPS = 2.0  # Qwen's default video sampling rate: the frames' times when none are given
 
 
@@ -140,9 +141,17 @@ class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
         fps = sampled_fps(self.frame_times(frames, frame_times)) or self.fps
+        chat = self.render_chat(prompt, QWEN_VIDEO_BLOCK)
+
+        def text(grid: tuple[int, int, int]) -> str:
+            n = grid[0] * grid[1] * grid[2]
+            if chat is None:
+                return qwen_chat_prompt(prompt, n)
+            return chat.replace(QWEN_VIDEO_BLOCK, QWEN_VIDEO_BLOCK.replace("<|video_pad|>", "<|video_pad|>" * n))
+
         return self._prepare_qwen(
             frames,
-            lambda grid: qwen_chat_prompt(prompt, grid[0] * grid[1] * grid[2]),
+            text,
             # Time is in the rotary phase: the temporal position of group g is
             # int(g * second_per_grid_ts * tokens_per_second), so the spacing must be the clip's own.
             second_per_grid_ts=torch.tensor([self.vision_spec.temporal_patch_size / fps]),

@@ -77,9 +77,13 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
         """frame_times: (T,) seconds of each frame in the source video (see VideoLMAdapter.prepare)."""
         stamps = group_timestamps(self.frame_times(frames, frame_times), self.vision_spec.temporal_patch_size)
-        return self._prepare_qwen(
-            frames, lambda grid: qwen3_chat_prompt(prompt, qwen3_video_text(stamps, grid[1] * grid[2]))
-        )
+        chat = self.render_chat(prompt, VIDEO_BLOCK)
+
+        def text(grid: tuple[int, int, int]) -> str:
+            video = qwen3_video_text(stamps, grid[1] * grid[2])
+            return qwen3_chat_prompt(prompt, video) if chat is None else chat.replace(VIDEO_BLOCK, video, 1)
+
+        return self._prepare_qwen(frames, text)
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:

@@ -1,7 +1,8 @@
 """Model families and how to load one: from a local checkpoint, or a tiny seeded model built offline.
 
 `load_adapter(family, spec)` is the only way the rest of vpsd gets a model. A spec either names a
-local checkpoint directory (real weights; the checkpoint's own tokenizer) or describes a tiny model
+local checkpoint directory laid out like the published ones (real weights; the checkpoint's own tokenizer,
+chat template and processor settings, see models/checkpoint.py) or describes a tiny model
 (text / vision sizes and a seed), built with the shared offline tokenizer so that a target and its
 draft agree on token ids.
 """
@@ -16,6 +17,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.checkpoint import read_checkpoint
 from vpsd.models.tokenizer import build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,7 +78,11 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
     """Builds or loads the model of `spec` and wraps it in its family's adapter."""
     fam = family(family_name)
     dtype = DTYPES[spec.dtype]
+    options = dict(spec.options)
     if spec.path is not None:
+        # The checkpoint's own processor settings, checked before any weights are read; the spec's
+        # options override them.
+        options = {**read_checkpoint(spec.path, family_name), **options}
         model = fam.model_class.from_pretrained(spec.path, dtype=dtype)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(spec.path)
     else:
@@ -89,4 +95,4 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
             model = fam.model_class(config)
         model = model.to(dtype)
     model = model.to(spec.device).eval()
-    return fam.adapter(model, tokenizer, **spec.options)
+    return fam.adapter(model, tokenizer, **options)
