@@ -5,7 +5,7 @@
                                     [--set KEY=VALUE ...]
 
 Per item the target's signals are captured once (one full prefill with hooks on its first `pruning.layers`
-layers: text queries + keys, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
+layers, all by default as in a serial run: text queries + keys, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
 they travel to the pruner rank (roles/signals_wire.py), and reused for every strategy, so each strategy
 selects from the same input. For each strategy:
 
@@ -59,6 +59,7 @@ class Captured:
 
     item_id: str
     frames: object  # (T, H, W, 3) uint8
+    times: object  # (T,) seconds each frame was taken
     prompt: str
     signals: PruningSignals
     layout: VideoTokenLayout
@@ -80,16 +81,16 @@ class StrategyRow:
 
 
 def capture(target: VideoLMAdapter, cfg: RunConfig, it, max_new_tokens: int | None) -> Captured:
-    frames = load_item_frames(it.video, it.num_frames or cfg.video.num_frames, it.fps, cfg.video.max_side)
-    emb = target.embed(target.prepare(frames, it.prompt))
+    frames, times = load_item_frames(it.video, it.num_frames or cfg.video.num_frames, it.fps, cfg.video.max_side)
+    emb = target.embed(target.prepare(frames, it.prompt, times))
     pre = prefill_with_signals(target, emb, cfg.pruning.layers, attention=True, hidden=True)
     measured = {"visual_embeds": emb.visual_embeds.float(), **pre.signals.as_tensors()}
     # Through the wire format, so a strategy sees exactly what the pruner rank would receive.
     signals, layout = unpack(*pack(measured, emb.layout))
     budget = max_new_tokens or it.max_new_tokens or cfg.decoding.max_new_tokens
     dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=budget, temperature=0.0)
-    ar = decode_ar(target, frames, it.prompt, dec).token_ids
-    return Captured(it.id, frames, it.prompt, signals, layout, ar, budget)
+    ar = decode_ar(target, frames, it.prompt, dec, times).token_ids
+    return Captured(it.id, frames, times, it.prompt, signals, layout, ar, budget)
 
 
 def _sync() -> None:
@@ -124,7 +125,8 @@ def bench(target, draft, cfg: RunConfig, items: list[Captured], strategies: list
             times.append(secs * 1e3 * 10_000 / item.layout.num_tokens)
             kept.append(int(keep.numel()))
             dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=item.max_new_tokens, temperature=0.0)
-            res = decode_sd(target, draft, item.frames, item.prompt, dec, lambda t_emb, t_pre, d_emb, k=keep: k)
+            res = decode_sd(target, draft, item.frames, item.prompt, dec, lambda t_emb, t_pre, d_emb, k=keep: k,
+                            frame_times=item.times)
             lossless &= res.token_ids == item.ar_tokens
             stats.extend(res.stats)
         rows.append(StrategyRow(name, r, len(items), statistics.median(times), stats.mean_accepted_tokens,
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
     table = format_table(rows)
     tokens = statistics.fmean(c.layout.num_tokens for c in captured)
-    layers = min(cfg.pruning.layers, len(target.language_model.layers))
+    depth = len(target.language_model.layers)
+    layers = depth if cfg.pruning.layers is None else min(cfg.pruning.layers, depth)
     print(f"\n{cfg.family}, {len(captured)} items, {tokens:.0f} video tokens per item, ratio {ratio}, "
           f"gamma {cfg.decoding.gamma}, signals from {layers} target layers\n{table}")
     with (args.out / "bench_pruning.csv").open("w", newline="") as f:

@@ -90,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
     rows = rows_for(trees, ratio)
     for it in items:
-        frames = load_item_frames(it.video, it.num_frames or cfg.video.num_frames, it.fps, cfg.video.max_side)
+        frames, times = load_item_frames(it.video, it.num_frames or cfg.video.num_frames, it.fps, cfg.video.max_side)
         budget = it.max_new_tokens or cfg.decoding.max_new_tokens
         base = dataclasses.replace(cfg.decoding, max_new_tokens=budget, temperature=0.0)
-        ar = decode_serial(get_method("ar"), target, None, frames, it.prompt, base, cfg.pruning).token_ids
+        ar = decode_serial(get_method("ar"), target, None, frames, it.prompt, base, cfg.pruning, times).token_ids
         for row in rows:
             dec = dataclasses.replace(base, tree=row.tree)
             pruning = dataclasses.replace(cfg.pruning, strategy=row.strategy, ratio=row.ratio)
-            res = decode_serial(get_method(row.method), target, draft, frames, it.prompt, dec, pruning)
+            res = decode_serial(get_method(row.method), target, draft, frames, it.prompt, dec, pruning, times)
             row.stats.extend(res.stats)
             row.identical += int(res.token_ids == ar)
             row.items += 1

@@ -33,16 +33,16 @@ def ar_tokens(video: Path, prompt: str, num_frames: int, max_new_tokens: int, ca
     """Plain autoregressive decoding of the tiny target, in this process."""
     cfg = load_config(ROOT / "configs" / CONFIG)
     target, _ = tiny_pair("qwen2_5_vl")
-    frames = cap_frames(load_item_frames(video, num_frames, None, cfg.video.max_side), cap)
+    frames, times = load_item_frames(video, num_frames, None, cfg.video.max_side)
     dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=max_new_tokens, temperature=0.0)
-    return decode_ar(target, frames, prompt, dec).token_ids
+    return decode_ar(target, cap_frames(frames, cap), prompt, dec, cap_frames(times, cap)).token_ids
 
 
 def tokens_needed(video: Path, prompt: str, num_frames: int, max_new_tokens: int) -> int:
     cfg = load_config(ROOT / "configs" / CONFIG)
     target, _ = tiny_pair("qwen2_5_vl")
-    frames = load_item_frames(video, num_frames, None, cfg.video.max_side)
-    return target.prepare(frames, prompt).seq_len + max_new_tokens
+    frames, times = load_item_frames(video, num_frames, None, cfg.video.max_side)
+    return target.prepare(frames, prompt, times).seq_len + max_new_tokens
 
 
 def lines(out: Path) -> list[dict]:

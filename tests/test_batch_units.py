@@ -39,15 +39,17 @@ def test_request_resolution_item_first_then_config():
 @pytest.mark.parametrize("request_,cap", [(dict(num_frames=9), 4), (dict(fps=3), 2), (dict(), 5)])
 def test_cap_after_reading_equals_reading_with_max_frames(gray_mp4, request_, cap):
     """The draft reads ahead before the target knows the cap; capping later must give the same frames."""
-    frames = load_frames(FrameRequest(str(gray_mp4), **request_), "x", {})
-    direct = read_video(gray_mp4, max_frames=cap, **request_).frames
-    np.testing.assert_array_equal(cap_frames(frames, cap), direct)
+    frames, times = load_frames(FrameRequest(str(gray_mp4), **request_), "x", {})
+    direct = read_video(gray_mp4, max_frames=cap, **request_)
+    np.testing.assert_array_equal(cap_frames(frames, cap), direct.frames)
+    np.testing.assert_array_equal(cap_frames(times, cap), direct.timestamps)  # the times travel with the frames
 
 
 def test_load_frames_times_read_and_preprocess(gray_mp4):
     timings: dict[str, float] = {}
-    frames = load_frames(FrameRequest(str(gray_mp4), 4, None, 24), "x", timings)
+    frames, times = load_frames(FrameRequest(str(gray_mp4), 4, None, 24), "x", timings)
     assert frames.shape == (4, 16, 24, 3)
+    np.testing.assert_allclose(times, [0, 5 / 8, 10 / 8, 15 / 8])  # linspace(0, 15, 4) of an 8 fps video
     assert set(timings) == {"video_read_s", "preprocess_s"} and all(v >= 0 for v in timings.values())
 
 
@@ -113,8 +115,10 @@ def test_frame_prefetcher_reuses_a_read_ahead_clip_and_applies_the_cap(gray_mp4,
     videos = FramePrefetcher()
     try:
         videos.ahead(req.to_wire("a"))
-        frames, timings = videos.take(req.to_wire("a", max_frames=3))
-        np.testing.assert_array_equal(frames, read_video(gray_mp4, num_frames=8, max_frames=3).frames)
+        frames, times, timings = videos.take(req.to_wire("a", max_frames=3))
+        direct = read_video(gray_mp4, num_frames=8, max_frames=3)
+        np.testing.assert_array_equal(frames, direct.frames)
+        np.testing.assert_array_equal(times, direct.timestamps)
         assert {"video_read_s", "preprocess_s", "video_wait_s"} <= set(timings)
         missing = FrameRequest(str(tmp_path / "nope.mp4"), 8).to_wire("b")
         videos.ahead(missing)

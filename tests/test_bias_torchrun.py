@@ -40,8 +40,8 @@ def test_bias_report_of_an_attention_only_run(tmp_path_factory, method):
     policy = keep_policy_for(pruning)
     items, _ = load_manifest(manifest)
     for it in items:
-        frames = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
-        emb = target.embed(target.prepare(frames, it.prompt))
+        frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
+        emb = target.embed(target.prepare(frames, it.prompt, times))
         keep = policy(emb, prefill_for_strategy(target, emb, pruning), emb)
         rec = records[it.id]
         assert torch.equal(rec.kept, keep) and rec.strategy == "attn" and rec.ratio == 0.9

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from tests.conftest import FAMILIES, random_frames, tiny_pair
+from tests.official_layout import official_checkpoint
 from vpsd.launch.grow import check_growth, compare_adapters, main
 from vpsd.models import grow as grow_module
 from vpsd.models.grow import RECORD, GrowthError, ensure_grown, grow_checkpoint, grow_model
@@ -30,16 +31,10 @@ EXAMPLES = ROOT / "examples" / "world" / "manifest.jsonl"
 INPUTS = [(random_frames(10), "Describe the video."), (random_frames(11), "What happens in this video?")]
 
 
-def save_checkpoint(adapter, path: Path) -> Path:
-    adapter.model.save_pretrained(path)
-    adapter.tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_ckpt")
-    return {f: save_checkpoint(tiny_pair(f)[0], root / f) for f in FAMILIES}
+    return {f: official_checkpoint(tiny_pair(f)[0], f, root / f) for f in FAMILIES}
 
 
 @pytest.mark.parametrize("width", [2, 4])
@@ -70,7 +65,7 @@ def test_grown_checkpoint_computes_the_same_function(family, width, tiny_checkpo
 
 def test_check_fails_on_a_different_model(tiny_checkpoints, tmp_path):
     """The check can fail: the tiny draft is not its target grown."""
-    draft = save_checkpoint(tiny_pair("qwen2_5_vl")[1], tmp_path / "draft")
+    draft = official_checkpoint(tiny_pair("qwen2_5_vl")[1], "qwen2_5_vl", tmp_path / "draft")
     check = check_growth(tiny_checkpoints["qwen2_5_vl"], draft, "qwen2_5_vl", INPUTS[:1], max_new_tokens=4)
     assert not check.ok and check.relative_diff > 1e-2
 
@@ -117,7 +112,7 @@ def test_uncovered_parameter_and_bad_sizes_raise():
 
 
 def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatch):
-    src = save_checkpoint(tiny_pair("llava_onevision")[0], tmp_path / "src")
+    src = official_checkpoint(tiny_pair("llava_onevision")[0], "llava_onevision", tmp_path / "src")
     dst = tmp_path / "grown"
     built = []
     real = grow_module.grow_checkpoint
@@ -163,7 +158,7 @@ def test_shipped_default_grown_x4_12_layers_decodes_identically():
     source = load_adapter("qwen2_5_vl", ModelSpec(path=str(SHIPPED_TARGET)))
     grown = type(source)(grow_model(source.model, 4, 12), source.tokenizer)
     item = json.loads(EXAMPLES.read_text().splitlines()[0])
-    frames = load_item_frames(EXAMPLES.parent / item["video"], 8, None, None)
+    frames, _ = load_item_frames(EXAMPLES.parent / item["video"], 8, None, None)
     check = compare_adapters(source, grown, [(frames, item["prompt"])], max_new_tokens=16)
     assert check.num_identical == 1 and check.relative_diff <= 1e-5, check.describe()
 

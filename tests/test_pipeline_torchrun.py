@@ -31,9 +31,9 @@ def ar_reference(family: str, manifest) -> dict[str, list[int]]:
     items, _ = load_manifest(manifest)
     out = {}
     for it in items:
-        frames = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
+        frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
         dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens, temperature=0.0)
-        out[it.id] = decode_ar(target, frames, it.prompt, dec).token_ids
+        out[it.id] = decode_ar(target, frames, it.prompt, dec, times).token_ids
     return out
 
 
@@ -177,3 +177,19 @@ def test_two_node_launch_on_one_machine(tmp_path_factory):
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert ar_reference("qwen2_5_vl", manifest) == {k: r["token_ids"] for k, r in results(out).items()}
+
+
+def test_a_draft_on_another_video_grid_fails_each_item_clearly(tmp_path_factory):
+    """A draft checkpoint whose vision settings differ from the target's (here: temporal patch 1, so twice the
+    frames on its token grid) would index the wrong tokens with the target's kept indices: the draft checks its
+    grid against the target's (sent with the kept indices), and the item fails with that error instead."""
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
+    out = tmp_path_factory.mktemp("grid")
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, "pearl", "--set", "draft.tiny.vision.temporal_patch_size=1",
+                   "--timeout", "60")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = results(out)
+    assert len(rows) == 2
+    for row in rows.values():
+        assert row["error"]["type"] == "ValueError" and row["token_ids"] == []
+        assert "draft video grid (8, 4, 4) differs from the target's (4, 4, 4)" in row["error"]["message"]

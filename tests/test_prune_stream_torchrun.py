@@ -69,8 +69,8 @@ def test_keep_reaches_the_draft_before_the_target_prefill_ends(tmp_path, method)
     cfg = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", DEEP)
     target = load_adapter(cfg.family, cfg.target)
     it = load_manifest(manifest)[0][0]
-    frames = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
-    ref = decode_ar(target, frames, it.prompt, DecodingConfig(max_new_tokens=8))
+    frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
+    ref = decode_ar(target, frames, it.prompt, DecodingConfig(max_new_tokens=8), times)
     assert row["token_ids"] == ref.token_ids
     assert row["strategy"] == {"parallelvlm": "uv", "hippo": "hippo"}[method]
     (record,) = read_kept(out)

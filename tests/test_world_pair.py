@@ -73,12 +73,12 @@ def test_target_describes_held_out_videos_and_draft_agrees(pair):
     greedy = replace(cfg.decoding, temperature=0.0)
     accuracy, mats = [], []
     for item in items:
-        frames = load_item_frames(EXAMPLES.parent / item["video"], cfg.video.num_frames, None, None)
-        ar = decode_ar(target, frames, item["prompt"], greedy)
+        frames, times = load_item_frames(EXAMPLES.parent / item["video"], cfg.video.num_frames, None, None)
+        ar = decode_ar(target, frames, item["prompt"], greedy, times)
         text = target.tokenizer.decode(ar.token_ids, skip_special_tokens=True).strip()
         accuracy.append(word_accuracy(text, item["reference"]))
         none = PruningConfig(strategy="none", ratio=0.0)
-        sd = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(none), none)
+        sd = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(none), none, times)
         assert sd.token_ids == ar.token_ids
         mats.append(sd.stats.mean_accepted_tokens)
     assert sum(accuracy) / len(accuracy) >= WORD_ACCURACY_FLOOR, accuracy
@@ -93,7 +93,7 @@ def test_target_captions_most_example_videos_exactly(pair):
     greedy = replace(cfg.decoding, temperature=0.0)
     exact = []
     for item in items:
-        frames = load_item_frames(EXAMPLES.parent / item["video"], cfg.video.num_frames, None, None)
-        out = decode_ar(target, frames, item["prompt"], greedy)
+        frames, times = load_item_frames(EXAMPLES.parent / item["video"], cfg.video.num_frames, None, None)
+        out = decode_ar(target, frames, item["prompt"], greedy, times)
         exact.append(target.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip() == item["reference"])
     assert sum(exact) > len(items) / 2, exact

@@ -54,6 +54,10 @@ class DecodingConfig:
     # default (EAGLE's / SpecVLM's tree), "chain" = a chain of gamma tokens instead, a name ("eagle"),
     # per-depth branching factors ([4, 2, 1]) or node paths ([[0], [1], [0, 0]]). Chain methods ignore it.
     tree: Any = None
+    # The target verifies a chunk with one-token forwards, the kernels `ar` runs: greedy output then equals
+    # `ar`'s bit for bit in any dtype, even at near-ties (README "What lossless means"), at the price of
+    # k target forwards per verify instead of one.
+    exact_verify: bool = False
 
     def __post_init__(self) -> None:
         parse_tree(self.tree)  # a bad shape fails here, with the reason
@@ -85,12 +89,36 @@ class PruningConfig:
     strategy: str = "uniform"
     ratio: float = 0.9  # share of prunable video tokens dropped from the draft's input
     seed: int = 0
-    layers: int = 20  # target layers whose signals feed the pruner (all if the model has fewer)
-    crop: int = 5  # HIPPO spatial crop side
+    # Target layers the signals are read from. null (default): the papers' definitions: attention
+    # strategies average over ALL layers (HIPPO Eq. 2, SpecVLM Eq. 5), UV-Prune compares layers 0 and 20
+    # (ParallelVLM App. D). An int L: the first L layers (UV: layers 0 and L).
+    layers: int | None = None
+    # Parallel runs only (ParallelVLM's streaming): the target sends the signals right after this layer,
+    # so they are of the first min(layers, stream_layers) layers and the draft's pruned prefill overlaps
+    # the rest of the target's. For attention strategies that departs from HIPPO / SpecVLM (all layers);
+    # it is the default because a parallel draft otherwise waits for the target's whole prefill.
+    # null: no streaming, the draft waits for the scores of `layers` (all layers by default).
+    stream_layers: int | None = 20
+    crop: int = 5  # HIPPO spatial crop side (M = crop^2 tokens, Eq. 5-6)
+    specvlm_lambda: float | None = None  # SpecVLM Eq. 6 top-P mass; null: the family's value from the paper
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"pruning ratio must be in [0, 1), got {self.ratio}")
+        for name in ("layers", "stream_layers"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"pruning.{name} must be a positive int or null, got {value!r}")
+        if isinstance(self.crop, bool) or not isinstance(self.crop, int) or self.crop < 1:
+            raise ValueError(f"pruning.crop must be a positive int, got {self.crop!r}")
+        if self.specvlm_lambda is not None and not 0.0 <= self.specvlm_lambda <= 1.0:
+            raise ValueError(f"pruning.specvlm_lambda must be in [0, 1] or null, got {self.specvlm_lambda!r}")
+
+    def signal_layers(self, parallel: bool) -> int | None:
+        """Target layers the pruning signals come from in a serial or parallel run (None: all; see above)."""
+        if parallel and self.stream_layers is not None:
+            return self.stream_layers if self.layers is None else min(self.layers, self.stream_layers)
+        return self.layers
 
     @property
     def applied_ratio(self) -> float:

@@ -14,9 +14,11 @@ from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
 
 
-def decode_ar(target: VideoLMAdapter, frames: np.ndarray, prompt: str, cfg: DecodingConfig) -> DecodeResult:
+def decode_ar(
+    target: VideoLMAdapter, frames: np.ndarray, prompt: str, cfg: DecodingConfig, frame_times: np.ndarray | None = None
+) -> DecodeResult:
     t0 = time.perf_counter()
-    emb = target.embed(target.prepare(frames, prompt))
+    emb = target.embed(target.prepare(frames, prompt, frame_times))
     pre = target.prefill(emb)
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = [next_token(pre.logits, cfg.temperature, gen)]

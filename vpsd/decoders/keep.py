@@ -2,7 +2,8 @@
 
 The policy gathers only the signals the strategy declares (visual embeddings from the target's
 vision tower; attention and hidden states from the target's prefill, see models/signals.py) and asks
-the strategy for kept indices. Ratio 0 or strategy "none" keeps every token.
+the strategy for kept indices. Ratio 0 or strategy "none" keeps every token. `configured_strategy`
+is the one place a config's strategy gets its knobs (crop, SpecVLM lambda): the pruner role uses it too.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import torch
 
 from vpsd.config import PruningConfig
 from vpsd.models.base import PrefillResult, SequenceEmbeddings
-from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals
+from vpsd.pipeline.pruning.specvlm import specvlm_lambda
+from vpsd.pipeline.pruning.strategies import PruningSignals, Strategy, strategy_for
 
 
-def keep_policy_for(cfg: PruningConfig):
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"unknown pruning strategy {cfg.strategy!r}; known: {sorted(STRATEGIES)}")
-    strategy = STRATEGIES[cfg.strategy]
+def configured_strategy(cfg: PruningConfig, family: str | None) -> Strategy:
+    """`cfg.strategy` with `cfg.crop` and SpecVLM's lambda (`cfg.specvlm_lambda`, else the family's)."""
+    return strategy_for(cfg.strategy, cfg.crop, specvlm_lambda(family, cfg.specvlm_lambda))
+
+
+def keep_policy_for(cfg: PruningConfig, family: str | None = None):
+    """family: picks SpecVLM's per-family lambda when the config sets none."""
+    strategy = configured_strategy(cfg, family)
 
     def policy(t_emb: SequenceEmbeddings, t_pre: PrefillResult, d_emb: SequenceEmbeddings) -> torch.Tensor | None:
         if cfg.applied_ratio == 0.0:

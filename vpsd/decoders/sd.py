@@ -69,15 +69,16 @@ def decode_sd(
     cfg: DecodingConfig,
     keep_policy: KeepPolicy,
     pruning: PruningConfig | None = None,
+    frame_times: np.ndarray | None = None,
     tree: DraftTree | None = None,
 ) -> DecodeResult:
     """`pruning`: the strategy whose prefill signals (attention, hidden states) the keep policy reads;
+    `frame_times`: (T,) seconds of each frame (VideoLMAdapter.prepare);
     `tree`: draft and verify a static tree each round (tree_sd.py) instead of a chain of gamma tokens."""
     t0 = time.perf_counter()
-    t_emb = target.embed(target.prepare(frames, prompt))
-    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt))
-    if d_emb.layout.grid != t_emb.layout.grid:
-        raise ValueError(f"draft video grid {d_emb.layout.grid} differs from the target's {t_emb.layout.grid}")
+    t_emb = target.embed(target.prepare(frames, prompt, frame_times))
+    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
+    d_emb.layout.check_same_grid(t_emb.layout.grid)
     t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)
     keep = keep_policy(t_emb, t_pre, d_emb)
     t_pre.signals = None  # the copied keys are not needed while decoding
@@ -128,7 +129,7 @@ def speculate(
         # Same span names as the parallel roles, so benchmarks read T_p and T_q the same way.
         # Verification sits inside the span, as in the target role, so the span can carry `accepted`.
         with span("verify", tokens=len(pending) + len(drafts), drafted=len(drafts)) as verify_fields:
-            logits = target.step(t_state, torch.tensor(pending + drafts))[len(pending) - 1 :]
+            logits = target.step(t_state, torch.tensor(pending + drafts), rowwise=cfg.exact_verify)[len(pending) - 1 :]
             v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
             verify_fields["accepted"] = v.num_accepted
         t_cur.feed(pending + drafts)

@@ -22,12 +22,14 @@ def decode_serial(
     prompt: str,
     cfg: DecodingConfig,
     pruning: PruningConfig,
+    frame_times: np.ndarray | None = None,
 ) -> DecodeResult:
+    """frame_times: (T,) seconds of each frame (VideoLMAdapter.prepare); None: the family's default rate."""
     if method.parallel:
         raise ValueError(f"method {method.name!r} is parallel: it runs through the roles, not a serial decoder")
     if not method.uses_draft:
-        return decode_ar(target, frames, prompt, cfg)
+        return decode_ar(target, frames, prompt, cfg, frame_times)
     if method.draft == "sparse_kv":
-        return decode_std(target, frames, prompt, cfg, pruning)
-    return decode_sd(target, draft or target, frames, prompt, cfg, keep_policy_for(pruning), pruning,
-                     tree=method.draft_tree(cfg.tree))
+        return decode_std(target, frames, prompt, cfg, pruning, frame_times)
+    return decode_sd(target, draft or target, frames, prompt, cfg, keep_policy_for(pruning, target.family), pruning,
+                     tree=method.draft_tree(cfg.tree), frame_times=frame_times)

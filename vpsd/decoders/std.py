@@ -57,12 +57,17 @@ def sparse_state(target: VideoLMAdapter, dense: DecodeState, indices: torch.Tens
 
 
 def decode_std(
-    target: VideoLMAdapter, frames: np.ndarray, prompt: str, cfg: DecodingConfig, pruning: PruningConfig
+    target: VideoLMAdapter,
+    frames: np.ndarray,
+    prompt: str,
+    cfg: DecodingConfig,
+    pruning: PruningConfig,
+    frame_times: np.ndarray | None = None,
 ) -> DecodeResult:
     if pruning.strategy != "none":
         raise ValueError(f"std chooses its own KV entries per head; pruning strategy {pruning.strategy!r} does not apply")
     t0 = time.perf_counter()
-    emb = target.embed(target.prepare(frames, prompt))
+    emb = target.embed(target.prepare(frames, prompt, frame_times))
     pre = std_prefill(target, emb)
     indices = std_cache_indices(pre, emb, pruning.ratio)
     pre.signals = None

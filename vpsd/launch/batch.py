@@ -47,7 +47,7 @@ from vpsd.roles.target import WorkItem, decode_item, finish_item
 from vpsd.tracing import get_logger
 from vpsd.video.errors import VideoError
 from vpsd.video.fit import fit_to_context
-from vpsd.video.item import FrameRequest, load_frames, timed
+from vpsd.video.item import FrameRequest, cap_frames, load_frames, timed
 from vpsd.video.prefetch import Prefetcher
 
 def context_limit(target: VideoLMAdapter, cfg: RunConfig) -> int:
@@ -60,6 +60,7 @@ def context_limit(target: VideoLMAdapter, cfg: RunConfig) -> int:
 @dataclass
 class LoadedItem:
     frames: np.ndarray  # read, scaled, fitted to the context
+    times: np.ndarray  # (T,) seconds at which each of those frames was taken
     video: dict  # the wire-form request the draft reads the same frames by (with max_frames if capped)
     timings: dict[str, float]  # video_read_s, preprocess_s
 
@@ -83,16 +84,17 @@ class ItemReader:
     def load(self, item: ManifestItem) -> LoadedItem:
         timings: dict[str, float] = {}
         request = self.request(item)
-        frames = load_frames(request, item.id, timings)
+        frames, times = load_frames(request, item.id, timings)
         reserve = self.max_new_tokens(item)
         with timed("preprocess", timings, item=item.id, step="fit"):
+            # A capped clip's times are the same cap of the times (Qwen3-VL's prompt counts them).
             frames, max_frames = fit_to_context(
-                frames, lambda f: self.target.prepare(f, item.prompt).seq_len + reserve,
+                frames, lambda f: self.target.prepare(f, item.prompt, cap_frames(times, len(f))).seq_len + reserve,
                 self.limit, self.cfg.video.subsample_to_fit, item.video,
             )
         if max_frames is not None:
             get_logger().info("video_subsampled", item=item.id, frames=max_frames, limit=self.limit)
-        return LoadedItem(frames, request.to_wire(item.id, max_frames), timings)
+        return LoadedItem(frames, cap_frames(times, max_frames), request.to_wire(item.id, max_frames), timings)
 
 
 def _error(e: Exception) -> dict:
@@ -146,7 +148,8 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
             loaded = prefetch.take(it, timings, item=it.id)
             timings.update(loaded.timings)
             work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
-                            reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra)
+                            reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
+                            frame_times=loaded.times)
             res = decode_item(ctx, target, draft, work)
             row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
                        stats={**res.stats_dict(), **timings, "num_frames": int(loaded.frames.shape[0])}, error=None)

@@ -122,7 +122,7 @@ def manifest_inputs(path: Path, count: int, num_frames: int) -> list[tuple[np.nd
     if problems:
         raise ValueError(f"{path}: line {problems[0].line}: {problems[0].message}")
     return [
-        (load_item_frames(it.video, it.num_frames or num_frames, it.fps, None), it.prompt) for it in items[:count]
+        (load_item_frames(it.video, it.num_frames or num_frames, it.fps, None)[0], it.prompt) for it in items[:count]
     ]
 
 

@@ -3,7 +3,7 @@
 An adapter owns an architecture's quirks (video preprocessing, rotary positions, deepstack features,
 pooled video tokens) and exposes four operations that the decoders and roles use:
 
-    inputs  = adapter.prepare(frames, prompt)          # tokens + pixel tensors + video token layout
+    inputs  = adapter.prepare(frames, prompt, times)   # tokens + pixel tensors + video token layout
     embeds  = adapter.embed(inputs)                    # vision tower: sequence embeddings + positions
     result  = adapter.prefill(embeds, keep=None)       # full or pruned prefill -> logits + DecodeState
     logits  = adapter.step(state, token_ids)           # decode / verify k tokens, appending to the cache
@@ -98,8 +98,13 @@ class VideoLMAdapter(ABC):
     # ---- family hooks -------------------------------------------------------------------------
 
     @abstractmethod
-    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
-        """frames: (T, H, W, 3) uint8 RGB. Builds tokens, pixel tensors and the video token layout."""
+    def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
+        """frames: (T, H, W, 3) uint8 RGB. Builds tokens, pixel tensors and the video token layout.
+
+        frame_times: (T,) seconds at which each frame was taken in the source video (what
+        `vpsd.video.item.load_frames` returns beside the frames). A family that tells its model
+        the time (Qwen2.5-VL in the rotary phase, Qwen3-VL in the prompt) takes it from there; None
+        means the frames were sampled at the family's default rate from time 0."""
 
     @abstractmethod
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
@@ -110,6 +115,18 @@ class VideoLMAdapter(ABC):
         return {}
 
     # ---- shared machinery ---------------------------------------------------------------------
+
+    def render_chat(self, prompt: str, video_block: str) -> str | None:
+        """The tokenizer's own chat template for one user turn (the video, then `prompt`), or None when the
+        tokenizer has none (the tiny offline models: the family's hand-written form is used). The render must
+        hold `video_block`, the placeholder the family expands, exactly once."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if text.count(video_block) != 1:
+            raise ValueError(f"the chat template rendered {text.count(video_block)} {video_block!r} for one video")
+        return text
 
     @property
     def language_model(self) -> torch.nn.Module:
@@ -167,10 +184,18 @@ class VideoLMAdapter(ABC):
         return PrefillResult(logits=logits, state=state, hidden_states=out.hidden_states if output_hidden_states else None)
 
     @torch.inference_mode()
-    def step(self, state: DecodeState, token_ids: torch.Tensor) -> torch.Tensor:
-        """Feeds k tokens after the cache; returns (k, V) float32 logits, the i-th predicting token i+1."""
+    def step(self, state: DecodeState, token_ids: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+        """Feeds k tokens after the cache; returns (k, V) float32 logits, the i-th predicting token i+1.
+
+        rowwise: k one-token forwards instead of one k-token forward. They are the forwards `ar` runs, so
+        every row and every cache entry is bit-identical to `ar`'s (same kernels, same shapes), where a
+        k-row forward differs by float noise (up to 0.016 in bf16 on the world pair), enough to flip a
+        greedy choice whose top-2 logits are that close. Costs k forwards per verify.
+        """
         token_ids = token_ids.reshape(1, -1).to(self.device)
         k = token_ids.shape[1]
+        if rowwise and k > 1:
+            return torch.cat([self.step(state, token_ids[:, i : i + 1]) for i in range(k)])
         start = state.length + state.position_offset
         pos = torch.arange(start, start + k, device=self.device).view(1, 1, k)
         num_rows = self.position_rows

@@ -95,13 +95,16 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
             image_size=vc.image_size, patch_size=vc.patch_size, mean=tuple(image_mean), std=tuple(image_std)
         )
 
-    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
+    def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
+        """frame_times is unused: LLaVA-OneVision's prompt and positions carry no time."""
         size = self.vision_spec.image_size
         frames = resize_frames(frames, size, size)
         pixel_values = llava_video_tensor(frames, self.vision_spec)
         num_frames, side = frames.shape[0], self.vision_spec.pooled_side
         n = num_frames * side * side + 1
-        input_ids = torch.tensor([encode_chat(self.tokenizer, llava_chat_prompt(PROMPT_SLOT, n), prompt)], dtype=torch.long)
+        chat = self.render_chat(PROMPT_SLOT, "<video>")  # the prompt goes in as text (encode_chat)
+        template = llava_chat_prompt(PROMPT_SLOT, n) if chat is None else chat.replace("<video>", "<video>" * n)
+        input_ids = torch.tensor([encode_chat(self.tokenizer, template, prompt)], dtype=torch.long)
         is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")

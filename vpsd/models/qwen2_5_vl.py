@@ -18,7 +18,23 @@ from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_fo
 from vpsd.pipeline.layout import VideoTokenLayout
 
 VIDEO_TYPE_ID = 2  # mm_token_type_ids: text 0, image 1, video 2
-DEFAULT_FPS = 2.0  # Qwen's default video sampling rate; sets the temporal rotary spacing
+QWEN_VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"  # what Qwen's chat templates render for a video
+DEFAULT_FPS = 2.0  # Qwen's default video sampling rate: the frames' times when none are given
+
+
+def sampled_fps(frame_times: np.ndarray) -> float | None:
+    """The rate at which the clip's frames were taken: (T - 1) / (last time - first time).
+
+    From where the frames really are, so `num_frames` sampling of a long video (one frame every
+    few seconds) and `fps` sampling give the model the true spacing. Qwen2.5-VL takes one spacing
+    per video (`second_per_grid_ts`), so unevenly spaced frames (rounded `linspace` indices, a
+    variable-rate source) get their mean spacing. transformers' processor uses
+    frames / source duration instead (VideoMetadata.sampled_fps), which for `num_frames` sampling
+    is off by (T - 1) / T of the span it covers; the frame times are the better measure of it.
+    None when the clip spans no time (one frame, or every frame the same instant)."""
+    times = np.asarray(frame_times, dtype=np.float64)
+    span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
+    return (len(times) - 1) / span if span > 0 else None
 
 
 def qwen_chat_prompt(prompt: str, num_video_tokens: int) -> str:
@@ -43,16 +59,36 @@ class QwenAdapterMixin:
     model: torch.nn.Module
     tokenizer: object
 
-    def __init__(self, model, tokenizer, vision_spec: QwenVisionSpec | None = None, fps: float | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        vision_spec: QwenVisionSpec | None = None,
+        fps: float | None = None,
+        use_frame_times: bool = True,
+    ):
+        """fps: the rate frames are taken as sampled at when no times are given. use_frame_times=False
+        always does so, ignoring the clip's real times: for a checkpoint trained that way (the world
+        pair, vpsd/world/train.py, was trained with frames taken as 2 fps whatever their real spacing)."""
         super().__init__(model, tokenizer)
         vc = model.config.vision_config
         sizes = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
         self.vision_spec = vision_spec or type(self).default_vision_spec(*sizes)
         self.fps = self.default_fps if fps is None else fps
+        self.use_frame_times = use_frame_times
 
     @property
     def position_rows(self) -> int:
         return 3  # M-RoPE: temporal, height, width
+
+    def frame_times(self, frames: np.ndarray, frame_times: np.ndarray | None) -> np.ndarray:
+        """(T,) seconds of each frame: as given, else sampled at the family's default rate from time 0."""
+        if frame_times is None or not self.use_frame_times:
+            return np.arange(frames.shape[0]) / self.fps
+        times = np.asarray(frame_times, dtype=np.float64)
+        if times.shape != (frames.shape[0],) or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
+            raise ValueError(f"frame_times must be {frames.shape[0]} finite non-decreasing seconds, got {times!r}")
+        return times
 
     def _prepare_qwen(
         self, frames: np.ndarray, prompt: str, chat_text: Callable[[tuple[int, int, int]], str],
@@ -105,13 +141,23 @@ class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     default_vision_spec = QwenVisionSpec  # CLIP normalisation; patch sizes from the checkpoint
     default_fps = DEFAULT_FPS
 
-    def prepare(self, frames: np.ndarray, prompt: str) -> VideoInputs:
+    def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
+        fps = sampled_fps(self.frame_times(frames, frame_times)) or self.fps
+        chat = self.render_chat(PROMPT_SLOT, QWEN_VIDEO_BLOCK)  # the prompt goes in as text (encode_chat)
+
+        def text(grid: tuple[int, int, int]) -> str:
+            n = grid[0] * grid[1] * grid[2]
+            if chat is None:
+                return qwen_chat_prompt(PROMPT_SLOT, n)
+            return chat.replace(QWEN_VIDEO_BLOCK, QWEN_VIDEO_BLOCK.replace("<|video_pad|>", "<|video_pad|>" * n))
+
         return self._prepare_qwen(
             frames,
             prompt,
-            lambda grid: qwen_chat_prompt(PROMPT_SLOT, grid[0] * grid[1] * grid[2]),
-            # Time is in the rotary phase: seconds per temporal patch space the frames.
-            second_per_grid_ts=torch.tensor([self.vision_spec.temporal_patch_size / self.fps]),
+            text,
+            # Time is in the rotary phase: the temporal position of group g is
+            # int(g * second_per_grid_ts * tokens_per_second), so the spacing must be the clip's own.
+            second_per_grid_ts=torch.tensor([self.vision_spec.temporal_patch_size / fps]),
         )
 
     @torch.inference_mode()

@@ -76,14 +76,15 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     default_fps = DEFAULT_FPS
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
-        """frame_times: (T,) seconds of each frame in the source video (VideoClip.timestamps);
-        by default the frames are taken as sampled at `fps` from time 0."""
-        if frame_times is None:
-            frame_times = np.arange(frames.shape[0]) / self.fps
-        stamps = group_timestamps(frame_times, self.vision_spec.temporal_patch_size)
-        return self._prepare_qwen(
-            frames, prompt, lambda grid: qwen3_chat_prompt(PROMPT_SLOT, qwen3_video_text(stamps, grid[1] * grid[2]))
-        )
+        """frame_times: (T,) seconds of each frame in the source video (see VideoLMAdapter.prepare)."""
+        stamps = group_timestamps(self.frame_times(frames, frame_times), self.vision_spec.temporal_patch_size)
+        chat = self.render_chat(PROMPT_SLOT, VIDEO_BLOCK)  # the prompt goes in as text (encode_chat)
+
+        def text(grid: tuple[int, int, int]) -> str:
+            video = qwen3_video_text(stamps, grid[1] * grid[2])
+            return qwen3_chat_prompt(PROMPT_SLOT, video) if chat is None else chat.replace(VIDEO_BLOCK, video, 1)
+
+        return self._prepare_qwen(frames, prompt, text)
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:

@@ -1,7 +1,8 @@
 """Model families and how to load one: from a local checkpoint, or a tiny seeded model built offline.
 
 `load_adapter(family, spec)` is the only way the rest of vpsd gets a model. A spec either names a
-local checkpoint directory (real weights; the checkpoint's own tokenizer) or describes a tiny model
+local checkpoint directory laid out like the published ones (real weights; the checkpoint's own tokenizer,
+chat template and processor settings, see models/checkpoint.py) or describes a tiny model
 (text / vision sizes and a seed), built with the shared offline tokenizer so that a target and its
 draft agree on token ids.
 """
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.checkpoint import read_checkpoint
 from vpsd.models.tokenizer import build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,14 +94,19 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
     """Builds or loads the model of `spec` and wraps it in its family's adapter."""
     fam = family(family_name)
     dtype = DTYPES[spec.dtype]
+    options = dict(spec.options)
     if spec.path is not None:
-        path = spec.path
+        # The checkpoint's own processor settings, checked before any weights are read; the spec's
+        # options override them. A scale model keeps its source's processor and tokenizer (growth changes
+        # only the language model's weights), so they are read from the source.
+        options = {**read_checkpoint(spec.path, family_name), **options}
+        weights = spec.path
         if spec.grow is not None:
             from vpsd.models.grow import ensure_grown  # grow imports this module
 
-            path = str(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
-        model = fam.model_class.from_pretrained(path, dtype=dtype)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+            weights = str(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
+        model = fam.model_class.from_pretrained(weights, dtype=dtype)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(spec.path)
     else:
         tiny = dict(spec.tiny)
         tokenizer = tokenizer or tiny_tokenizer()
@@ -110,4 +117,4 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
             model = fam.model_class(config)
         model = model.to(dtype)
     model = model.to(spec.device).eval()
-    return fam.adapter(model, tokenizer, **spec.options)
+    return fam.adapter(model, tokenizer, **options)

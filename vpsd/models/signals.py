@@ -1,6 +1,8 @@
 """Pruning signals captured during the target's full prefill, without any attention matrix, streamed mid-prefill.
 
-`prefill_with_signals` runs the adapter's ordinary full prefill with hooks on the first L decoder layers.
+`prefill_with_signals` runs the adapter's ordinary full prefill with hooks on the first L decoder layers
+(L: `PruningConfig.signal_layers`, all layers by default as HIPPO Eq. 2 and SpecVLM Eq. 5 define the
+attention score; a parallel run streams after an earlier layer, ParallelVLM's variant).
 A pre-hook on each layer's self-attention reads the attention input (`hidden_states`, already normed) and
 the rotary `position_embeddings` the layer is given, and recomputes the queries of the TEXT rows only,
 exactly as the attention module does: q_proj, q_norm where the layer has one (Qwen3-VL), split into heads,
@@ -8,13 +10,15 @@ then the rotary function of the layer's own modeling file. The multimodal rotary
 interleaved for Qwen3-VL) is already folded into (cos, sin) by the model's rotary module, so every family
 applies it with the plain `apply_rotary_pos_emb`. Keys are read from the KV cache (rotary applied, key j
 at sequence position j) once layer L-1 has written them. Hidden-state rows (UV-Prune) are read by hooks
-on the decoder layers too, so no layer's full hidden states are kept.
+on the decoder layers too, and only at the two layers UV-Prune's score uses (the input of layer 0 and the
+output of layer L, its sum telescopes: pipeline/pruning/uv.py), so no per-layer stack of them exists.
 
 As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
 layers after L are still to run (the target starts the send to the pruner in it). Memory: L x (Hq, Nt, d)
 queries; the keys are views of the cache's own tensors (no copy: Sparse-to-Dense reads every layer's, which
-would have briefly doubled the KV memory), stacked into one tensor only when they are sent to the pruner;
-the text-to-video attention itself is rebuilt in chunks by pipeline/pruning/attention.py.
+would have briefly doubled the KV memory), sent to the pruner layer by layer from the cache itself; the
+text-to-video attention is rebuilt in chunks by pipeline/pruning/attention.py (one layer, one chunk of
+queries at a time). scripts/signal_memory.py measures all of it at a real target's depth and 24k tokens.
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
@@ -32,6 +36,7 @@ import torch
 from vpsd.config import PruningConfig
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals
+from vpsd.pipeline.pruning.uv import UV_DEFAULT_LAYERS
 
 
 @dataclass
@@ -42,22 +47,23 @@ class PrefillSignals:
     keys: tuple[torch.Tensor, ...] | None = None  # L views (Hkv, S, d) of the cached keys, key j at position j
     query_positions: torch.Tensor | None = None  # (Nt,) int64 sequence positions of the text tokens
     attn_scale: float | None = None  # the attention modules' softmax scale
-    video_hidden: torch.Tensor | None = None  # (L+1, N, D) hidden states of the video tokens
-    text_hidden: torch.Tensor | None = None  # (L+1, Nt, D) hidden states of the text tokens
+    video_hidden: torch.Tensor | None = None  # (2, N, D) hidden states of the video tokens at layers 0 and L
+    text_hidden: torch.Tensor | None = None  # (2, Nt, D) hidden states of the text tokens at layers 0 and L
 
     def merged_into(self, signals: PruningSignals) -> PruningSignals:
         """A copy of `signals` with this object's non-None fields set."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return dataclasses.replace(signals, **{k: v for k, v in fields.items() if v is not None})
 
-    def as_tensors(self) -> dict[str, torch.Tensor]:
-        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor,
-        the per-layer keys one (L, Hkv, S, d) tensor)."""
-        out = {}
+    def as_tensors(self) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor;
+        the per-layer keys stay the cache's own L views: the wire sends them one by one, never a stacked copy,
+        which for a 7B target and 24k tokens would be 0.7 GB more on the target)."""
+        out: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple):
-                out[f.name] = torch.stack(value)  # the wire takes one tensor; this is the keys' only copy
+                out[f.name] = value
             elif value is not None:
                 out[f.name] = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
         return out
@@ -95,16 +101,17 @@ def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
 def prefill_with_signals(
     adapter: VideoLMAdapter,
     emb: SequenceEmbeddings,
-    num_layers: int,
+    num_layers: int | None,
     attention: bool,
     hidden: bool,
     on_ready: SignalsReady | None = None,
 ) -> PrefillResult:
     """A full prefill (as `adapter.prefill(emb)`) whose result carries `PrefillSignals` of the first L layers.
 
-    attention: text queries, keys, query positions and scale; hidden: video / text rows of the input of
-    layer 0 and the outputs of layers 0..L-1 (L+1 rows; a layer's raw output, so the last one is before the
-    final norm even when L is every layer). L = num_layers, or every layer if the model has fewer.
+    attention: text queries, keys, query positions and scale of layers 0..L-1, L = num_layers, or every
+    layer when None or the model has fewer. hidden: video / text rows of the input of layer 0 and the
+    output of layer L-1 (hidden states 0 and L; a layer's raw output, so before the final norm even when L
+    is every layer), L = num_layers or UV-Prune's 20 when None, at most every layer.
 
     Streaming: the signals are complete as soon as layer L-1 has run (its keys are in the cache, every
     query and row was captured on the way), so a forward hook on layer L-1 builds them there and calls
@@ -114,11 +121,13 @@ def prefill_with_signals(
     a plain prefill and nothing here re-implements a family's decoder loop.
     """
     layers = adapter.language_model.layers
-    num_layers = min(num_layers, len(layers))
+    attn_layers = len(layers) if num_layers is None else min(num_layers, len(layers))
+    uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, len(layers))
+    last = max(attn_layers if attention else 0, uv_layers if hidden else 0)  # the signals are complete after it
     text_pos = text_positions(emb).to(emb.embeds.device)
     video_pos = emb.layout.seq_positions.to(text_pos.device)
-    queries: list[torch.Tensor | None] = [None] * num_layers
-    video_rows: list[torch.Tensor] = []  # hidden state i: input of layer 0, then output of layer i-1
+    queries: list[torch.Tensor | None] = [None] * attn_layers
+    video_rows: list[torch.Tensor] = []  # hidden state 0 (input of layer 0), then L (output of layer L-1)
     text_rows: list[torch.Tensor] = []
     ready: list[PrefillSignals] = []
     handles = []
@@ -142,14 +151,14 @@ def prefill_with_signals(
         keep_rows(_layer_output(out))
 
     def signals_done(module, args, kwargs, out):
-        # Runs after layer L-1 (and after capture_output, registered earlier on the same layer).
+        # Runs after the last layer needed (and after capture_output, registered earlier on the same layer).
         signals = PrefillSignals()
         if attention:
             cache = kwargs.get("past_key_values")
             signals.text_queries = torch.stack(queries)
             # Views, not copies: layers before L are final once layer L-1 has run, and the cache's update
             # concatenates into new tensors while decoding, so these stay the prefill's keys.
-            signals.keys = tuple(layer.keys[0] for layer in cache.layers[:num_layers])
+            signals.keys = tuple(layer.keys[0] for layer in cache.layers[:attn_layers])
             signals.query_positions = text_pos.cpu()
             signals.attn_scale = float(layers[0].self_attn.scaling)
         if hidden:
@@ -161,19 +170,18 @@ def prefill_with_signals(
 
     try:
         if attention:
-            for i in range(num_layers):
+            for i in range(attn_layers):
                 handles.append(layers[i].self_attn.register_forward_pre_hook(capture_queries(i), with_kwargs=True))
         if hidden:
             handles.append(layers[0].register_forward_pre_hook(capture_input, with_kwargs=True))
-            for i in range(num_layers):
-                handles.append(layers[i].register_forward_hook(capture_output, with_kwargs=True))
-        handles.append(layers[num_layers - 1].register_forward_hook(signals_done, with_kwargs=True))
+            handles.append(layers[uv_layers - 1].register_forward_hook(capture_output, with_kwargs=True))
+        handles.append(layers[last - 1].register_forward_hook(signals_done, with_kwargs=True))
         result = adapter.prefill(emb)
     finally:
         for h in handles:
             h.remove()
     if len(ready) != 1:
-        raise RuntimeError(f"layer {num_layers - 1} ran {len(ready)} times in one prefill; expected once")
+        raise RuntimeError(f"layer {last - 1} ran {len(ready)} times in one prefill; expected once")
     result.signals = ready[0]
     return result
 
@@ -191,12 +199,14 @@ def prefill_for_strategy(
     emb: SequenceEmbeddings,
     cfg: PruningConfig,
     on_ready: SignalsReady | None = None,
+    parallel: bool = False,
 ) -> PrefillResult:
-    """The target's full prefill with exactly the signals `cfg.strategy` reads (a plain prefill when none).
+    """The target's full prefill with exactly the signals `cfg.strategy` reads (a plain prefill when none),
+    of the layers `cfg.signal_layers(parallel)` names (a parallel run streams them after an early layer).
 
     `on_ready` is called mid-prefill with those signals (see `prefill_with_signals`); never for a plain prefill.
     """
     attention, hidden = signals_needed(cfg)
     if not (attention or hidden):
         return adapter.prefill(emb)
-    return prefill_with_signals(adapter, emb, cfg.layers, attention, hidden, on_ready)
+    return prefill_with_signals(adapter, emb, cfg.signal_layers(parallel), attention, hidden, on_ready)

@@ -35,6 +35,15 @@ class VideoTokenLayout:
     def num_prunable(self) -> int:
         return int(self.prunable.sum())
 
+    def check_same_grid(self, target_grid: tuple[int, ...] | list[int], who: str = "draft") -> None:
+        """Raises ValueError unless this (the draft's) token grid is the target's: kept indices are
+        positions on the target's grid, so on another grid they would silently name other tokens."""
+        if tuple(int(v) for v in target_grid) != tuple(self.grid):
+            raise ValueError(
+                f"{who} video grid {tuple(self.grid)} differs from the target's {tuple(int(v) for v in target_grid)}: "
+                f"the two checkpoints' vision settings (patch, merge, temporal patch, pixel bounds) must agree"
+            )
+
     def budget(self, ratio: float) -> int:
         """Number of prunable tokens kept when a share `ratio` of them is pruned (at least 1)."""
         if not 0.0 <= ratio < 1.0:

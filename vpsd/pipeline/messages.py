@@ -223,7 +223,12 @@ def _tname(value: Any) -> str:
 @message
 @dataclass(frozen=True)
 class JobStart(Message):
-    """Launcher -> roles: decode one item."""
+    """Launcher -> roles: decode one item.
+
+    v2: `eos_token_ids`, the target's: the draft stops drafting on these, not on its own checkpoint's
+    set (a draft whose generation config names other ids would otherwise draft past the target's end)."""
+
+    VERSION: ClassVar[int] = 2
 
     job_id: str
     item_id: str
@@ -232,6 +237,7 @@ class JobStart(Message):
     gamma: int  # draft tokens per chunk
     mode: str
     extra: dict
+    eos_token_ids: list[int]
 
 
 @message
@@ -308,7 +314,8 @@ class ModeSwitch(Message):
 @message
 @dataclass(frozen=True)
 class KeepIndices(Message):
-    """Pruner -> target: the draft was sent `num_kept` kept video token indices (an int64 tensor, tag "keep:<item>")."""
+    """Pruner -> target: the draft was sent `num_kept` kept video token indices (tag "keep:<item>": an int64
+    tensor, then the target's (3,) token grid, which the draft checks its own against)."""
 
     item_id: str
     num_kept: int
@@ -345,7 +352,8 @@ class Shutdown(Message):
 @message
 @dataclass(frozen=True)
 class Error(Message):
-    """A role failed on an item (item_id may be empty when not item-specific)."""
+    """A role failed on an item (item_id may be empty when not item-specific). The draft sends the target
+    one when it cannot draft an item (its video grid is not the target's): the target fails that item."""
 
     role: str
     rank: int

@@ -18,7 +18,7 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.models.prompt import ControlText
 from vpsd.pipeline.ensemble import TabedConfig, verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.drafters import SingleDrafter, TabedDrafter
@@ -46,12 +46,13 @@ def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
         videos.close()
 
 
-def _wait_keep(ctx: RoleContext, item_id: str) -> torch.Tensor | None:
-    """Kept indices from the pruner; None when the target gave the item up first."""
+def _wait_keep(ctx: RoleContext, item_id: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(kept indices, the target's token grid) from the pruner; None when the target gave the item up first."""
     while True:
         src, msg = ctx.recv(awaiting="pruner")  # the target may still say ItemDone; the pruner must not fall silent
         if isinstance(msg, TensorAnnounce) and msg.tag == f"keep:{item_id}":
-            return ctx.tensors.recv_announced(msg)[0]
+            keep, grid = ctx.tensors.recv_announced(msg)
+            return keep, tuple(int(v) for v in grid)
         if isinstance(msg, ItemDone) and msg.item_id == item_id:
             return None
         if isinstance(msg, Shutdown):
@@ -63,16 +64,24 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     extra = job.extra
     emb = None
     try:
-        frames, _ = videos.take(extra["video"])  # the target's frames: same request, same cap
+        frames, times, _ = videos.take(extra["video"])  # the target's frames: same request, same cap
     except VideoError:
         frames = None  # the target read the same file and reports any error; wait for its ItemDone
     videos.ahead(extra.get("next_video"))  # read the next item's video while this one is drafted
     if frames is not None:
         with span("vision", item=job.item_id):
             prompt = ControlText(extra["prompt"]) if extra.get("prompt_special_tokens") else extra["prompt"]
-            emb = draft.embed(draft.prepare(frames, prompt))
-    keep = _wait_keep(ctx, job.item_id)
-    if keep is None or emb is None:
+            emb = draft.embed(draft.prepare(frames, prompt, times))
+    got = _wait_keep(ctx, job.item_id)
+    if got is None or emb is None:
+        _drain_until_done(ctx, job.item_id)
+        return
+    keep, target_grid = got
+    try:
+        emb.layout.check_same_grid(target_grid)  # the serial path's check (decoders/sd.py)
+    except ValueError as e:
+        # The target fails the item with this message and tells us (ItemDone); the job goes on.
+        ctx.send("target", Error("draft", ctx.rank, job.item_id, str(e)))
         _drain_until_done(ctx, job.item_id)
         return
     method = ctx.method
@@ -89,7 +98,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                            eager_when_idle=bool(cfg.extra.get("eager_when_idle", False)))
     step_s = 0.0  # running mean of one draft step (propose + forward): T_q for the target's window (Eq. 6)
     cursor = CacheCursor(drafter.length)
-    eos = set(draft.eos_token_ids)
+    eos = set(job.eos_token_ids)  # the target's: it decides where the output ends
     probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
 
     def stopped() -> bool:

@@ -1,7 +1,7 @@
 """The pruner role: turns the target's signals into kept video-token indices for the draft.
 
 Loop: JobStart (from the target) -> signals announced by the target -> strategy.select -> kept
-indices sent to the draft -> a KeepIndices report (the count) to the target. The target streams the
+indices sent to the draft (with the target's token grid, which the draft checks) -> a KeepIndices report (the count) to the target. The target streams the
 signals from inside its prefill (right after layer L), so this runs while the target is still
 prefilling and the draft's pruned prefill overlaps the target's full one (synchronous draft-target
 prefill). Before anything leaves, the kept set is checked against the contract of
@@ -16,10 +16,10 @@ import torch
 
 from pathlib import Path
 
+from vpsd.decoders.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Shutdown, TensorAnnounce
-from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import unpack
 from vpsd.tracing import get_logger, span
@@ -29,7 +29,7 @@ log = get_logger()
 
 def run_pruner(ctx: RoleContext) -> None:
     cfg = ctx.config.pruning
-    strategy = STRATEGIES[cfg.strategy]
+    strategy = configured_strategy(cfg, ctx.config.family)
     while True:
         _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
         if isinstance(msg, Shutdown):
@@ -55,7 +55,9 @@ def run_pruner(ctx: RoleContext) -> None:
         keep = keep.long()
         check_keep(keep, layout, ratio)
         with span("send", item=msg.item_id, what="keep"):
-            ctx.tensors.send(ctx.ranks["draft"], [keep], tag=f"keep:{msg.item_id}").wait()
+            # With the target's token grid, which the draft checks its own against.
+            grid = torch.tensor(layout.grid, dtype=torch.long)
+            ctx.tensors.send(ctx.ranks["draft"], [keep, grid], tag=f"keep:{msg.item_id}").wait()
         ctx.send("target", KeepIndices(msg.item_id, int(keep.numel())))
         if ctx.extra.get("out"):
             append_kept(Path(ctx.extra["out"]), KeptRecord(msg.item_id, cfg.strategy, ratio, keep, layout))

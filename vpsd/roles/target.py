@@ -23,7 +23,7 @@ from vpsd.models.prompt import ControlText
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, ItemDone, JobStart, KeepIndices, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, KeepIndices, TensorAnnounce, VerifyResult
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
@@ -51,6 +51,7 @@ class WorkItem:
     video: dict = field(default_factory=dict)
     next_video: dict | None = None
     extra: dict = field(default_factory=dict)
+    frame_times: np.ndarray | None = None  # (T,) seconds each frame was taken (None: the family's default rate)
 
 
 def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter | None, item: WorkItem) -> DecodeResult:
@@ -60,7 +61,7 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
     frames = item.frames
     if not ctx.method.parallel:
         with span("item", item=item.id, method=ctx.method.name):
-            result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning)
+            result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning, item.frame_times)
         if ctx.method.uses_draft:
             result.gamma = float(dec.serial_gamma())
         if result.kept is not None and ctx.extra.get("out"):
@@ -85,12 +86,13 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
         mode="optimistic",
         extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
                "prompt_special_tokens": isinstance(item.prompt, ControlText)},
+        eos_token_ids=list(target.eos_token_ids),
     )
     ctx.send("draft", job)
     ctx.send("pruner", job)
     with span("item", item=item.id, method=ctx.method.name):
         with span("vision", item=item.id):
-            emb = target.embed(target.prepare(frames, item.prompt))
+            emb = target.embed(target.prepare(frames, item.prompt, item.frame_times))
         pre = _prefill_streaming_signals(ctx, target, emb, item)
         t1 = time.perf_counter()
         result = _verify_loop(ctx, target, pre, item, dec, window)
@@ -123,7 +125,7 @@ def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, it
     if not (attention or hidden):
         send({})
     with span("prefill", item=item.id, tokens=emb.seq_len):
-        pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()))
+        pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()), parallel=True)
     pre.signals = None  # queries and key views are not needed while decoding (the views pin the prefill keys)
     for handle in in_flight:
         handle.wait(ctx.timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
@@ -152,6 +154,8 @@ def _recv_chunk(ctx: RoleContext) -> tuple[DraftChunk, torch.Tensor | None]:
                     raise RoleFailure(f"target: chunk announced probabilities, got {type(announce).__name__}")
                 q = ctx.tensors.recv_announced(announce)[0]
             return msg, q
+        if isinstance(msg, Error) and msg.item_id == ctx.item_id:
+            raise ValueError(f"{msg.role} (rank {msg.rank}): {msg.message}")  # the item fails, the job goes on
         log.warning("unexpected_message", type=type(msg).__name__, item=ctx.item_id)
 
 
@@ -183,13 +187,13 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
                   drafted=len(tokens), mode=machine.mode.value, gamma=window.gamma) as verify_fields:
             t_fwd = time.perf_counter()
             if decision.use_kept_row:
-                rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens))])
+                rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens), rowwise=dec.exact_verify)])
                 cursor.feed(tokens)
                 fed = len(tokens)
             else:
                 length, pending = cursor.sync(machine.committed)
                 target.rollback(pre.state, length)
-                rows = target.step(pre.state, torch.tensor(pending + tokens))[len(pending) - 1 :]
+                rows = target.step(pre.state, torch.tensor(pending + tokens), rowwise=dec.exact_verify)[len(pending) - 1 :]
                 cursor.feed(pending + tokens)
                 fed = len(pending) + len(tokens)
             window.observe_verify(fed, time.perf_counter() - t_fwd)

@@ -6,6 +6,10 @@ request in wire form (`to_wire`, a plain dict that msgpack carries), plus `max_f
 was subsampled to fit the context (see `vpsd.video.fit`). Reading then subsampling in memory with
 `cap_frames` gives exactly the frames `read_video(..., max_frames=k)` would have given, so a clip
 read ahead before the cap was known is still the right one.
+
+Frames travel with their times: `load_frames` returns the (T,) seconds at which each frame was taken
+(the decoded frames' own presentation times, `VideoClip.timestamps`), and a cap selects the same
+rows of both (`cap_frames` indexes any array by frame). The adapters tell the model those times.
 """
 
 from __future__ import annotations
@@ -70,15 +74,16 @@ def timed(name: str, timings: dict[str, float], **fields: Any) -> Iterator[None]
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
-def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) -> np.ndarray:
-    """(T, H, W, 3) uint8 of the request; raises VideoError with the path and what is wrong.
+def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
+    """((T, H, W, 3) uint8, (T,) float64 seconds) of the request; raises VideoError with the path and
+    what is wrong.
 
     Traced as `video_read` (demux + decode) and `preprocess` (scaling), both added to `timings`.
     """
     with timed("video_read", timings, item=item_id):
-        frames = read_video(request.video, num_frames=request.num_frames, fps=request.fps).frames
+        clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps)
     with timed("preprocess", timings, item=item_id, step="resize"):
-        return scale_to_max_side(frames, request.max_side)
+        return scale_to_max_side(clip.frames, request.max_side), clip.timestamps
 
 
 def scale_to_max_side(frames: np.ndarray, max_side: int | None) -> np.ndarray:
@@ -90,7 +95,8 @@ def scale_to_max_side(frames: np.ndarray, max_side: int | None) -> np.ndarray:
 
 
 def cap_frames(frames: np.ndarray, max_frames: int | None) -> np.ndarray:
-    """At most `max_frames` of the clip, evenly spread: the rule of read_video's `max_frames`."""
+    """At most `max_frames` of the clip, evenly spread: the rule of read_video's `max_frames`.
+    Indexes the first axis only, so the same call caps the frames' times."""
     if max_frames is None or len(frames) <= max_frames:
         return frames
     return frames[uniform_indices(len(frames), max_frames)]
@@ -101,7 +107,7 @@ def load_item_frames(
     num_frames: int | None,
     fps: float | None,
     max_side: int | None,
-) -> np.ndarray:
-    """The frames of one item read in place, untraced (references in tests, one-off tools)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """(frames, times) of one item read in place, untraced (references in tests, one-off tools)."""
     clip = read_video(path, num_frames=None if fps else num_frames, fps=fps)
-    return scale_to_max_side(clip.frames, max_side)
+    return scale_to_max_side(clip.frames, max_side), clip.timestamps

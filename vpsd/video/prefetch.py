@@ -63,9 +63,11 @@ class FramePrefetcher:
 
     def __init__(self) -> None:
         self._timings: dict[tuple[str, FrameRequest], dict[str, float]] = {}
-        self._prefetcher: Prefetcher[tuple[str, FrameRequest], np.ndarray] = Prefetcher(self._load, "frames")
+        self._prefetcher: Prefetcher[tuple[str, FrameRequest], tuple[np.ndarray, np.ndarray]] = Prefetcher(
+            self._load, "frames"
+        )
 
-    def _load(self, key: tuple[str, FrameRequest]) -> np.ndarray:
+    def _load(self, key: tuple[str, FrameRequest]) -> tuple[np.ndarray, np.ndarray]:
         item_id, request = key
         return load_frames(request, item_id, self._timings.setdefault(key, {}))
 
@@ -83,15 +85,17 @@ class FramePrefetcher:
         for key in keys:
             self._prefetcher.ahead(key)
 
-    def take(self, wire: dict[str, Any]) -> tuple[np.ndarray, dict[str, float]]:
-        """(frames, timings of video_read / preprocess / video_wait in seconds); raises VideoError."""
+    def take(self, wire: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """(frames, their times in seconds, timings of video_read / preprocess / video_wait in seconds);
+        raises VideoError."""
         key = self._key(wire)
         timings: dict[str, float] = {}
         try:
-            frames = self._prefetcher.take(key, timings, item=key[0])
+            frames, times = self._prefetcher.take(key, timings, item=key[0])
         finally:
             timings.update(self._timings.pop(key, {}))
-        return cap_frames(frames, wire.get("max_frames")), timings
+        cap = wire.get("max_frames")
+        return cap_frames(frames, cap), cap_frames(times, cap), timings
 
     def close(self) -> None:
         self._prefetcher.close()

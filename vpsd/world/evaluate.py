@@ -67,11 +67,11 @@ def evaluate(cfg: RunConfig, workdir: Path, count: int, seeds: range = HELD_OUT_
     settings = {"unpruned": PruningConfig(strategy="none", ratio=0.0), cfg.pruning.strategy: cfg.pruning}
     rows = []
     for item in items:
-        frames = load_item_frames(workdir / item["video"], cfg.video.num_frames, cfg.video.fps, cfg.video.max_side)
+        frames, times = load_item_frames(workdir / item["video"], cfg.video.num_frames, cfg.video.fps, cfg.video.max_side)
         row = {"id": item["id"], "reference": item["reference"]}
         reference_ids = None
         for name, model in (("target", target), ("draft", draft)):
-            out = decode_ar(model, frames, item["prompt"], greedy)
+            out = decode_ar(model, frames, item["prompt"], greedy, times)
             text = model.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()
             row[name] = {"caption": text, "exact": text == item["reference"],
                          "word_accuracy": word_accuracy(text, item["reference"]),
@@ -79,7 +79,7 @@ def evaluate(cfg: RunConfig, workdir: Path, count: int, seeds: range = HELD_OUT_
             if name == "target":
                 reference_ids = out.token_ids
         for label, pruning in settings.items():
-            res = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(pruning), pruning)
+            res = decode_sd(target, draft, frames, item["prompt"], greedy, keep_policy_for(pruning, target.family), pruning, times)
             if res.token_ids != reference_ids:
                 raise AssertionError(f"speculative output differs from the target's on {item['id']} ({label})")
             row[f"sd_{label}"] = {"mat": res.stats.mean_accepted_tokens, "acceptance": res.stats.acceptance_rate}

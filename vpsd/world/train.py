@@ -203,7 +203,7 @@ def roundtrip_example(seed: int, workdir: Path) -> Example:
     ex = make_example(seed, VIDEO_FRAMES, SIZE)
     path = workdir / f"{seed}.mp4"
     write_video(path, ex.frames)
-    frames = load_item_frames(path, NUM_FRAMES, None, None)
+    frames, _ = load_item_frames(path, NUM_FRAMES, None, None)
     path.unlink()
     return Example(frames, ex.prompt, ex.caption, patch_labels(ex.scene), token_labels(ex.scene))
 
@@ -250,6 +250,8 @@ class Batcher:
         positions = []
         for ids, ty, g in zip(seqs, types, grid):
             pos, _ = rope_index(ids[None], mm_token_type_ids=ty[None], video_grid_thw=g[None],
+                                # frames taken as 2 fps (the adapter's default), whatever their real spacing:
+                                # configs/world_qwen2_5_vl.yaml says so with use_frame_times: false
                                 second_per_grid_ts=torch.tensor([1.0]))
             positions.append(pos[:, 0])  # (3, L)
         return dict(ids=seqs, labels=labels, positions=positions, pixels=torch.cat(pixels), grid=grid,

@@ -85,10 +85,13 @@ def _window_variance(unit: torch.Tensor, layout: VideoTokenLayout, crop: int) ->
     return out
 
 
+HIPPO_DEFAULT_CROP = 5  # crop side: M = 25 tokens (Sec. 4.2)
+
+
 def spatial_score(
     visual_embeds: torch.Tensor,  # (N, D) one embedding per video token
     layout: VideoTokenLayout,
-    crop: int = 5,
+    crop: int = HIPPO_DEFAULT_CROP,
     mode: CropMode = "tile",
     tile_batch: int = 512,
 ) -> torch.Tensor:  # (N,) float32

@@ -24,6 +24,14 @@ SPECVLM_DEFAULT_LAMBDA = 0.5
 SPECVLM_LAMBDA_BY_FAMILY = {"llava_onevision": 0.4, "qwen2_5_vl": 0.5}
 
 
+def specvlm_lambda(family: str | None, configured: float | None = None) -> float:
+    """lambda for a run: the configured value, else the paper's for the family (Tables 1-2), else 0.5
+    (Qwen3-VL is not in the paper)."""
+    if configured is not None:
+        return float(configured)
+    return SPECVLM_LAMBDA_BY_FAMILY.get(family or "", SPECVLM_DEFAULT_LAMBDA)
+
+
 def top_p_count(score: torch.Tensor, lam: float) -> int:
     """Eq. 6: the fewest top scores (n,) whose sum reaches lam of the total (0 when lam = 0)."""
     ranked = torch.sort(score.double(), descending=True).values

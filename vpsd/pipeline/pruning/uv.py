@@ -27,8 +27,10 @@ def _text_alignment(video: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
 
 
 def uv_score(
-    video_hidden: torch.Tensor,  # (L+1, Nv, D) hidden states of the video tokens, layer 0 = input
-    text_hidden: torch.Tensor,  # (L+1, Nt, D) hidden states of the text tokens, same layers
+    # (K, Nv, D) hidden states of the video tokens, row 0 = layer 0 (the input); rows 0 and
+    # min(num_layers, K-1) are read: the target ships K = 2 (layers 0 and L), a full stack works too.
+    video_hidden: torch.Tensor,
+    text_hidden: torch.Tensor,  # (K, Nt, D) hidden states of the text tokens, same layers
     num_layers: int = UV_DEFAULT_LAYERS,
 ) -> torch.Tensor:  # (Nv,) float32
     last = min(num_layers, video_hidden.shape[0] - 1)
