@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them (roles/context.py).
-    ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
+    if method.parallel:  # a serial method's target runs alone: its peers exited and have no endpoint
+        ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     try:
         if role == "target":
             run_batch(ctx, args, cfg, out)
