@@ -183,3 +183,19 @@ def test_advertised_host(monkeypatch):
     assert advertised_host() == "node7"
     assert advertised_host("10.0.0.2") == "10.0.0.2"
 
+
+
+def test_heartbeats_from_a_thread_keep_a_busy_peer_alive(world):
+    """start_heartbeat: the draft's thread speaks for it (own link, identity '1/hb', same authenticated rank)."""
+    t, d, _ = world
+    d.start_heartbeat([0], interval_s=0.05)
+    deadline = time.monotonic() + 10.0
+    while t.last_seen(1) is None and time.monotonic() < deadline:
+        t.poll(0.05)
+    first = t.last_seen(1)
+    assert first is not None and not t.poll(0.0)
+    while t.last_seen(1) == first and time.monotonic() < deadline:
+        t.poll(0.05)
+    assert t.last_seen(1) > first  # still coming, with no send from the draft's own thread
+    d.send(0, KeepIndices("main link", 0))  # the main link is untouched by the heartbeat link
+    assert t.recv(10.0) == (1, KeepIndices("main link", 0))

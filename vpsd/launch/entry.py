@@ -203,9 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them (roles/context.py).
-    # A serial method runs on the target alone: the other ranks left at the barrier above, nobody to beat to.
-    peers = [k for r, k in ranks.items() if k != rank] if method.parallel else []
-    ctrl.start_heartbeat(peers, interval_s=min(1.0, timeout_s / 4))
+    if method.parallel:  # a serial method's target runs alone: its peers exited and have no endpoint
+        ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     try:
         if role == "target":
             run_batch(ctx, args, cfg, out)
