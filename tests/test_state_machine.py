@@ -45,10 +45,13 @@ def verify(prefix: list[int], chunk: list[int]) -> tuple[int, int]:
     wrong=st.lists(st.booleans(), min_size=1, max_size=64),
     eager=st.booleans(),
     windows=st.one_of(st.none(), st.lists(st.integers(1, 6), min_size=1, max_size=8)),
+    pre_verify=st.lists(st.booleans(), min_size=1, max_size=8),
 )
-def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager, windows):
+def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max_new, schedule, wrong, eager, windows,
+                                                     pre_verify):
     """eager: the draft also sends short chunks when the target is idle (DraftMachine.eager_when_idle).
-    windows: gamma auto, the window the target sends with each verdict (pipeline/window.py) moves."""
+    windows: gamma auto, the window the target sends with each verdict (pipeline/window.py) moves.
+    pre_verify: after a rejection the target asks for the first token alone, or for a whole window."""
     target = TargetMachine(max_new_tokens=max_new, eos_token_ids=frozenset({EOS}))
     draft = DraftMachine(gamma=gamma, lookahead=gamma + extra_lookahead, eager_when_idle=eager)
     to_target: deque = deque()
@@ -78,7 +81,7 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
             decision = target.on_chunk(epoch, start, len(tokens))
             if isinstance(decision, Verify):
                 n, nxt = verify(target.committed, tokens)
-                v = target.on_verified(tokens, n, nxt)
+                v = target.on_verified(tokens, n, nxt, pre_verify[step % len(pre_verify)])
                 modes_seen.add(v.mode)
                 to_draft.append(v)
             else:

@@ -86,3 +86,19 @@ def test_with_acceptance_measured_the_window_minimises_theorem6():
     tau = w.accepted / (w.accepted + w.rejections)
     expected = theorem6_argmin(0.010, lambda g: 0.030 + 0.008 * g, tau, 1, 16)
     assert w.gamma == expected < 16
+
+
+def test_pre_verify_only_while_the_drafts_window_outlasts_a_two_row_verify():
+    w = WindowController(initial=4, gamma_max=16)
+    assert w.pre_verify()  # nothing measured: the papers' rule
+    for k in (1, 4, 8):  # T_p(k) = 30 ms + 5 ms k: T_p(2) = 40 ms
+        w.observe_verify(k, 0.030 + 0.005 * k)
+    w.observe_draft_step(0.002)  # target-bound: gamma * 2 ms < 40 ms for any gamma <= 16
+    assert not w.pre_verify()
+    for _ in range(30):
+        w.observe_draft_step(0.010)  # draft-bound: gamma * 10 ms >= 40 ms at the window it picks
+    assert w.gamma * 0.010 >= 0.040 and w.pre_verify()
+    fixed = WindowController(initial=4, fixed=True)
+    fixed.observe_verify(4, 1.0)
+    fixed.observe_draft_step(0.001)
+    assert fixed.pre_verify()

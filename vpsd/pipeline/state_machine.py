@@ -90,9 +90,11 @@ class TargetMachine:
             return Drop("empty chunk")
         return Verify(start=start, use_kept_row=self.holds_next_row)
 
-    def on_verified(self, chunk: list[int], num_accepted: int, next_token: int) -> Verdict:
+    def on_verified(self, chunk: list[int], num_accepted: int, next_token: int, pre_verify: bool = True) -> Verdict:
         """Commits the outcome of verifying `chunk` (next_token: the target's token at the first
-        rejected position; ignored when every token was accepted)."""
+        rejected position; ignored when every token was accepted). `pre_verify`: after a rejection, have the
+        draft send its first token alone (conservative mode) rather than a whole window (see
+        pipeline/window.py: worth it only while the draft's window takes longer than that verify)."""
         start = len(self.committed)
         if num_accepted == len(chunk):
             self.committed += chunk
@@ -103,7 +105,7 @@ class TargetMachine:
             self.committed += chunk[:num_accepted] + [next_token]
             self.holds_next_row = False
             self.epoch += 1
-            self.mode = Mode.CONSERVATIVE
+            self.mode = Mode.CONSERVATIVE if pre_verify else Mode.OPTIMISTIC
             rollback, emitted = True, next_token
         return Verdict(
             epoch=self.epoch,

@@ -83,6 +83,21 @@ class WindowController:
         self.rejections = self.decay * self.rejections + (num_accepted < num_drafted)
         self._update()
 
+    def pre_verify(self) -> bool:
+        """After a rejection, verify the draft's first token alone (PEARL's pre-verify, ParallelVLM Alg. 1,
+        HIPPO's conservative mode) while it drafts on, or wait for a whole window?
+
+        Pre-verifying keeps the target busy with a forward of two rows (the target's own token, which it still
+        has to feed, and the draft's first) that commits one token; waiting leaves it idle for gamma draft
+        steps, after which one forward verifies the window. Pre-verify pays while the draft's window takes
+        longer than that forward (a draft-bound pipeline); in a target-bound one (gamma T_q < T_p(2)) waiting
+        costs less and commits as much, and that is also the retry round Theorem 6 assumes. Before anything
+        is measured, and always under a fixed gamma: pre-verify, the papers' rule."""
+        t_p2 = self.verify_time(2)
+        if self.fixed or self.t_q is None or t_p2 is None:
+            return True
+        return self.gamma * self.t_q >= t_p2
+
     def verify_time(self, rows: float) -> float | None:
         """T_p(rows) from the fitted line (the mean, when only one window size was seen)."""
         a, b = self._line()

@@ -200,7 +200,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             window.observe_round(v.num_accepted, v.num_drafted)
             before = len(machine.committed)
-            verdict = machine.on_verified(tokens, v.num_accepted, v.next_token)
+            verdict = machine.on_verified(tokens, v.num_accepted, v.next_token, window.pre_verify())
             committed = verdict.committed_len - before
             verify_fields.update(accepted=v.num_accepted, committed=committed)  # for vpsd.reports.acceptance
         if not verdict.rollback:
