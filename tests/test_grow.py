@@ -176,3 +176,16 @@ def test_a_config_names_its_scale_model_and_specs_stay_checked():
         ModelSpec(path="x", grow={"width": 2})
     with pytest.raises(ValueError, match="needs a checkpoint"):
         ModelSpec(tiny={}, grow={"width": 2, "layers": 4})
+
+
+def test_a_source_that_gains_a_side_file_makes_its_scale_model_stale(tiny_checkpoints, tmp_path):
+    import shutil
+
+    from vpsd.models.grow import ensure_grown, is_grown
+
+    src = shutil.copytree(tiny_checkpoints["qwen2_5_vl"], tmp_path / "src")
+    dst = ensure_grown(src, tmp_path / "grown", 2, 4)
+    (src / "preprocessor_config.json").write_text("{}")
+    assert not is_grown(src, dst, 2, 4)
+    ensure_grown(src, dst, 2, 4)
+    assert (dst / "preprocessor_config.json").read_text() == "{}" and is_grown(src, dst, 2, 4)

@@ -291,11 +291,21 @@ class GrownFrom:
             return None  # missing, unreadable or from another version: treated as not grown
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
+def _side_files(src: Path) -> list[Path]:
     """Tokenizer, processor, chat template and generation files: every top-level non-weight file of src."""
-    for f in sorted(Path(src).iterdir()):
-        if f.is_file() and f.name not in NOT_COPIED and not any(f.match(p) for p in WEIGHT_PATTERNS):
-            shutil.copy2(f, dst / f.name)
+    return [f for f in sorted(Path(src).iterdir())
+            if f.is_file() and f.name not in NOT_COPIED and not any(f.match(p) for p in WEIGHT_PATTERNS)]
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for f in _side_files(src):
+        shutil.copy2(f, dst / f.name)
+
+
+def _side_files_match(src: Path, dst: Path) -> bool:
+    """dst carries src's side files as they are now (a source that gained a processor config or a chat
+    template after its scale model was built makes that model stale too)."""
+    return all((dst / f.name).is_file() and (dst / f.name).read_bytes() == f.read_bytes() for f in _side_files(src))
 
 
 def _publish_modes(tmp: Path) -> None:
@@ -368,6 +378,7 @@ def is_grown(src: Path, dst: Path, width: int, layers: int, dtype: str | None = 
         and any(Path(dst).glob("*.safetensors"))
         and (record.width, record.layers, record.dtype) == (width, layers, dtype)
         and record.source_sha256 == weights_sha256(src)
+        and _side_files_match(Path(src), Path(dst))
     )
 
 
