@@ -13,9 +13,7 @@ pytestmark = pytest.mark.torchrun
 
 CASES = [
     ("qwen2_5_vl", "std", []),
-    ("llava_onevision", "std", ["--ratio", "0.5", "--gamma", "3"]),
     ("qwen2_5_vl", "tabed", []),  # KL, grid policy, three views; greedy: p one-hot, nothing shipped
-    ("qwen3_vl", "tabed", ["--set", "draft=self", "--set", "tabed.distance=tvd", "--set", "tabed.window=4"]),
     ("llava_onevision", "tabed", ["--set", "tabed.distance=match", "--set", "tabed.policy=softmax",
                                   "--set", "tabed.views=[multimodal,text]"]),
 ]
