@@ -15,8 +15,6 @@ Frame sides are multiples of patch * merge and resizing is off: only normalisati
 from __future__ import annotations
 
 import ast
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from tests.transformers_source import class_body
 from vpsd.models.qwen3_vl import qwen3_vision_spec
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors
 
@@ -49,19 +48,6 @@ def _image_processor(spec: QwenVisionSpec) -> Qwen2VLImageProcessorPil:
     )
 
 
-def _class_body(module: str, cls: str) -> dict[str, ast.AST]:
-    """Assignments and methods of a class, parsed from the module's source without importing it."""
-    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    out: dict[str, ast.AST] = {}
-    for node in body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            out[node.targets[0].id] = node.value
-        elif isinstance(node, ast.FunctionDef):
-            out[node.name] = node
-    return out
-
-
 def test_specs_are_the_processors_defaults():
     qwen3 = Qwen3VLVideoProcessor.__dict__
     spec = SPECS["qwen3_vl"]
@@ -72,14 +58,14 @@ def test_specs_are_the_processors_defaults():
     )
     assert list(spec.mean) == list(qwen3["image_mean"]) and list(spec.std) == list(qwen3["image_std"])
 
-    qwen2 = _class_body("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor")
+    qwen2 = class_body("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor")
     spec = SPECS["qwen2_5_vl"]
     assert [ast.unparse(qwen2[k]) for k in ("patch_size", "merge_size", "temporal_patch_size")] == ["14", "2", "2"]
     assert (spec.patch_size, spec.merge_size, spec.temporal_patch_size) == (14, 2, 2)
     assert [ast.unparse(qwen2[k]) for k in ("image_mean", "image_std")] == ["OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD"]
     assert list(spec.mean) == list(OPENAI_CLIP_MEAN) and list(spec.std) == list(OPENAI_CLIP_STD)
     # Qwen2-VL's video patchify is Qwen3-VL's, which the ordering test below runs for both specs.
-    qwen3_body = _class_body("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor")
+    qwen3_body = class_body("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor")
     assert ast.dump(qwen2["patchify"]) == ast.dump(qwen3_body["patchify"])
 
 

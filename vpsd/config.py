@@ -32,6 +32,15 @@ class VideoConfig:
     # max_position_embeddings. A clip over it fails as VideoError("too_long")...
     context_limit: int | None = None
     subsample_to_fit: bool = False  # ...unless this is set: then frames are dropped evenly until it fits
+    # Which frames a video gives when its manifest line asks for none: "config" (num_frames / fps above) or
+    # "checkpoint": the target checkpoint's own video processor's rule and settings (its fps, min / max
+    # frames; models/checkpoint.read_frame_sampling), as transformers would sample the video. A manifest
+    # line's own num_frames / fps still win.
+    sampling: str = "config"
+
+    def __post_init__(self) -> None:
+        if self.sampling not in ("config", "checkpoint"):
+            raise ValueError(f"video.sampling must be 'config' or 'checkpoint', got {self.sampling!r}")
 
 
 # The window serial methods use under `gamma: auto`: ParallelVLM's and HIPPO's baselines run vanilla SD

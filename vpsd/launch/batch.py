@@ -40,6 +40,7 @@ from vpsd.launch.progress import Progress, wants_bar
 from vpsd.launch.results import ResultsFile
 from vpsd.reports.summary import summarize
 from vpsd.models.base import VideoLMAdapter
+from vpsd.models.checkpoint import read_frame_sampling
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.messages import Shutdown
 from vpsd.roles.context import RoleContext
@@ -73,10 +74,14 @@ class ItemReader:
         self.target = target
         self.cfg = cfg
         self.limit = context_limit(target, cfg)
+        # video.sampling: checkpoint: the target processor's rule (checked at launch by preflight).
+        self.processor = (read_frame_sampling(cfg.target.path, cfg.family)
+                          if cfg.video.sampling == "checkpoint" else None)
 
     def request(self, item: ManifestItem) -> FrameRequest:
         v = self.cfg.video
-        return FrameRequest.resolve(item.video, item.num_frames, item.fps, v.num_frames, v.fps, v.max_side)
+        return FrameRequest.resolve(item.video, item.num_frames, item.fps, v.num_frames, v.fps, v.max_side,
+                                    self.processor)
 
     def max_new_tokens(self, item: ManifestItem) -> int:
         return item.max_new_tokens or self.cfg.decoding.max_new_tokens

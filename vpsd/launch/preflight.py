@@ -2,7 +2,8 @@
 
 `checkpoint_problems(cfg)`: every checkpoint `path` exists and is a transformers checkpoint (a config.json), and
 its `model_type` is the config's `family` (a Qwen3-VL checkpoint under `family: qwen2_5_vl` would otherwise load
-its weights into the wrong classes and fail later on an attribute). One line per problem.
+its weights into the wrong classes and fail later on an attribute); under `video.sampling: checkpoint`, the target
+checkpoint names a frame rule. One line per problem.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 from vpsd.config import RunConfig, nearest
+from vpsd.models.checkpoint import CheckpointError, read_frame_sampling
 from vpsd.models.registry import FAMILY_MODULES
 
 
@@ -37,4 +39,22 @@ def checkpoint_problems(cfg: RunConfig) -> list[str]:
                 hint = f"; set family: {model_type}" if model_type in FAMILY_MODULES else ""
                 problems.append(f"family {cfg.family!r} does not match the {role} checkpoint {path} "
                                 f"(its config.json says model_type {model_type!r}){hint}")
-    return problems
+    return problems or sampling_problems(cfg)
+
+
+def sampling_problems(cfg: RunConfig) -> list[str]:
+    """`video.sampling: checkpoint` needs a target checkpoint whose video processor names a count or a rate."""
+    if cfg.video.sampling != "checkpoint":
+        return []
+    if cfg.target.path is None:
+        return ["video.sampling: checkpoint needs a target checkpoint `path` (a tiny model has no processor "
+                "files); use video.sampling: config"]
+    try:
+        rule = read_frame_sampling(cfg.target.path, cfg.family)
+    except CheckpointError as e:
+        return [f"video.sampling: checkpoint: {e}"]
+    if rule is None:
+        return [f"video.sampling: checkpoint: {cfg.target.path}'s video processor names no num_frames or fps "
+                "(LLaVA-OneVision's published checkpoints do not); use video.sampling: config with "
+                "video.num_frames (the LLaVA-OneVision paper samples 32)"]
+    return []

@@ -14,6 +14,10 @@ per-frame pixel bounds (Qwen: `size.shortest_edge` / `size.longest_edge`, or the
 mean / std and the frame side. The chat template itself is the tokenizer's (`apply_chat_template`), which
 the adapters render when the tokenizer has one. A missing file, a file that is not JSON, or a setting that
 contradicts config.json is a `CheckpointError` naming the file, at load, before any weights are read.
+
+`read_frame_sampling(path, family)` is the processor's own frame rule (`video.sampling: checkpoint`): its
+fps / num_frames / min_frames / max_frames with the family's transformers defaults (Qwen: 2 fps, 4..768
+frames), or None where the checkpoint names neither a count nor a rate (LLaVA-OneVision's published ones).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vpsd.models.qwen_video import QwenVisionSpec
+from vpsd.video.sampling import QWEN2_VL, QWEN3_VL, UNIFORM_FLOOR, ProcessorSampling
 
 PROCESSOR_FILES = ("video_preprocessor_config.json", "preprocessor_config.json")
 
@@ -63,6 +68,38 @@ def _pixel_bounds(proc: dict[str, Any]) -> tuple[int | None, int | None]:
     return low, high
 
 
+def _processor_file(path: Path) -> Path:
+    proc_file = next((path / f for f in PROCESSOR_FILES if (path / f).is_file()), None)
+    if proc_file is None:
+        raise CheckpointError(f"{path}: missing {' or '.join(PROCESSOR_FILES)} (the video preprocessing settings)")
+    return proc_file
+
+
+# Family -> (frame rule, default fps): transformers 5's Qwen2VLVideoProcessor (at Qwen2_5_VLProcessor's fps
+# default, 2.0), Qwen3VLVideoProcessor (fps = 2), and the base processor LLaVA-OneVision's uses (no default).
+FRAME_RULES = {"qwen2_5_vl": (QWEN2_VL, 2.0), "qwen3_vl": (QWEN3_VL, 2.0), "llava_onevision": (UNIFORM_FLOOR, None)}
+
+
+def read_frame_sampling(path: str | Path, family: str) -> ProcessorSampling | None:
+    """The checkpoint's video processor's frame rule and settings (module docstring)."""
+    path = Path(path)
+    proc_file = _processor_file(path)
+    proc = _json(proc_file)
+    rule, default_fps = FRAME_RULES[family]
+    num_frames, fps = proc.get("num_frames"), proc.get("fps", default_fps)
+    if num_frames is None and fps is None:
+        return None
+    vision = _json(path / "config.json").get("vision_config") or {}
+    try:
+        return ProcessorSampling(
+            rule, num_frames=None if num_frames is None else int(num_frames), fps=None if fps is None else float(fps),
+            min_frames=int(proc.get("min_frames", 4)), max_frames=int(proc.get("max_frames", 768)),
+            temporal_factor=int(proc.get("temporal_patch_size", vision.get("temporal_patch_size", 2))),
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{proc_file}: frame sampling settings: {e}") from None
+
+
 def read_checkpoint(path: str | Path, family: str) -> dict[str, Any]:
     """Adapter keyword arguments from the checkpoint's own processor settings (see the module docstring)."""
     path = Path(path)
@@ -70,9 +107,7 @@ def read_checkpoint(path: str | Path, family: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a checkpoint directory")
     config = _json(path / "config.json")
     _json(path / "generation_config.json")
-    proc_file = next((path / f for f in PROCESSOR_FILES if (path / f).is_file()), None)
-    if proc_file is None:
-        raise CheckpointError(f"{path}: missing {' or '.join(PROCESSOR_FILES)} (the video preprocessing settings)")
+    proc_file = _processor_file(path)
     proc = _json(proc_file)
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
         raise CheckpointError(f"{path}: missing tokenizer.json / tokenizer_config.json")

@@ -25,7 +25,7 @@ import numpy as np
 
 from vpsd.video.errors import VideoError, describe_av_error
 from vpsd.video.folder import IMAGE_SUFFIXES, frame_files, read_image
-from vpsd.video.sampling import select_indices
+from vpsd.video.sampling import ProcessorSampling, select_indices
 
 
 @dataclass
@@ -49,21 +49,25 @@ def read_video(
     fps: float | None = None,
     max_frames: int | None = None,
     folder_fps: float = 1.0,
+    processor: ProcessorSampling | None = None,
 ) -> VideoClip:
     """Decode the frames of `path` that the request selects.
 
     num_frames: that many frames evenly spread over the whole video.
-    fps: one frame every 1/fps seconds. Neither: every frame.
+    fps: one frame every 1/fps seconds.
+    processor: the checkpoint video processor's own rule (`ProcessorSampling`). None of the three: every frame.
     max_frames: keep at most this many of the selected frames, evenly spread.
     folder_fps: the frame rate given to a folder of frame images, which has none of its own.
     """
     _check_request(path, num_frames=num_frames, fps=fps, max_frames=max_frames, folder_fps=folder_fps)
+    if processor is not None and (num_frames is not None or fps is not None):
+        raise VideoError("bad_request", path, "give num_frames, fps or a processor rule, not two")
     path = Path(path)
     if not path.exists():
         raise VideoError("missing", path, "no such file or directory")
     if not os.access(path, os.R_OK):
         raise VideoError("missing", path, "not readable (permission denied)")
-    request = dict(num_frames=num_frames, fps=fps, max_frames=max_frames)
+    request = dict(num_frames=num_frames, fps=fps, max_frames=max_frames, processor=processor)
     if path.is_dir():
         return _read_folder(path, folder_fps, request)
     if path.stat().st_size == 0:

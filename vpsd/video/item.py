@@ -25,7 +25,7 @@ import numpy as np
 from vpsd.tracing import span
 from vpsd.video.decode import read_video
 from vpsd.video.resize import resize_frames
-from vpsd.video.sampling import uniform_indices
+from vpsd.video.sampling import ProcessorSampling, uniform_indices
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class FrameRequest:
     num_frames: int | None = None  # that many frames evenly spread...
     fps: float | None = None  # ...or one every 1/fps seconds (never both)...
     max_side: int | None = None  # ...then scaled down so the longest side is at most this
+    processor: ProcessorSampling | None = None  # ...or the checkpoint's own rule (video.sampling: checkpoint)
 
     @classmethod
     def resolve(
@@ -46,20 +47,27 @@ class FrameRequest:
         default_num_frames: int | None,
         default_fps: float | None,
         max_side: int | None,
+        default_processor: ProcessorSampling | None = None,
     ) -> "FrameRequest":
-        """The item's own request if it has one, else the run's: an explicit config fps wins over
-        the config's frame count, since num_frames has a default and fps does not."""
-        if num_frames is None and fps is None:
-            num_frames, fps = (None, default_fps) if default_fps is not None else (default_num_frames, None)
+        """The item's own request if it has one, else the run's: the checkpoint's rule when the run samples
+        as the checkpoint does, else an explicit config fps over the config's frame count (num_frames has a
+        default and fps does not)."""
+        if num_frames is not None or fps is not None:
+            return cls(str(video), num_frames, fps, max_side)
+        if default_processor is not None:
+            return cls(str(video), None, None, max_side, default_processor)
+        num_frames, fps = (None, default_fps) if default_fps is not None else (default_num_frames, None)
         return cls(str(video), num_frames, fps, max_side)
 
     def to_wire(self, item_id: str, max_frames: int | None = None) -> dict[str, Any]:
         return {"item": item_id, "video": self.video, "num_frames": self.num_frames, "fps": self.fps,
-                "max_side": self.max_side, "max_frames": max_frames}
+                "max_side": self.max_side, "max_frames": max_frames,
+                "processor": None if self.processor is None else self.processor.to_wire()}
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "FrameRequest":
-        return cls(wire["video"], wire.get("num_frames"), wire.get("fps"), wire.get("max_side"))
+        return cls(wire["video"], wire.get("num_frames"), wire.get("fps"), wire.get("max_side"),
+                   ProcessorSampling.from_wire(wire.get("processor")))
 
 
 @contextlib.contextmanager
@@ -81,7 +89,7 @@ def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) 
     Traced as `video_read` (demux + decode) and `preprocess` (scaling), both added to `timings`.
     """
     with timed("video_read", timings, item=item_id):
-        clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps)
+        clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps, processor=request.processor)
     with timed("preprocess", timings, item=item_id, step="resize"):
         return scale_to_max_side(clip.frames, request.max_side), clip.timestamps
 
