@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
+from pathlib import Path
 import signal
 import subprocess
 import time
@@ -15,6 +17,7 @@ from tests.conftest import tiny_pair
 from tests.torchrun_jobs import ROOT, free_port, job_args, results, run_job, torchrun_cmd, world_manifest
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
+from vpsd.models.registry import load_adapter
 from vpsd.reports.kept_log import read_kept
 from vpsd.reports.timeline import load_spans
 from vpsd.launch.manifest import load_manifest
@@ -191,3 +194,37 @@ def test_a_draft_on_another_video_grid_fails_each_item_clearly(tmp_path_factory)
     for row in rows.values():
         assert row["error"]["type"] == "ValueError" and row["token_ids"] == []
         assert "draft video grid (8, 4, 4) differs from the target's (4, 4, 4)" in row["error"]["message"]
+
+
+def test_a_draft_whose_own_eos_set_differs_stops_where_the_target_does(tmp_path_factory, tmp_path):
+    """The world pair's draft saved with another EOS id in its generation_config.json: a word the target writes
+    mid-caption. Stopping on its own EOS set, the draft would stop drafting after that word while the target
+    goes on, and the item would hang until the timeout; it stops on the target's (sent with each job) instead."""
+    config = ROOT / "configs" / "world_qwen2_5_vl.yaml"
+    examples = ROOT / "examples" / "world" / "manifest.jsonl"
+    line = examples.read_text().splitlines()[0]
+    item = json.loads(line)
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps({**item, "video": str(examples.parent / item["video"])}) + "\n")
+    cfg = load_config(config)
+    target = load_adapter(cfg.family, cfg.target)
+    frames, times = load_item_frames(examples.parent / item["video"], cfg.video.num_frames, None, None)
+    ar = decode_ar(target, frames, item["prompt"], cfg.decoding, times).token_ids
+    assert ar[-1] in target.eos_token_ids and len(ar) > 8  # the caption ends on the target's EOS
+    draft_eos = ar[3]  # a word early in the caption
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in Path(cfg.draft.path).iterdir():
+        (draft / f.name).symlink_to(f)
+    (draft / "generation_config.json").unlink()
+    gen = json.loads((Path(cfg.draft.path) / "generation_config.json").read_text())
+    (draft / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [draft_eos]}))
+    assert load_adapter(cfg.family, replace(cfg.draft, path=str(draft))).eos_token_ids == [draft_eos]
+
+    out = tmp_path_factory.mktemp("draft-eos")
+    proc = run_job("world_qwen2_5_vl.yaml", manifest, out, "pearl", "--set", f"draft.path={draft}",
+                   "--timeout", "90")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = results(out)[item["id"]]
+    assert row["error"] is None, row["error"]
+    assert row["token_ids"] == ar

@@ -141,11 +141,12 @@ def _recv_keep_report(ctx: RoleContext, item_id: str) -> int:
         # anything else is the report of an earlier item that failed after its signals went out
 
 
-def _recv_chunk(ctx: RoleContext) -> tuple[DraftChunk, torch.Tensor | None]:
-    """Next draft chunk with its probabilities (tensors of stale chunks are received too: they are on the wire)."""
+def _recv_chunk(ctx: RoleContext, limit_s: float | None = None) -> tuple[DraftChunk, torch.Tensor | None]:
+    """Next draft chunk with its probabilities (tensors of stale chunks are received too: they are on the wire).
+    `limit_s`: how long a live draft may send nothing (None: the idle limit)."""
     while True:
         with span("recv_wait", item=ctx.item_id):
-            _, msg = ctx.recv("draft")
+            _, msg = ctx.recv("draft", timeout_s=limit_s)
         if isinstance(msg, DraftChunk):
             q = None
             if msg.has_probs:
@@ -170,7 +171,10 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
     first_chunk_wait = None  # prefill end -> first chunk that could be verified (HIPPO's synchronous prefill)
     t_loop = time.perf_counter()
     while not machine.done:
-        chunk, q = _recv_chunk(ctx)
+        # Before the first chunk the draft may still be reading the video and prefilling (the idle limit);
+        # once it drafts, a step takes milliseconds, so a live draft silent for timeout_s has stalled: the
+        # job ends naming it then, not after the hour-long idle limit.
+        chunk, q = _recv_chunk(ctx, None if first_chunk_wait is None else ctx.timeout_s)
         if chunk.item_id != item.id:
             continue  # the tail of an earlier item
         decision = machine.on_chunk(chunk.epoch, chunk.start, len(chunk.token_ids))
