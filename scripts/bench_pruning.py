@@ -5,7 +5,7 @@
                                     [--set KEY=VALUE ...]
 
 Per item the target's signals are captured once (one full prefill with hooks on its first `pruning.layers`
-layers, all by default as in a serial run: text queries + keys, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
+layers, all by default as in a serial run: the text-to-video attention scored on the target, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
 they travel to the pruner rank (roles/signals_wire.py), and reused for every strategy, so each strategy
 selects from the same input. For each strategy:
 

@@ -4,13 +4,14 @@ A tiny-width Qwen2.5-VL language model with a real target's depth (28 layers, as
 a ~24k-token sequence (24 temporal groups of 32x32 merged video tokens + a question); for an attention
 strategy (hippo) and for UV-Prune (parallelvlm) it reports, in MiB:
 
-- capture: what the signal hooks allocate on the target beyond the prefill's own KV cache (queries, hidden
-  rows; key views of the cache cost nothing), measured as the bytes of the tensors they hold;
+- capture: what the signal hooks hold on the target beyond the prefill's own KV cache (the attention mass
+  scored layer by layer, hidden rows), measured as the bytes of the tensors they hold;
 - wire: the bytes the target sends the pruner (signals_wire.pack);
 - pruner: the pruner's peak RSS growth while it unpacks and scores them, in a fresh subprocess
-  (resource.getrusage maxrss), i.e. attention rebuilt chunk by chunk, never the full matrix;
+  (resource.getrusage maxrss);
 - and the same capture / wire accounting at Qwen2.5-VL-7B and -72B widths (from the formulas the
-  measured numbers check: bytes = layers x heads x tokens x head_dim x dtype size).
+  measured numbers check), with the transient a layer's scoring adds on the target while it runs (that
+  layer's keys widened to float32 and one chunk of 32 text queries' logits, freed before the next layer).
 
 Run from the repository root: PYTHONPATH=$PWD python scripts/signal_memory.py [--tokens-side 32 --groups 24]
 Pointing PYTHONPATH at an older checkout measures that checkout's signals (the "before" figures).
@@ -93,19 +94,30 @@ print(status("VmHWM") - before)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def scaled(strategy: str, tokens: int, text: int, dims, layers_read: int | None) -> tuple[float, float]:
-    """(capture, wire) MiB at a real width in bf16, by the accounting this checkout uses."""
+def scaled(strategy: str, tokens: int, text: int, dims, layers_read: int | None) -> tuple[float, float, float]:
+    """(capture, wire, per-layer transient) MiB at a real width in bf16, by the accounting this checkout uses."""
     depth, hq, hkv, d, hidden = dims
     bf16 = 2
     if strategy == "uv":
         rows = 2 if _uv_rows_two() else min(20, depth) + 1
         hidden_bytes = rows * (tokens + text) * hidden * bf16
-        return hidden_bytes / MIB, hidden_bytes / MIB
+        return hidden_bytes / MIB, hidden_bytes / MIB, 0.0
     n = depth if layers_read is None else min(layers_read, depth)
+    seq = tokens + text
+    if _scored_on_target():
+        mass = n * hkv * tokens * 4
+        transient = hkv * seq * d * 4 + hq * min(text, 32) * seq * 4 + hq * text * d * bf16
+        return mass / MIB, mass / MIB, transient / MIB
     queries = n * hq * text * d * bf16
     keys = n * hkv * tokens * d * bf16
     stack_copy = keys if _keys_stacked() else 0
-    return (queries + stack_copy) / MIB, (queries + keys) / MIB
+    return (queries + stack_copy) / MIB, (queries + keys) / MIB, 0.0
+
+
+def _scored_on_target() -> bool:
+    from vpsd.models.signals import PrefillSignals
+
+    return "video_attention" in PrefillSignals.__dataclass_fields__
 
 
 def _uv_rows_two() -> bool:
@@ -161,8 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{strategy:6s} measured ({args.dtype}, tiny width): capture {(capture + stacked) / MIB:8.1f} MiB "
               f"(of which a stacked copy {stacked / MIB:.1f}), wire {wire / MIB:8.1f} MiB, pruner peak {peak:8.1f} MiB")
         for name, dims in REAL.items():
-            c, w = scaled(strategy, emb.layout.num_tokens, nt, dims, layers_read)
-            print(f"{'':6s} {name} (bf16, same tokens): capture {c:9.1f} MiB, wire {w:9.1f} MiB")
+            c, w, t = scaled(strategy, emb.layout.num_tokens, nt, dims, layers_read)
+            print(f"{'':6s} {name} (bf16, same tokens): capture {c:9.1f} MiB, wire {w:9.1f} MiB"
+                  + (f", per-layer transient {t:.1f} MiB" if t else ""))
     print(f"target process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

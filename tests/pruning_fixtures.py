@@ -43,15 +43,13 @@ def check_kept(kept: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> No
 
 
 def signals_for(layout: VideoTokenLayout, seed: int) -> PruningSignals:
-    """Random signals of the right shapes: 2 layers, GQA 4/2 heads, a 2-token prefix, 3 text tokens after."""
+    """Random signals of the right shapes: 2 layers, 2 KV heads, 3 text tokens after the video."""
     gen = torch.Generator().manual_seed(seed)
     n, nt = layout.num_tokens, 3
-    s = int(layout.seq_positions.max()) + 1 + nt
     return PruningSignals(
         visual_embeds=torch.randn(n, 6, generator=gen),
-        text_queries=torch.randn(2, 4, nt, 8, generator=gen),
-        keys=torch.randn(2, 2, s, 8, generator=gen),
-        query_positions=torch.arange(s - nt, s),
+        # peaked like real attention; 80% of each head's attention on video, the rest on other tokens
+        video_attention=0.8 * torch.softmax(3 * torch.randn(2, 2, n, generator=gen), dim=-1),
         video_hidden=torch.randn(3, n, 6, generator=gen),
         text_hidden=torch.randn(3, nt, 6, generator=gen),
     )

@@ -1,4 +1,7 @@
-"""Chunked text-to-video attention against a naive full softmax, and HIPPO Eq. 2 written as loops."""
+"""Chunked text-to-video attention against a naive full softmax, and HIPPO Eq. 2 written as loops.
+
+The target scores one layer at a time (layer_video_attention: (Hkv, Nv), mean over text and each KV group's
+query heads); `per_layer` stacks the layers as the target's signals do, and attention_to_video averages them."""
 
 from __future__ import annotations
 
@@ -7,7 +10,16 @@ import math
 import pytest
 import torch
 
-from vpsd.pipeline.pruning.attention import attention_to_video, video_attention_per_kv_head
+from vpsd.pipeline.pruning.attention import attention_to_video, layer_video_attention
+
+
+def per_layer(q, k, vpos, qpos, scale=None, query_chunk=32) -> torch.Tensor:
+    """(L, Hkv, Nv): each layer scored as the target scores it during its prefill."""
+    return torch.stack([layer_video_attention(q[i], k[i], vpos, qpos, scale, query_chunk) for i in range(q.shape[0])])
+
+
+def s_attn(q, k, vpos, qpos, query_chunk=32) -> torch.Tensor:
+    return attention_to_video(per_layer(q, k, vpos, qpos, query_chunk=query_chunk))
 
 
 def naive_probs(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, scale: float) -> torch.Tensor:
@@ -34,7 +46,7 @@ def test_attention_to_video_equals_naive_softmax(chunk):
     q, k, vpos, qpos = random_case(0)
     scale = 1 / math.sqrt(q.shape[-1])
     want = naive_probs(q, k, qpos, scale)[..., vpos].mean(dim=(0, 1, 2))
-    got = attention_to_video(q, k, vpos, qpos, query_chunk=chunk)
+    got = s_attn(q, k, vpos, qpos, query_chunk=chunk)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
 
 
@@ -56,7 +68,7 @@ def test_eq2_as_loops():
                     if j <= p:
                         want[jj] += math.exp(logits[j] - top) / z
     want /= num_layers * hq * nt
-    torch.testing.assert_close(attention_to_video(q, k, vpos, qpos, query_chunk=2).double(), want)
+    torch.testing.assert_close(s_attn(q, k, vpos, qpos, query_chunk=2).double(), want)
 
 
 def test_softmax_denominator_includes_non_video_keys():
@@ -65,12 +77,12 @@ def test_softmax_denominator_includes_non_video_keys():
     k = torch.randn(1, 1, 10, 4)
     vpos, qpos = torch.tensor([2, 3, 4]), torch.tensor([6, 9])  # 7 and 10 visible keys
     want = torch.full((3,), (1 / 7 + 1 / 10) / 2)
-    torch.testing.assert_close(attention_to_video(q, k, vpos, qpos), want)
+    torch.testing.assert_close(s_attn(q, k, vpos, qpos), want)
 
 
 def test_video_only_softmax_would_differ():
     q, k, vpos, qpos = random_case(3)
-    got = attention_to_video(q, k, vpos, qpos)
+    got = s_attn(q, k, vpos, qpos)
     # sums to the share of attention on video keys, which is < 1 because text also attends elsewhere
     assert 0.0 < float(got.sum()) < 1.0
 
@@ -82,16 +94,16 @@ def test_gqa_groups_follow_repeat_kv_order():
     q[0, 2:, 0, 0] = 20.0  # heads 2, 3 (group of KV head 1) look along axis 0
     k = torch.zeros(layers, hkv, 3, d)
     k[0, 1, 1, 0] = 1.0  # KV head 1, key 1 lies along axis 0
-    per_head = video_attention_per_kv_head(q, k, torch.tensor([1, 2]), torch.tensor([2]))
-    # KV head 0: both its query heads spread uniformly over 3 keys -> 2 * (1/3) on each video key
-    torch.testing.assert_close(per_head[0, 0], torch.full((2,), 2 / 3))
-    # KV head 1: the group sum puts almost 2 (two heads x ~1) on key 1
-    assert per_head[0, 1, 0] > 1.99 and per_head[0, 1, 1] < 0.01
+    per_head = per_layer(q, k, torch.tensor([1, 2]), torch.tensor([2]))
+    # KV head 0: both its query heads spread uniformly over 3 keys -> 1/3 on each video key
+    torch.testing.assert_close(per_head[0, 0], torch.full((2,), 1 / 3))
+    # KV head 1: both heads of its group put almost all their attention on key 1
+    assert per_head[0, 1, 0] > 0.995 and per_head[0, 1, 1] < 0.005
 
 
 def test_bfloat16_inputs_are_scored_in_float32():
     q, k, vpos, qpos = random_case(4)
-    got = attention_to_video(q.bfloat16(), k.bfloat16(), vpos, qpos)
-    want = attention_to_video(q.bfloat16().float(), k.bfloat16().float(), vpos, qpos)
+    got = s_attn(q.bfloat16(), k.bfloat16(), vpos, qpos)
+    want = s_attn(q.bfloat16().float(), k.bfloat16().float(), vpos, qpos)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)

@@ -1,4 +1,5 @@
-"""Sparse-to-Dense per-head top-K (Sec. 3.2) against a loop reference, and its GQA pooling."""
+"""Sparse-to-Dense per-head top-K (Sec. 3.2) against a loop reference, and its GQA pooling: the target's
+per-layer attention mass (attention.layer_video_attention) ranked per KV head (sparse_kv.topk_per_head)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import math
 
 import torch
 
-from vpsd.pipeline.pruning.sparse_kv import std_topk_per_head
+from vpsd.pipeline.pruning.attention import layer_video_attention
+from vpsd.pipeline.pruning.sparse_kv import topk_per_head
+
+
+def std_topk_per_head(q, k, vpos, qpos, k_top, query_chunk=32):
+    mass = torch.stack([layer_video_attention(q[i], k[i], vpos, qpos, query_chunk=query_chunk)
+                        for i in range(q.shape[0])])
+    return topk_per_head(mass, k_top)
 
 
 def ref_std(q, k, vpos, qpos, top):
@@ -35,7 +43,7 @@ def test_matches_loop_reference():
     q = torch.randn(2, 6, 3, 4, generator=gen)  # GQA: 6 query heads over 3 KV heads
     k = torch.randn(2, 3, 11, 4, generator=gen)
     vpos, qpos = torch.arange(1, 8), torch.tensor([8, 9, 10])
-    got = std_topk_per_head(q, k, vpos, qpos, k=3, query_chunk=2)
+    got = std_topk_per_head(q, k, vpos, qpos, 3, query_chunk=2)
     assert got.shape == (2, 3, 3) and got.dtype == torch.int64
     assert torch.equal(got, ref_std(q, k, vpos, qpos, 3))
 
@@ -54,7 +62,7 @@ def test_group_heads_are_summed_not_maxed():
     k[0, 0, 1, 1] = 1.0  # video token 1 (B)
     k[0, 0, 2, 1] = 0.9  # video token 2 (C), a little behind B for head 1
     k[0, 0, 1, 0] = 0.9  # B also catches some of head 0
-    top1 = std_topk_per_head(q, k, torch.tensor([0, 1, 2]), torch.tensor([3]), k=1)
+    top1 = std_topk_per_head(q, k, torch.tensor([0, 1, 2]), torch.tensor([3]), 1)
     assert top1.tolist() == [[[1]]]
 
 
@@ -65,5 +73,5 @@ def test_each_kv_head_has_its_own_set():
     k = torch.zeros(1, 2, 3, 2)
     k[0, 0, 0, 0] = 1.0  # KV head 0: video token 0 matches
     k[0, 1, 1, 1] = 1.0  # KV head 1: video token 1 matches
-    top1 = std_topk_per_head(q, k, torch.tensor([0, 1]), torch.tensor([2]), k=1)
+    top1 = std_topk_per_head(q, k, torch.tensor([0, 1]), torch.tensor([2]), 1)
     assert top1[0, :, 0].tolist() == [0, 1]

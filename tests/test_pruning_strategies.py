@@ -6,7 +6,6 @@ import pytest
 import torch
 from pruning_fixtures import check_kept, newline_layout, signals_for
 
-from vpsd.pipeline.pruning.attention import attention_to_video
 from vpsd.pipeline.pruning.select import top_k_keep
 from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals, specvlm_strategy
 
@@ -27,9 +26,7 @@ def test_strategy_runs_on_only_the_signals_it_declares(name):
     strategy = STRATEGIES[name]
     only = PruningSignals(
         visual_embeds=full.visual_embeds if strategy.needs_visual_embeds else None,
-        text_queries=full.text_queries if strategy.needs_attention else None,
-        keys=full.keys if strategy.needs_attention else None,
-        query_positions=full.query_positions if strategy.needs_attention else None,
+        video_attention=full.video_attention if strategy.needs_attention else None,
         video_hidden=full.video_hidden if strategy.needs_hidden_states else None,
         text_hidden=full.text_hidden if strategy.needs_hidden_states else None,
     )
@@ -49,7 +46,7 @@ def test_missing_signal_is_named(name):
 def test_attn_strategy_is_top_k_of_s_attn():
     layout = newline_layout(2, 4, 4, start=3)
     sig = signals_for(layout, 1)
-    score = attention_to_video(sig.text_queries, sig.keys, layout.seq_positions, sig.query_positions)
+    score = sig.video_attention.mean(dim=(0, 1))  # HIPPO Eq. 2: mean over layers and heads
     assert torch.equal(STRATEGIES["attn"].select(sig, layout, 0.75, 0), top_k_keep(score, layout, 0.75))
 
 
@@ -58,6 +55,6 @@ def test_specvlm_lambda_changes_the_stage_one_share():
     sig = signals_for(layout, 2)
     low = specvlm_strategy(0.0).select(sig, layout, 0.5, 0)  # stage II only: pure uniform reduction
     high = specvlm_strategy(1.0).select(sig, layout, 0.5, 0)  # stage I fills the budget: top-k
-    score = attention_to_video(sig.text_queries, sig.keys, layout.seq_positions, sig.query_positions)
+    score = sig.video_attention.mean(dim=(0, 1))  # HIPPO Eq. 2: mean over layers and heads
     assert torch.equal(high, top_k_keep(score, layout, 0.5))
     assert not torch.equal(low, high)

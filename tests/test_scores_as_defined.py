@@ -37,12 +37,12 @@ def test_serial_attention_reads_every_layer_parallel_only_the_streamed_ones():
     emb = target.embed(target.prepare(random_frames(0), "What happens?"))
     cfg = PruningConfig("attn", 0.5, stream_layers=2)
     serial = prefill_for_strategy(target, emb, cfg).signals
-    assert serial.text_queries.shape[0] == len(serial.keys) == depth
+    assert serial.video_attention.shape[0] == depth
     streamed = []
     parallel = prefill_for_strategy(target, emb, cfg, on_ready=streamed.append, parallel=True).signals
-    assert parallel.text_queries.shape[0] == len(parallel.keys) == 2 and streamed == [parallel]
+    assert parallel.video_attention.shape[0] == 2 and streamed == [parallel]
     off = prefill_for_strategy(target, emb, PruningConfig("attn", 0.5, stream_layers=None), parallel=True).signals
-    assert off.text_queries.shape[0] == depth
+    assert off.video_attention.shape[0] == depth
 
 
 def test_uv_ships_two_layers_and_scores_as_the_full_stack():
@@ -67,7 +67,7 @@ def test_crop_and_lambda_reach_the_strategies():
     assert torch.equal(three, strategy_for("spatial", crop=3).select(signals, layout, 0.7, 0))
 
     signals = signals_for(layout, 1)
-    scores = attention_to_video(signals.text_queries, signals.keys, layout.seq_positions, signals.query_positions)
+    scores = attention_to_video(signals.video_attention)
 
     def chosen(cfg: PruningConfig, family: str) -> torch.Tensor:
         return configured_strategy(cfg, family).select(signals, layout, 0.7, 0)

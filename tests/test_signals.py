@@ -1,7 +1,7 @@
-"""Prefill signals: the hooked prefill is the plain prefill, and its queries and keys rebuild the eager attention.
+"""Prefill signals: the hooked prefill is the plain prefill, and the attention it scores is the eager attention.
 
-Reference: an eager forward of the same language model with output_attentions, averaged over the first L
-layers, every head and the text tokens, read at the video key columns.
+Reference: an eager forward of the same language model with output_attentions, for each of the first L layers
+and each KV head the mean over that head's query heads and the text tokens, read at the video key columns.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.signals import PrefillSignals, prefill_for_strategy, prefill_with_signals, text_positions
-from vpsd.pipeline.pruning.attention import attention_to_video
 from vpsd.pipeline.pruning.strategies import PruningSignals
 
 PROMPT = "What happens in this video?"
@@ -67,20 +66,21 @@ def test_attention_matches_eager_forward(family):
     num_layers = 3  # fewer than the tiny target's 4: only the first L layers count
     s = prefill_with_signals(target, emb, num_layers, attention=True, hidden=False).signals
     video, text = emb.layout.seq_positions, text_positions(emb)
-    assert torch.equal(s.query_positions, text)
     text_cfg = target.model.config.get_text_config()
-    assert s.text_queries.shape[:3] == (num_layers, text_cfg.num_attention_heads, len(text))
-    assert len(s.keys) == num_layers
-    assert all(k.shape[:2] == (text_cfg.num_key_value_heads, emb.seq_len) for k in s.keys)
+    hq, hkv = text_cfg.num_attention_heads, text_cfg.num_key_value_heads
+    assert s.video_attention.shape == (num_layers, hkv, video.numel()) and s.video_attention.dtype == torch.float32
 
-    eager = _eager_attentions(target, emb)
-    want = torch.stack([a[0][:, text][:, :, video] for a in eager[:num_layers]]).mean(dim=(0, 1, 2))
-    got = attention_to_video(s.text_queries, s.keys, video, s.query_positions, s.attn_scale)
+    eager = _eager_attentions(target, emb)  # (1, Hq, S, S) per layer; query head h reads KV head h // g
+
+    def per_kv_head(a):  # (Hq, Nt, Nv) -> (Hkv, Nv): mean over the group's query heads and the text tokens
+        return a[0][:, text][:, :, video].reshape(hkv, hq // hkv, len(text), -1).mean(dim=(1, 2))
+
+    want = torch.stack([per_kv_head(a) for a in eager[:num_layers]])
     assert want.max() > 1.5 * want.min()  # far from uniform, so the comparison below means something
-    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(s.video_attention, want.float(), rtol=0, atol=1e-6)
     # the layer left out matters: averaging over all layers gives a different answer
-    all_layers = torch.stack([a[0][:, text][:, :, video] for a in eager]).mean(dim=(0, 1, 2))
-    assert (all_layers - want).abs().max() > 1e-3
+    all_layers = torch.stack([per_kv_head(a) for a in eager]).mean(dim=(0, 1))
+    assert (all_layers - want.mean(dim=(0, 1))).abs().max() > 1e-3
 
 
 def test_text_tokens_follow_the_last_video_token(family):
@@ -113,29 +113,17 @@ def test_layers_clamped_and_only_requested_fields():
     target, emb = _embeddings("qwen2_5_vl")
     num_layers = len(target.language_model.layers)
     s = prefill_with_signals(target, emb, 20, attention=True, hidden=False).signals
-    assert s.text_queries.shape[0] == len(s.keys) == num_layers
+    assert s.video_attention.shape[0] == num_layers
     assert s.video_hidden is None and s.text_hidden is None
-    assert s.attn_scale == pytest.approx(s.keys[0].shape[-1] ** -0.5)
 
     h = prefill_with_signals(target, emb, 20, attention=False, hidden=True).signals
-    assert h.text_queries is None and h.keys is None and h.query_positions is None
+    assert h.video_attention is None
     assert h.video_hidden.shape[0] == 2  # layer 0 and the last one (the model has fewer than 20)
 
     sent = s.as_tensors()
-    assert set(sent) == {"text_queries", "keys", "query_positions", "attn_scale"}
-    assert sent["attn_scale"].dim() == 0
+    assert set(sent) == {"video_attention"}
     merged = s.merged_into(PruningSignals(visual_embeds=emb.visual_embeds))
-    assert merged.visual_embeds is not None and merged.keys is s.keys and merged.attn_scale == s.attn_scale
-
-
-def test_keys_are_views_of_the_cache_until_sent():
-    """Sparse-to-Dense reads every layer's keys: a copy would briefly double the prefill's KV memory."""
-    target, emb = _embeddings("qwen2_5_vl")
-    pre = prefill_with_signals(target, emb, 20, attention=True, hidden=False)
-    for key, layer in zip(pre.signals.keys, pre.state.cache.layers, strict=True):
-        assert key.data_ptr() == layer.keys.data_ptr()
-    sent = pre.signals.as_tensors()["keys"]  # what the wire sends: the views themselves, layer by layer
-    assert all(k.data_ptr() == layer.keys.data_ptr() for k, layer in zip(sent, pre.state.cache.layers, strict=True))
+    assert merged.visual_embeds is not None and merged.video_attention is s.video_attention
     assert PrefillSignals().as_tensors() == {}
 
 
@@ -168,7 +156,7 @@ def test_plain_prefill_when_the_strategy_reads_no_prefill_signals():
     target, emb = _embeddings("llava_onevision")
     assert prefill_for_strategy(target, emb, PruningConfig("uniform", 0.5)).signals is None
     assert prefill_for_strategy(target, emb, PruningConfig("hippo", 0.0)).signals is None
-    assert prefill_for_strategy(target, emb, PruningConfig("uv", 0.5)).signals.keys is None
+    assert prefill_for_strategy(target, emb, PruningConfig("uv", 0.5)).signals.video_attention is None
 
 
 @pytest.mark.parametrize("num_layers", [1, 3, 20])
@@ -195,7 +183,7 @@ def test_signals_are_handed_over_right_after_layer_l(family, num_layers):
     assert layers_run == list(range(expect))  # layers L.. had not run yet
     assert ran == list(range(len(layers)))  # the prefill went on through every layer
     assert signals is got.signals
-    assert signals.text_queries.shape[0] == len(signals.keys) == expect
+    assert signals.video_attention.shape[0] == expect
     assert signals.video_hidden.shape[0] == 2  # layers 0 and L
     assert torch.equal(got.logits, target.prefill(emb).logits)
 
@@ -204,7 +192,7 @@ def test_prefill_for_strategy_streams_only_what_the_strategy_reads():
     target, emb = _embeddings("qwen2_5_vl")
     seen = []
     prefill_for_strategy(target, emb, PruningConfig("uv", 0.5, layers=2), on_ready=seen.append)
-    assert len(seen) == 1 and seen[0].keys is None and seen[0].video_hidden.shape[0] == 2
+    assert len(seen) == 1 and seen[0].video_attention is None and seen[0].video_hidden.shape[0] == 2
     prefill_for_strategy(target, emb, PruningConfig("uniform", 0.5), on_ready=seen.append)
     prefill_for_strategy(target, emb, PruningConfig("hippo", 0.0), on_ready=seen.append)
     assert len(seen) == 1  # a plain prefill never calls back: those signals leave before it

@@ -1,8 +1,8 @@
 """`std`: Sparse-to-Dense self-speculation (serial, one process, the target's own weights).
 
-The target prefills once, with hooks capturing its text queries in EVERY layer (models/signals.py).
-From them, per layer and per KV head, the K video entries the text attended to most are chosen
-(pipeline/pruning/sparse_kv.py, Sec. 3.2; GQA query heads of a group summed). The draft's cache is
+The target prefills once, with hooks rebuilding its text-to-video attention in EVERY layer and KV head
+(models/signals.py). From it, per layer and per KV head, the K video entries the text attended to most are
+chosen (pipeline/pruning/sparse_kv.py, Sec. 3.2; GQA query heads of a group pooled). The draft's cache is
 then gathered from the target's own prefill cache: all non-video entries plus each head's K video
 entries. Cached keys already carry their rotary phase, so a gathered entry keeps its position; decoded
 tokens continue from the full sequence's positions (position_offset), and every head keeps K entries so
@@ -27,24 +27,22 @@ from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.sd import speculate
 from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import prefill_with_signals
-from vpsd.pipeline.pruning.sparse_kv import gather_heads, sparse_cache_indices, std_topk_per_head
+from vpsd.pipeline.pruning.sparse_kv import gather_heads, sparse_cache_indices, topk_per_head
 from vpsd.pipeline.sampling import next_token
 
 
 def std_prefill(target: VideoLMAdapter, emb: SequenceEmbeddings) -> PrefillResult:
-    """The target's full prefill with text queries and keys of every layer (Cache_s[l] needs each l)."""
+    """The target's full prefill with the text-to-video attention of every layer (Cache_s[l] needs each l)."""
     return prefill_with_signals(target, emb, num_layers=len(target.language_model.layers), attention=True, hidden=False)
 
 
 def std_cache_indices(pre: PrefillResult, emb: SequenceEmbeddings, ratio: float) -> torch.Tensor:
     """(L, Hkv, S') dense-cache entries the sparse drafter keeps, from the prefill's signals."""
-    sig = pre.signals
     layout = emb.layout
     scored = layout.seq_positions[layout.prunable]
-    topk = std_topk_per_head(
-        sig.text_queries, sig.keys, scored, sig.query_positions, layout.budget(ratio), sig.attn_scale
-    )
-    return sparse_cache_indices(topk, scored, emb.seq_len)
+    topk = topk_per_head(pre.signals.video_attention[..., layout.prunable.to(pre.signals.video_attention.device)],
+                         layout.budget(ratio))
+    return sparse_cache_indices(topk.cpu(), scored, emb.seq_len)
 
 
 def sparse_state(target: VideoLMAdapter, dense: DecodeState, indices: torch.Tensor, next_position: int) -> DecodeState:

@@ -3,22 +3,27 @@
 `prefill_with_signals` runs the adapter's ordinary full prefill with hooks on the first L decoder layers
 (L: `PruningConfig.signal_layers`, all layers by default as HIPPO Eq. 2 and SpecVLM Eq. 5 define the
 attention score; a parallel run streams after an earlier layer, ParallelVLM's variant).
-A pre-hook on each layer's self-attention reads the attention input (`hidden_states`, already normed) and
-the rotary `position_embeddings` the layer is given, and recomputes the queries of the TEXT rows only,
-exactly as the attention module does: q_proj, q_norm where the layer has one (Qwen3-VL), split into heads,
-then the rotary function of the layer's own modeling file. The multimodal rotary (Qwen's M-RoPE,
-interleaved for Qwen3-VL) is already folded into (cos, sin) by the model's rotary module, so every family
-applies it with the plain `apply_rotary_pos_emb`. Keys are read from the KV cache (rotary applied, key j
-at sequence position j) once layer L-1 has written them. Hidden-state rows (UV-Prune) are read by hooks
-on the decoder layers too, and only at the two layers UV-Prune's score uses (the input of layer 0 and the
-output of layer L, its sum telescopes: pipeline/pruning/uv.py), so no per-layer stack of them exists.
+
+Attention is scored on the target, layer by layer as the prefill runs. A pre-hook on each layer's
+self-attention reads the attention input (`hidden_states`, already normed) and the rotary
+`position_embeddings` the layer is given, and recomputes the queries of the TEXT rows only, exactly as the
+attention module does: q_proj, q_norm where the layer has one (Qwen3-VL), split into heads, then the rotary
+function of the layer's own modeling file. The multimodal rotary (Qwen's M-RoPE, interleaved for Qwen3-VL)
+is already folded into (cos, sin) by the model's rotary module, so every family applies it with the plain
+`apply_rotary_pos_emb`. A forward hook on the same module, once it has written its keys to the KV cache
+(rotary applied, key j at sequence position j), rebuilds that layer's text-to-video attention
+(pipeline/pruning/attention.py) and drops the queries. Only the (L, Hkv, N) float32 mass is kept and sent:
+no queries stacked over layers, no keys on the wire (for Qwen2.5-VL-7B and 24k video tokens, 7.5 MiB at 20
+layers where the keys were 483 MiB), and the pruner has nothing to rebuild. The cost moves to the target:
+Hq x Nt x S x d multiply-adds a layer, well under 1% of the layer's own prefill (Nt text rows against S).
+
+Hidden-state rows (UV-Prune) are read by hooks on the decoder layers too, and only at the two layers
+UV-Prune's score uses (the input of layer 0 and the output of layer L, its sum telescopes:
+pipeline/pruning/uv.py), so no per-layer stack of them exists.
 
 As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
-layers after L are still to run (the target starts the send to the pruner in it). Memory: L x (Hq, Nt, d)
-queries; the keys are views of the cache's own tensors (no copy: Sparse-to-Dense reads every layer's, which
-would have briefly doubled the KV memory), sent to the pruner layer by layer from the cache itself; the
-text-to-video attention is rebuilt in chunks by pipeline/pruning/attention.py (one layer, one chunk of
-queries at a time). scripts/signal_memory.py measures all of it at a real target's depth and 24k tokens.
+layers after L are still to run (the target starts the send to the pruner in it).
+scripts/signal_memory.py measures all of it at a real target's depth and 24k tokens.
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
@@ -35,6 +40,7 @@ import torch
 
 from vpsd.config import PruningConfig
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.pipeline.pruning.attention import layer_video_attention
 from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals
 from vpsd.pipeline.pruning.uv import UV_DEFAULT_LAYERS
 
@@ -43,10 +49,7 @@ from vpsd.pipeline.pruning.uv import UV_DEFAULT_LAYERS
 class PrefillSignals:
     """What the target's prefill measured for the pruner; fields not asked for stay None."""
 
-    text_queries: torch.Tensor | None = None  # (L, Hq, Nt, d) text queries, rotary applied, model dtype
-    keys: tuple[torch.Tensor, ...] | None = None  # L views (Hkv, S, d) of the cached keys, key j at position j
-    query_positions: torch.Tensor | None = None  # (Nt,) int64 sequence positions of the text tokens
-    attn_scale: float | None = None  # the attention modules' softmax scale
+    video_attention: torch.Tensor | None = None  # (L, Hkv, N) float32 text-to-video attention (attention.py)
     video_hidden: torch.Tensor | None = None  # (2, N, D) hidden states of the video tokens at layers 0 and L
     text_hidden: torch.Tensor | None = None  # (2, Nt, D) hidden states of the text tokens at layers 0 and L
 
@@ -55,18 +58,9 @@ class PrefillSignals:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return dataclasses.replace(signals, **{k: v for k, v in fields.items() if v is not None})
 
-    def as_tensors(self) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
-        """The non-None fields as tensors, named as PruningSignals' fields (attn_scale becomes a 0-d tensor;
-        the per-layer keys stay the cache's own L views: the wire sends them one by one, never a stacked copy,
-        which for a 7B target and 24k tokens would be 0.7 GB more on the target)."""
-        out: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, tuple):
-                out[f.name] = value
-            elif value is not None:
-                out[f.name] = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
-        return out
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """The non-None fields, named as PruningSignals' fields (what the wire sends)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 def text_positions(emb: SequenceEmbeddings) -> torch.Tensor:
@@ -108,8 +102,8 @@ def prefill_with_signals(
 ) -> PrefillResult:
     """A full prefill (as `adapter.prefill(emb)`) whose result carries `PrefillSignals` of the first L layers.
 
-    attention: text queries, keys, query positions and scale of layers 0..L-1, L = num_layers, or every
-    layer when None or the model has fewer. hidden: video / text rows of the input of layer 0 and the
+    attention: the text-to-video attention of layers 0..L-1 per KV head, L = num_layers, or every layer when
+    None or the model has fewer. hidden: video / text rows of the input of layer 0 and the
     output of layer L-1 (hidden states 0 and L; a layer's raw output, so before the final norm even when L
     is every layer), L = num_layers or UV-Prune's 20 when None, at most every layer.
 
@@ -126,7 +120,8 @@ def prefill_with_signals(
     last = max(attn_layers if attention else 0, uv_layers if hidden else 0)  # the signals are complete after it
     text_pos = text_positions(emb).to(emb.embeds.device)
     video_pos = emb.layout.seq_positions.to(text_pos.device)
-    queries: list[torch.Tensor | None] = [None] * attn_layers
+    attention_rows: list[torch.Tensor | None] = [None] * attn_layers
+    pending: dict[int, torch.Tensor] = {}  # layer -> its text queries, between its pre-hook and its hook
     video_rows: list[torch.Tensor] = []  # hidden state 0 (input of layer 0), then L (output of layer L-1)
     text_rows: list[torch.Tensor] = []
     ready: list[PrefillSignals] = []
@@ -136,7 +131,15 @@ def prefill_with_signals(
         def hook(module, args, kwargs):
             rows = kwargs["hidden_states"][:, text_pos]
             cos, sin = (t[:, text_pos] for t in kwargs["position_embeddings"])
-            queries[i] = _text_queries(module, rows, cos, sin)
+            pending[i] = _text_queries(module, rows, cos, sin)
+
+        return hook
+
+    def score_layer(i: int):
+        def hook(module, args, kwargs, out):
+            # The module has written this layer's keys to the cache: score, then drop the queries.
+            keys = kwargs["past_key_values"].layers[i].keys[0]  # (Hkv, S, d), rotary applied
+            attention_rows[i] = layer_video_attention(pending.pop(i), keys, video_pos, text_pos, module.scaling)
 
         return hook
 
@@ -154,13 +157,7 @@ def prefill_with_signals(
         # Runs after the last layer needed (and after capture_output, registered earlier on the same layer).
         signals = PrefillSignals()
         if attention:
-            cache = kwargs.get("past_key_values")
-            signals.text_queries = torch.stack(queries)
-            # Views, not copies: layers before L are final once layer L-1 has run, and the cache's update
-            # concatenates into new tensors while decoding, so these stay the prefill's keys.
-            signals.keys = tuple(layer.keys[0] for layer in cache.layers[:attn_layers])
-            signals.query_positions = text_pos.cpu()
-            signals.attn_scale = float(layers[0].self_attn.scaling)
+            signals.video_attention = torch.stack(attention_rows)
         if hidden:
             signals.video_hidden = torch.stack(video_rows)
             signals.text_hidden = torch.stack(text_rows)
@@ -171,7 +168,9 @@ def prefill_with_signals(
     try:
         if attention:
             for i in range(attn_layers):
-                handles.append(layers[i].self_attn.register_forward_pre_hook(capture_queries(i), with_kwargs=True))
+                attn = layers[i].self_attn
+                handles.append(attn.register_forward_pre_hook(capture_queries(i), with_kwargs=True))
+                handles.append(attn.register_forward_hook(score_layer(i), with_kwargs=True))
         if hidden:
             handles.append(layers[0].register_forward_pre_hook(capture_input, with_kwargs=True))
             handles.append(layers[uv_layers - 1].register_forward_hook(capture_output, with_kwargs=True))

@@ -126,7 +126,7 @@ def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, it
         send({})
     with span("prefill", item=item.id, tokens=emb.seq_len):
         pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()), parallel=True)
-    pre.signals = None  # queries and key views are not needed while decoding (the views pin the prefill keys)
+    pre.signals = None  # sent; not needed while decoding
     for handle in in_flight:
         handle.wait(ctx.timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
     return pre

@@ -1,23 +1,19 @@
 """Sparse-to-Dense (Sec. 3.2): which video KV entries each layer and KV head of the sparse drafter keeps.
 
 Cache_s[l] = argTopK over video tokens x of (1/m_t) sum over text tokens x_hat of A_l(x_hat, x), chosen once
-at prefill. With GQA the attention of the g query heads that share a KV head is summed ("we directly sum
-the attention scores within each group"), so each KV head gets its own top-K set. The text tokens are the
-prompt tokens after the video (the last m_t tokens of the input): the caller passes their queries and
-positions. A_l is the true attention probability (softmax over every key the text token sees), built as
-in attention.py.
+at prefill. With GQA the attention of the g query heads that share a KV head is pooled ("we directly sum
+the attention scores within each group"; the target's signals hold the group's mean, the same ranking), so
+each KV head gets its own top-K set. The text tokens are the prompt tokens after the video (the last m_t
+tokens of the input). A_l is the true attention probability (softmax over every key the text token sees),
+rebuilt on the target as in attention.py.
 
-Contract of std_topk_per_head: (L, Hkv, K) int64 video token indices, sorted ascending within each (layer, head) so a caller
-can gather the KV cache in its original order; ties go to the lower index.
+Contract of topk_per_head: (L, Hkv, K) int64 video token indices, sorted ascending within each (layer, head) so a
+caller can gather the KV cache in its original order; ties go to the lower index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-from vpsd.pipeline.pruning.attention import video_attention_per_kv_head
 
 
 def topk_per_head(mass: torch.Tensor, k: int) -> torch.Tensor:
@@ -26,21 +22,8 @@ def topk_per_head(mass: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order, dim=-1).values
 
 
-def std_topk_per_head(
-    text_queries: torch.Tensor,  # (L, Hq, Nt, d) prompt-token queries, rotary applied
-    keys: torch.Tensor | Sequence[torch.Tensor],  # (L, Hkv, S, d), or L of (Hkv, S, d): cached keys, rotary applied
-    video_positions: torch.Tensor,  # (Nv,) sequence positions of the video tokens
-    query_positions: torch.Tensor,  # (Nt,) sequence positions of the text queries
-    k: int,
-    scale: float | None = None,
-    query_chunk: int = 32,
-) -> torch.Tensor:  # (L, Hkv, k) int64
-    mass = video_attention_per_kv_head(text_queries, keys, video_positions, query_positions, scale, query_chunk)
-    return topk_per_head(mass, k)
-
-
 def sparse_cache_indices(
-    topk: torch.Tensor,  # (L, Hkv, K) indices into `scored_positions`, from std_topk_per_head
+    topk: torch.Tensor,  # (L, Hkv, K) indices into `scored_positions`, from topk_per_head
     scored_positions: torch.Tensor,  # (Nv,) sequence positions of the video tokens that were scored
     seq_len: int,
 ) -> torch.Tensor:  # (L, Hkv, seq_len - Nv + K) int64 cache positions, ascending

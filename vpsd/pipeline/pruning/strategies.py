@@ -16,7 +16,6 @@ and "none" (keep everything: plain speculative decoding).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,11 +36,9 @@ class PruningSignals:
     """What the target and the vision tower measured; each strategy reads only what it declares."""
 
     visual_embeds: torch.Tensor | None = None  # (N, D) projector output, one row per video token
-    text_queries: torch.Tensor | None = None  # (L, Hq, Nt, d) text queries, rotary applied
-    keys: torch.Tensor | Sequence[torch.Tensor] | None = None  # (L, Hkv, S, d) or L x (Hkv, S, d); key j: position j
-    video_positions: torch.Tensor | None = None  # (N,) positions of the video keys; None: layout.seq_positions
-    query_positions: torch.Tensor | None = None  # (Nt,) positions of the text queries
-    attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(d)
+    # (L, Hkv, N) float32 attention of the text tokens to each video token, per target layer and KV head (mean
+    # over the text tokens and the group's query heads), rebuilt on the target during its prefill (attention.py)
+    video_attention: torch.Tensor | None = None
     video_hidden: torch.Tensor | None = None  # (L+1, N, D) target hidden states of the video tokens
     text_hidden: torch.Tensor | None = None  # (L+1, Nt, D) target hidden states of the text tokens
 
@@ -52,7 +49,7 @@ SelectFn = Callable[[PruningSignals, VideoTokenLayout, float, int], torch.Tensor
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    needs_attention: bool  # text_queries, keys, query_positions
+    needs_attention: bool  # video_attention
     needs_hidden_states: bool  # video_hidden, text_hidden
     needs_visual_embeds: bool  # visual_embeds
     select: SelectFn  # (signals, layout, ratio, seed) -> kept video token indices
@@ -65,11 +62,8 @@ def _require(signals: PruningSignals, *names: str) -> None:
 
 
 def _attention(signals: PruningSignals, layout: VideoTokenLayout) -> torch.Tensor:
-    _require(signals, "text_queries", "keys", "query_positions")
-    video_positions = layout.seq_positions if signals.video_positions is None else signals.video_positions
-    return attention_to_video(
-        signals.text_queries, signals.keys, video_positions, signals.query_positions, signals.attn_scale
-    )
+    _require(signals, "video_attention")
+    return attention_to_video(signals.video_attention)
 
 
 def _temporal(signals: PruningSignals, layout: VideoTokenLayout) -> torch.Tensor:
