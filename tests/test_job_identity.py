@@ -37,6 +37,17 @@ def test_same_settings_resume(tmp_path):
     check_resume(tmp_path, "hippo", admitted)
 
 
+def test_a_setting_added_since_counts_as_its_default(tmp_path):
+    """A directory recorded before vpsd had `video.sampling`: resumed as long as the run keeps the default."""
+    cfg = _with_results(tmp_path)
+    jobs = json.loads((tmp_path / "job.json").read_text())
+    del jobs["hippo"]["video"]["sampling"]
+    (tmp_path / "job.json").write_text(json.dumps(jobs))
+    check_resume(tmp_path, "hippo", cfg)
+    with pytest.raises(JobMismatch, match="video.sampling: 'config' -> 'checkpoint'"):
+        check_resume(tmp_path, "hippo", load_config(CONFIG, {"video.sampling": "checkpoint"}))
+
+
 @pytest.mark.parametrize("key, value", [("pruning.strategy", "random"), ("decoding.gamma", 2),
                                         ("target.tiny.seed", 7), ("video.num_frames", 4)])
 def test_other_settings_stop_the_rerun_and_say_which(tmp_path, key, value):

@@ -10,7 +10,9 @@ Not part of the identity: where and how fast the job runs (the model's device, c
 timeouts), how it is driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
 (`video.context_limit`, `video.subsample_to_fit`: an item that fits decodes the same either way, and
 retrying the items that did not fit with subsampling on is how such failures are meant to be rerun).
-Weights replaced in place under the same path count too: a checkpoint directory's identity includes a hash
+A setting vpsd gained after a directory was recorded (absent from its job.json) counts as its default there,
+so upgrading vpsd mid-job resumes the job unless the new setting is used. Weights replaced in place under the
+same path count too: a checkpoint directory's identity includes a hash
 of each weight file's name, size and three 1 MiB samples (start, middle, end). Retrained or fine-tuned
 weights differ throughout, and reading 3 MiB a shard costs milliseconds where hashing a real checkpoint
 whole would take minutes on every launch.
@@ -18,13 +20,14 @@ whole would take minutes on every launch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from vpsd.config import RunConfig
+from vpsd.config import DecodingConfig, PruningConfig, RunConfig, VideoConfig
 from vpsd.launch.results import ResultsFile
 
 JOB_FILE = "job.json"
@@ -84,12 +87,25 @@ def check_resume(out: Path, method: str, cfg: RunConfig) -> None:
     recorded = _read(out).get(method)
     if recorded is None or not ResultsFile(out).finished(method):
         return  # nothing of this method's to mix with
-    diff = differences(recorded, identity(cfg))
+    diff = differences(_with_later_defaults(recorded), identity(cfg))
     if diff:
         raise JobMismatch(
             f"{out} holds {method} results made with other settings ({'; '.join(diff)}); resuming would mix "
             f"the two jobs. Use another --out, or remove {Path(out) / 'results.jsonl'} to start over."
         )
+
+
+def _with_later_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
+    """`recorded` with each section setting it lacks (added to vpsd since) set to that setting's default."""
+    out = json.loads(json.dumps(recorded))
+    skipped = {tuple(d.split(".")) for d in NOT_IDENTITY}
+    for section, cls in (("video", VideoConfig), ("decoding", DecodingConfig), ("pruning", PruningConfig)):
+        if isinstance(out.get(section), dict):
+            defaults = json.loads(json.dumps(dataclasses.asdict(cls()), default=str))
+            for key, value in defaults.items():
+                if (section, key) not in skipped:
+                    out[section].setdefault(key, value)
+    return out
 
 
 def record(out: Path, method: str, cfg: RunConfig) -> None:
