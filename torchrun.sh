@@ -19,6 +19,11 @@ if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   torchrun_args=(--standalone "${torchrun_args[@]}")
   # One node: a fresh secret for this job alone (ranks inherit it; other users cannot read it).
   [ -n "${VPSD_JOB_SECRET:-}" ] || export VPSD_JOB_SECRET="$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+  # A rank that refuses to start (bad settings, an --out holding another job) says why, marks this file and
+  # exits 0, so torchrun adds no failure block of its own; the mark makes this launcher exit 2. One node only:
+  # there every rank reads the same files and refuses alike (vpsd/launch/entry.py, REFUSAL_MARK).
+  export VPSD_REFUSAL_MARK="$(mktemp -u "${TMPDIR:-/tmp}/vpsd-refused.XXXXXX")"
+  trap 'rm -f "$VPSD_REFUSAL_MARK"' EXIT
 fi
 # Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
 # attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).
@@ -34,6 +39,7 @@ done
 rc=0
 python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
   -m vpsd.launch.entry "$@" || rc=$?
+[ -n "${VPSD_REFUSAL_MARK:-}" ] && [ -e "$VPSD_REFUSAL_MARK" ] && exit 2
 if [ "$rc" -gt 128 ]; then
   # torchrun itself was killed. Its ranks die with it (they asked the kernel to), so nothing writes to the
   # output directory any more: what finished is kept and the same command resumes the rest.

@@ -83,3 +83,31 @@ def test_every_bad_setting_is_one_line_said_once(tmp_path, capsys, monkeypatch):
 def test_gamma_auto_and_numbers_pass_the_settings_check():
     assert resolve_config(args("pearl", "--set", "decoding.gamma=auto")).decoding.gamma == "auto"
     assert resolve_config(args("pearl", "--set", "decoding.gamma=7")).decoding.gamma == 7
+
+
+def test_the_launcher_says_a_refusal_in_vpsds_lines_alone(tmp_path):
+    """./torchrun.sh: the ranks refuse, mark the launcher's file and exit 0, so torchrun prints no failure block
+    of its own; the launcher exits 2. Started by torchrun directly, a refusing rank still exits 2."""
+    from tests.torchrun_jobs import run_launcher
+
+    proc = run_launcher("tiny_qwen2_5_vl.yaml", tmp_path / "m.jsonl", tmp_path / "o", "pearl",
+                        "--set", "pruning.ratoi=0.5", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("vpsd:")]
+    assert said == ["vpsd: unknown key pruning.ratoi (did you mean 'ratio'?)"]
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_refusing_rank_marks_the_launchers_file_only_when_every_rank_refuses(tmp_path, monkeypatch, capsys):
+    from vpsd.launch.entry import REFUSAL_MARK, main, refuse
+
+    mark = tmp_path / "refused"
+    monkeypatch.setenv(REFUSAL_MARK, str(mark))
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(bad_settings_job(tmp_path)) == 0 and mark.exists()
+    mark.unlink()
+    # A refusal only one rank reaches (the target's lock on --out) exits 2: torchrun then stops the others.
+    assert refuse(["--out is busy"], reporter=True, every_rank=False) == 2 and not mark.exists()
+    monkeypatch.delenv(REFUSAL_MARK)
+    assert main(bad_settings_job(tmp_path)) == 2

@@ -132,14 +132,26 @@ def restart_problem(env: Mapping[str, str]) -> str | None:
     return None
 
 
-def refuse(problems: list[str], reporter: bool | None = None) -> int:
+# Set by ./torchrun.sh for a single-node job: a path where a rank that refuses to start leaves a mark, then
+# exits 0, so that torchrun does not print its failure block (a traceback-sized "ChildFailedError" report)
+# under vpsd's own lines; the launcher sees the mark and exits 2 itself. Only for refusals every rank reaches
+# on its own (on one node they read the same files): a rank exiting 0 while its peers go on would leave them
+# waiting for it. Started any other way, a refusing rank exits 2.
+REFUSAL_MARK = "VPSD_REFUSAL_MARK"
+
+
+def refuse(problems: list[str], reporter: bool | None = None, every_rank: bool = True) -> int:
     """A job that cannot start: one line per problem, said once (by rank 0: every rank finds the same ones,
-    before any model loads); exit status 2."""
+    before any model loads); exit status 2, or 0 after leaving the launcher's mark (REFUSAL_MARK)."""
     if reporter is None:
         reporter = os.environ.get("RANK", "0") == "0"
     if reporter:
         for problem in problems:
             print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+    mark = os.environ.get(REFUSAL_MARK)
+    if mark and every_rank:
+        Path(mark).touch()
+        return 0
     return 2
 
 
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             lock_out_dir(out)  # the results writer holds --out for its whole life: one job per directory
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
     except OutDirBusy as e:
-        return refuse([str(e)], reporter=True)  # only the target rank tried the lock: it reports
+        # Only the target rank tried the lock: it reports, and exits 2 so that torchrun stops the others.
+        return refuse([str(e)], reporter=True, every_rank=False)
     except (JobMismatch, MissingSecret, ValueError) as e:
         return refuse([str(e)])
     rank, world, backend = init_distributed(timeout_s=timeout_s)
