@@ -15,7 +15,9 @@ is already folded into (cos, sin) by the model's rotary module, so every family 
 (pipeline/pruning/attention.py) and drops the queries. Only the (L, Hkv, N) float32 mass is kept and sent:
 no queries stacked over layers, no keys on the wire (for Qwen2.5-VL-7B and 24k video tokens, 7.5 MiB at 20
 layers where the keys were 483 MiB), and the pruner has nothing to rebuild. The cost moves to the target:
-Hq x Nt x S x d multiply-adds a layer, well under 1% of the layer's own prefill (Nt text rows against S).
+Hq x Nt x S x d multiply-adds a layer, Nt text rows against the layer's own prefill of S rows (about 0.1% at
+7B width and 24k tokens, by that count); measured, 1-2% of the CPU scale default's small prefill
+(scripts/signal_cost.py).
 
 Hidden-state rows (UV-Prune) are read by hooks on the decoder layers too, and only at the two layers
 UV-Prune's score uses (the input of layer 0 and the output of layer L, its sum telescopes:
