@@ -43,7 +43,7 @@ from vpsd.decoders.sd import decode_sd  # noqa: E402
 from vpsd.reports.kept_log import FILENAME, KeptRecord, append_kept  # noqa: E402
 from vpsd.launch.manifest import load_manifest  # noqa: E402
 from vpsd.models.base import VideoLMAdapter  # noqa: E402
-from vpsd.models.registry import load_adapter  # noqa: E402
+from vpsd.models.registry import load_adapter, load_draft  # noqa: E402
 from vpsd.models.signals import prefill_with_signals  # noqa: E402
 from vpsd.pipeline.layout import VideoTokenLayout  # noqa: E402
 from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals  # noqa: E402
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     items = items[: args.items] if args.items else items
 
     target = load_adapter(cfg.family, cfg.target)
-    draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
+    draft = load_draft(cfg.family, cfg.draft, target)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / FILENAME).unlink(missing_ok=True)  # kept.jsonl holds this run only
     print(f"capturing signals of {len(items)} items", file=sys.stderr)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from vpsd.config import DecodingConfig, load_config, parse_overrides  # noqa: E402
 from vpsd.decoders.serial import decode_serial  # noqa: E402
 from vpsd.launch.manifest import load_manifest  # noqa: E402
-from vpsd.models.registry import load_adapter  # noqa: E402
+from vpsd.models.registry import load_adapter, load_draft  # noqa: E402
 from vpsd.pipeline.methods import get_method  # noqa: E402
 from vpsd.pipeline.stats import AcceptanceStats  # noqa: E402
 from vpsd.pipeline.tree import parse_tree  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from vpsd.video.item import load_item_frames
 
     target = load_adapter(cfg.family, cfg.target)
-    draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
+    draft = load_draft(cfg.family, cfg.draft, target)
     rows = rows_for(trees, ratio)
     for it in items:
         frames, times = load_item_frames(it.video, it.num_frames or cfg.video.num_frames, it.fps, cfg.video.max_side)

@@ -41,7 +41,7 @@ from vpsd.launch.results import ResultsFile
 from vpsd.reports.summary import summarize
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
-from vpsd.models.registry import load_adapter
+from vpsd.models.registry import load_adapter, load_draft
 from vpsd.pipeline.messages import Shutdown
 from vpsd.roles.context import RoleContext
 from vpsd.roles.target import WorkItem, decode_item, finish_item
@@ -136,7 +136,7 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
     target = load_adapter(cfg.family, cfg.target)
     draft = None
     if ctx.method.loads_draft_model and not ctx.method.parallel:
-        draft = load_adapter(cfg.family, cfg.draft, target.tokenizer) if cfg.draft is not None else target
+        draft = load_draft(cfg.family, cfg.draft, target)
     reader = ItemReader(target, cfg)
     prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
     todo = [it for it in items if it.id not in done]

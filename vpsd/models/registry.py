@@ -118,3 +118,9 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
         model = model.to(dtype)
     model = model.to(spec.device).eval()
     return fam.adapter(model, tokenizer, **options)
+
+
+def load_draft(family_name: str, spec: ModelSpec | None, target: VideoLMAdapter) -> VideoLMAdapter:
+    """The draft of a pair: its own model on the target's tokenizer (the two must agree on token ids), or the
+    target itself when `spec` is None (self-speculation: the target's weights fed the pruned video)."""
+    return target if spec is None else load_adapter(family_name, spec, target.tokenizer)

@@ -24,7 +24,7 @@ from vpsd.config import PruningConfig, RunConfig, load_config, parse_overrides
 from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
-from vpsd.models.registry import load_adapter
+from vpsd.models.registry import load_adapter, load_draft
 from vpsd.tracing import configure_tracing
 from vpsd.video.item import load_item_frames
 from vpsd.world.caption import words
@@ -62,7 +62,7 @@ def evaluate(cfg: RunConfig, workdir: Path, count: int, seeds: range = HELD_OUT_
     manifest = write_manifest(workdir, list(seeds)[:count], max_new_tokens=cfg.decoding.max_new_tokens)
     items = [json.loads(line) for line in manifest.read_text().splitlines()]
     target = load_adapter(cfg.family, cfg.target)
-    draft = load_adapter(cfg.family, cfg.draft) if cfg.draft is not None else target
+    draft = load_draft(cfg.family, cfg.draft, target)
     greedy = replace(cfg.decoding, temperature=0.0)
     settings = {"unpruned": PruningConfig(strategy="none", ratio=0.0), cfg.pruning.strategy: cfg.pruning}
     rows = []
