@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.result import DecodeResult
@@ -47,7 +46,7 @@ def std_cache_indices(pre: PrefillResult, emb: SequenceEmbeddings, ratio: float)
 
 def sparse_state(target: VideoLMAdapter, dense: DecodeState, indices: torch.Tensor, next_position: int) -> DecodeState:
     """A new cache holding, per layer and KV head, the dense prefill entries `indices` selects."""
-    cache = DynamicCache(config=target.model.config.get_text_config())
+    cache = target.new_cache()
     for layer, (src, idx) in enumerate(zip(dense.cache.layers, indices)):
         cache.update(gather_heads(src.keys, idx), gather_heads(src.values, idx), layer)
     n = int(indices.shape[-1])

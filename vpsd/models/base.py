@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from vpsd.models.hf_compat import cache_kwargs
 from vpsd.pipeline.layout import VideoTokenLayout
 
 
@@ -143,6 +144,14 @@ class VideoLMAdapter(ABC):
             eos = self.tokenizer.eos_token_id
         return [eos] if isinstance(eos, int) else list(eos or [])
 
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for this model's language model."""
+        return DynamicCache(config=self.model.config.get_text_config())
+
+    def run_language_model(self, cache: DynamicCache, **inputs: Any):
+        """One language-model forward that appends to `cache` (the keyword it goes under: models/hf_compat.py)."""
+        return self.language_model(**inputs, **cache_kwargs(self.language_model, cache), use_cache=True)
+
     def kept_sequence_positions(self, layout: VideoTokenLayout, seq_len: int, keep: torch.Tensor | None) -> torch.Tensor:
         """Sorted sequence positions that a prefill feeds: every non-video token plus the kept video tokens."""
         if keep is None:
@@ -163,18 +172,21 @@ class VideoLMAdapter(ABC):
         emb: SequenceEmbeddings,
         keep: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        cache: DynamicCache | None = None,
     ) -> PrefillResult:
-        """Prefills the text and the kept video tokens (all of them when keep is None)."""
+        """Prefills the text and the kept video tokens (all of them when keep is None).
+
+        cache: an empty cache from `new_cache()` to fill, for a caller that reads it while the prefill runs
+        (models/signals.py); a new one when None."""
         sel = self.kept_sequence_positions(emb.layout, emb.seq_len, keep).to(emb.embeds.device)
         kept_video = torch.nonzero(torch.isin(emb.layout.seq_positions.to(sel.device), sel)).squeeze(1)
-        cache = DynamicCache(config=self.model.config.get_text_config())
+        cache = self.new_cache() if cache is None else cache
         positions = emb.positions[:, :, sel]
-        out = self.language_model(
+        out = self.run_language_model(
+            cache,
             inputs_embeds=emb.embeds[:, sel],
             # A 1-D rotary model takes (1, n): given (1, 1, n) a Qwen2 LM runs without error but wrong logits.
             position_ids=positions if self.position_rows > 1 else positions[0],
-            past_key_values=cache,
-            use_cache=True,
             output_hidden_states=output_hidden_states,
             **self._language_kwargs(emb, kept_video),
         )
@@ -199,11 +211,10 @@ class VideoLMAdapter(ABC):
         start = state.length + state.position_offset
         pos = torch.arange(start, start + k, device=self.device).view(1, 1, k)
         num_rows = self.position_rows
-        out = self.language_model(
+        out = self.run_language_model(
+            state.cache,
             input_ids=token_ids,
             position_ids=pos.expand(num_rows, 1, k) if num_rows > 1 else pos[0],
-            past_key_values=state.cache,
-            use_cache=True,
         )
         return self.model.lm_head(out.last_hidden_state).float()[0]
 
@@ -234,12 +245,11 @@ class VideoLMAdapter(ABC):
         mask = torch.zeros(1, 1, k, length + k, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         pos = (seq_index.long() + state.position_offset).view(1, 1, k).to(self.device)
         num_rows = self.position_rows
-        out = self.language_model(
+        out = self.run_language_model(
+            state.cache,
             input_ids=token_ids,
             attention_mask=mask.to(self.device),
             position_ids=pos.expand(num_rows, 1, k) if num_rows > 1 else pos[0],
-            past_key_values=state.cache,
-            use_cache=True,
         )
         return self.model.lm_head(out.last_hidden_state).float()[0]
 

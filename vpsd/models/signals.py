@@ -4,14 +4,16 @@
 (L: `PruningConfig.signal_layers`, all layers by default as HIPPO Eq. 2 and SpecVLM Eq. 5 define the
 attention score; a parallel run streams after an earlier layer, ParallelVLM's variant).
 
-Attention is scored on the target, layer by layer as the prefill runs. A pre-hook on each layer's
-self-attention reads the attention input (`hidden_states`, already normed) and the rotary
-`position_embeddings` the layer is given, and recomputes the queries of the TEXT rows only, exactly as the
-attention module does: q_proj, q_norm where the layer has one (Qwen3-VL), split into heads, then the rotary
-function of the layer's own modeling file. The multimodal rotary (Qwen's M-RoPE, interleaved for Qwen3-VL)
-is already folded into (cos, sin) by the model's rotary module, so every family applies it with the plain
-`apply_rotary_pos_emb`. A forward hook on the same module, once it has written its keys to the KV cache
-(rotary applied, key j at sequence position j), rebuilds that layer's text-to-video attention
+Attention is scored on the target, layer by layer as the prefill runs. Every hook reads a module's OUTPUT or
+an object vpsd itself owns, never a keyword argument that transformers passes between its own modules (those
+get renamed: 5.24 renamed `past_key_values` to `cache`). A forward hook on the language model's rotary module
+keeps the (cos, sin) it computes for the sequence; the multimodal rotary (Qwen's M-RoPE, interleaved for
+Qwen3-VL) is already folded into them there, so every family applies them with the plain
+`apply_rotary_pos_emb` of its modeling file. A forward hook on each layer's `q_proj` takes the projected
+queries of the TEXT rows and finishes them exactly as the attention module does: q_norm where the layer has
+one (Qwen3-VL), split into heads, rotary. A forward hook on the attention module itself, which has by then
+written its keys to the cache that `prefill_with_signals` created and handed to the adapter (rotary applied,
+key j at sequence position j), rebuilds that layer's text-to-video attention
 (pipeline/pruning/attention.py) and drops the queries. Only the (L, Hkv, N) float32 mass is kept and sent:
 no queries stacked over layers, no keys on the wire (for Qwen2.5-VL-7B and 24k video tokens, 7.5 MiB at 20
 layers where the keys were 483 MiB), and the pruner has nothing to rebuild. The cost moves to the target:
@@ -19,9 +21,9 @@ Hq x Nt x S x d multiply-adds a layer, Nt text rows against the layer's own pref
 7B width and 24k tokens, by that count); measured, 1-2% of the CPU scale default's small prefill
 (scripts/signal_cost.py).
 
-Hidden-state rows (UV-Prune) are read by hooks on the decoder layers too, and only at the two layers
-UV-Prune's score uses (the input of layer 0 and the output of layer L, its sum telescopes:
-pipeline/pruning/uv.py), so no per-layer stack of them exists.
+Hidden-state rows (UV-Prune) are read only at the two layers UV-Prune's score uses (its sum telescopes:
+pipeline/pruning/uv.py), so no per-layer stack of them exists: the input of layer 0 is the embeddings the
+prefill feeds (no family here scales them), the output of layer L comes from a forward hook on that layer.
 
 As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
 layers after L are still to run (the target starts the send to the pruner in it).
@@ -71,9 +73,9 @@ def text_positions(emb: SequenceEmbeddings) -> torch.Tensor:
     return after[~torch.isin(after, emb.layout.seq_positions)]
 
 
-def _text_queries(attn: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """hidden (1, Nt, D) attention input rows, cos / sin (1, Nt, d) -> (Hq, Nt, d) queries, as `attn` builds them."""
-    q = attn.q_proj(hidden).view(*hidden.shape[:-1], -1, attn.head_dim)  # (1, Nt, Hq, d)
+def _text_queries(attn: torch.nn.Module, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """projected (1, Nt, Hq*d) q_proj output rows, cos / sin (1, Nt, d) -> (Hq, Nt, d) queries, as `attn` builds them."""
+    q = projected.view(*projected.shape[:-1], -1, attn.head_dim)  # (1, Nt, Hq, d)
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
     q = q.transpose(1, 2)  # (1, Hq, Nt, d)
@@ -88,10 +90,6 @@ SignalsReady = Callable[[PrefillSignals], None]
 def _layer_output(out) -> torch.Tensor:
     """A decoder layer's output hidden states (transformers 5 layers return a tensor; older ones a tuple)."""
     return out[0] if isinstance(out, tuple) else out
-
-
-def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
 
 
 def prefill_with_signals(
@@ -116,31 +114,36 @@ def prefill_with_signals(
     unchanged (masks, rotary, Qwen3-VL deepstack injection), so the logits and cache are bit-identical to
     a plain prefill and nothing here re-implements a family's decoder loop.
     """
-    layers = adapter.language_model.layers
+    language_model = adapter.language_model
+    layers = language_model.layers
     attn_layers = len(layers) if num_layers is None else min(num_layers, len(layers))
     uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, len(layers))
     last = max(attn_layers if attention else 0, uv_layers if hidden else 0)  # the signals are complete after it
     text_pos = text_positions(emb).to(emb.embeds.device)
     video_pos = emb.layout.seq_positions.to(text_pos.device)
+    cache = adapter.new_cache()  # ours: the attention hooks read each layer's keys from it
+    rotary: list[tuple[torch.Tensor, torch.Tensor]] = []  # the (cos, sin) of this prefill's rows
     attention_rows: list[torch.Tensor | None] = [None] * attn_layers
-    pending: dict[int, torch.Tensor] = {}  # layer -> its text queries, between its pre-hook and its hook
+    pending: dict[int, torch.Tensor] = {}  # layer -> its text queries, between its q_proj and its attention output
     video_rows: list[torch.Tensor] = []  # hidden state 0 (input of layer 0), then L (output of layer L-1)
     text_rows: list[torch.Tensor] = []
     ready: list[PrefillSignals] = []
     handles = []
 
-    def capture_queries(i: int):
-        def hook(module, args, kwargs):
-            rows = kwargs["hidden_states"][:, text_pos]
-            cos, sin = (t[:, text_pos] for t in kwargs["position_embeddings"])
-            pending[i] = _text_queries(module, rows, cos, sin)
+    def keep_rotary(module, args, out):
+        rotary.append(out)
+
+    def capture_queries(i: int, attn: torch.nn.Module):
+        def hook(module, args, out):
+            cos, sin = (t[:, text_pos] for t in rotary[-1])
+            pending[i] = _text_queries(attn, out[:, text_pos], cos, sin)
 
         return hook
 
     def score_layer(i: int):
-        def hook(module, args, kwargs, out):
+        def hook(module, args, out):
             # The module has written this layer's keys to the cache: score, then drop the queries.
-            keys = kwargs["past_key_values"].layers[i].keys[0]  # (Hkv, S, d), rotary applied
+            keys = cache.layers[i].keys[0]  # (Hkv, S, d), rotary applied
             attention_rows[i] = layer_video_attention(pending.pop(i), keys, video_pos, text_pos, module.scaling)
 
         return hook
@@ -149,13 +152,10 @@ def prefill_with_signals(
         video_rows.append(h[0, video_pos])
         text_rows.append(h[0, text_pos])
 
-    def capture_input(module, args, kwargs):
-        keep_rows(_layer_input(args, kwargs))
-
-    def capture_output(module, args, kwargs, out):
+    def capture_output(module, args, out):
         keep_rows(_layer_output(out))
 
-    def signals_done(module, args, kwargs, out):
+    def signals_done(module, args, out):
         # Runs after the last layer needed (and after capture_output, registered earlier on the same layer).
         signals = PrefillSignals()
         if attention:
@@ -169,15 +169,16 @@ def prefill_with_signals(
 
     try:
         if attention:
+            handles.append(language_model.rotary_emb.register_forward_hook(keep_rotary))
             for i in range(attn_layers):
                 attn = layers[i].self_attn
-                handles.append(attn.register_forward_pre_hook(capture_queries(i), with_kwargs=True))
-                handles.append(attn.register_forward_hook(score_layer(i), with_kwargs=True))
+                handles.append(attn.q_proj.register_forward_hook(capture_queries(i, attn)))
+                handles.append(attn.register_forward_hook(score_layer(i)))
         if hidden:
-            handles.append(layers[0].register_forward_pre_hook(capture_input, with_kwargs=True))
-            handles.append(layers[uv_layers - 1].register_forward_hook(capture_output, with_kwargs=True))
-        handles.append(layers[last - 1].register_forward_hook(signals_done, with_kwargs=True))
-        result = adapter.prefill(emb)
+            keep_rows(emb.embeds)  # layer 0's input: a full prefill feeds every row of the embeddings as they are
+            handles.append(layers[uv_layers - 1].register_forward_hook(capture_output))
+        handles.append(layers[last - 1].register_forward_hook(signals_done))
+        result = adapter.prefill(emb, cache=cache)
     finally:
         for h in handles:
             h.remove()

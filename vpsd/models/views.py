@@ -21,7 +21,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from vpsd.models.base import DecodeState, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.pooling import average_by_group, pool_groups
@@ -77,7 +76,7 @@ def merge_states(adapter: VideoLMAdapter, states: list[DecodeState]) -> tuple[De
         raise ValueError(f"views disagree on the next rotary position: {sorted(nexts)}")
     width = max(s.length for s in states)
     pad = torch.tensor([width - s.length for s in states])
-    cache = DynamicCache(config=adapter.model.config.get_text_config())
+    cache = adapter.new_cache()
     for layer in range(len(states[0].cache.layers)):
         keys, values = [], []
         for s, p in zip(states, pad.tolist()):
@@ -114,11 +113,10 @@ def step_views(adapter: VideoLMAdapter, batch: ViewBatch, token_ids: torch.Tenso
     pos = torch.arange(start, start + k, device=device).view(1, 1, k)
     rows = adapter.position_rows
     mask = batch.attention_mask(k).to(device)
-    out = adapter.language_model(
+    out = adapter.run_language_model(
+        state.cache,
         input_ids=ids,
         position_ids=pos.expand(rows, m, k) if rows > 1 else pos[0].expand(m, k),
         attention_mask=mask,
-        past_key_values=state.cache,
-        use_cache=True,
     )
     return adapter.model.lm_head(out.last_hidden_state).float()
