@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Installs vpsd into the active Python environment. torch goes first and pinned: on these machines
+# Installs vpsd into the active Python environment, exactly the set CI tested: requirements.lock pins every
+# direct and transitive dependency (scripts/lock.sh regenerates it). torch goes first: on these machines
 # `torch==2.13.0` is a local CPU wheel, while any other spec pulls gigabytes of CUDA packages.
-# On a GPU machine set VPSD_TORCH to the torch spec you want (e.g. "torch==2.13.0" from the CUDA index).
+# On a GPU machine set VPSD_TORCH to the same release from the CUDA index, e.g.
+#   VPSD_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130" ./scripts/setup.sh
+# (a +cu build of the locked release satisfies the lock's torch==2.13.0).
 set -euo pipefail
-python -m pip install -q --upgrade pip
-python -m pip install -q "${VPSD_TORCH:-torch==2.13.0}"
-python -m pip install -q -e ".[test]"
+cd "$(dirname "$0")/.."
+# shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
+python -m pip install -q -c requirements.lock ${VPSD_TORCH:-torch==2.13.0}
+python -m pip install -q -c requirements.lock -e ".[test]"
