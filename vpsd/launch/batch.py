@@ -38,6 +38,7 @@ from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
 from vpsd.launch.progress import Progress, wants_bar
 from vpsd.launch.results import ResultsFile
+from vpsd.provenance import stack
 from vpsd.reports.summary import summarize
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
@@ -116,7 +117,9 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
     results = ResultsFile(out)
     done = results.resume(method, retry_failed=args.retry_failed)
     record_job(out, method, cfg)  # what a rerun must match to resume here (entry.py checks it)
-    (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict()}, indent=2, default=str))
+    versions = stack()  # the software this run ran on: `vpsd summary` shows it, and what changed against a baseline
+    (out / "config.json").write_text(json.dumps({"args": vars(args), "config": cfg.to_dict(), "stack": versions},
+                                                indent=2, default=str))
     items, problems = load_manifest(args.manifest, check_files=False)
     if args.shard is not None:
         items, problems = args.shard.select(items, problems)
@@ -173,7 +176,8 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
             ctx.send(r, Shutdown("job finished"))
     summary = summarize(out)
     summary["run"] = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": failed,
-                      "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+                      "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                      "stack": versions}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("job_done", **summary)
     if not args.quiet:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from vpsd.pipeline.theory import tau_hat
+from vpsd.provenance import changes, describe
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -92,6 +93,14 @@ def compare(baseline_dir: Path, run_dir: Path) -> dict:
     }
 
 
+def recorded_stack(run_dir: Path) -> dict | None:
+    """The software stack the last run in `run_dir` recorded (summary.json's run section), if any."""
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        return None
+    return (json.loads(path.read_text()).get("run") or {}).get("stack")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vpsd.reports.summary")
     p.add_argument("run_dir", type=Path)
@@ -123,9 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary.items():
         if v is None:
             v = "-"
+        if k == "run" and isinstance(v, dict):
+            v = {name: x for name, x in v.items() if name != "stack"}  # printed on its own line below
         if isinstance(v, dict):
             v = " ".join(f"{name}={x:.3f}" if isinstance(x, float) else f"{name}={x}" for name, x in v.items())
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    mine = (summary.get("run") or {}).get("stack")
+    print(f"{'stack':<{width}}  {describe(mine) if mine else 'not recorded (a run before vpsd recorded it)'}")
+    if args.baseline is not None:
+        theirs = recorded_stack(args.baseline)
+        if mine and theirs and changes(theirs, mine):
+            print(f"{'stack changed':<{width}}  since the baseline: {'; '.join(changes(theirs, mine))}")
     if args.baseline is not None and summary["identical_outputs"] != summary["items_compared"]:
         print("vpsd: outputs differ from the baseline", file=sys.stderr)
         return 1
