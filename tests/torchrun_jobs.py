@@ -24,6 +24,12 @@ def world_manifest(root: str, count: int = 2) -> Path:
     return out / "manifest.jsonl"
 
 
+def job_env() -> dict[str, str]:
+    """The environment of a job a test launches: its ranks, like the suite (pyproject's filterwarnings), take a
+    DeprecationWarning or FutureWarning for an error, so a deprecated call made only inside a role fails a test."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "error::DeprecationWarning,error::FutureWarning"}
+
+
 def torchrun_cmd(nproc: int, *, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *(extra or ["--standalone"]), "--nproc-per-node", str(nproc)]
 
@@ -34,7 +40,7 @@ def job_args(config: str, manifest: Path, out: Path, method: str, *more: str) ->
 
 
 def run_job(config: str, manifest: Path, out: Path, method: str, *more: str, nproc: int = 3, timeout: float = 180):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = job_env()
     return subprocess.run(torchrun_cmd(nproc) + job_args(config, manifest, out, method, *more),
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -46,7 +52,7 @@ def launcher_cmd(config: str, manifest: Path, out: Path, method: str, *more: str
 
 
 def run_launcher(config: str, manifest: Path, out: Path, method: str, *more: str, timeout: float = 180):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = job_env()
     return subprocess.run(launcher_cmd(config, manifest, out, method, *more), capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The newest releases pyproject's ranges allow: a fresh venv without the lock, the versions it got, and the
+# fast subset below run against them. CI runs it after the locked suite, so an upstream rename shows up here as
+# a named failure with the release that brought it, instead of as a crash for a user.
+#
+#   ./scripts/test_latest.sh            # the subset (about 3 min after the install)
+#   ./scripts/test_latest.sh --all      # the whole suite
+#
+# torch stays the lock's release: a newer one is a CUDA download of gigabytes on these machines (set VPSD_TORCH,
+# as for setup.sh, to check another build). Everything else is the newest its range admits.
+#
+# The subset covers every model hook and adapter operation on all three families (signals, adapters, views,
+# trees, pruned prefill, growth, the processors' frame rules read from transformers' source), every pruning
+# strategy once in process (test_bench_pruning: each strategy's kept set decoded by serial sd against ar), and
+# one torchrun job per method family: serial (sd), parallel (hippo, which scores attention mid-prefill),
+# tree (specvlm), std and tabed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=$(mktemp -d)/latest
+python3 -m venv "$venv"
+. "$venv/bin/activate"
+# shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
+python -m pip install -q ${VPSD_TORCH:-"torch==$(sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements.lock)"}
+python -m pip install -q --upgrade -e ".[test]"
+echo "test_latest: $(python -m vpsd.provenance)"
+
+subset=(
+    tests/test_hf_compat.py tests/test_signals.py tests/test_scores_as_defined.py tests/test_std.py
+    tests/test_signal_memory.py tests/test_adapters.py tests/test_views.py tests/test_tree_models.py
+    tests/test_qwen3_vl.py tests/test_llava_onevision.py tests/test_lossless_sd.py tests/test_bench_pruning.py
+    tests/test_grow.py tests/test_checkpoint_sampling.py tests/test_qwen_video_processor.py
+    tests/test_llava_video_processor.py tests/test_frame_times.py tests/test_one_eos_one_grid.py
+    "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-sd-uniform]"
+    "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-parallelvlm-default]"
+    "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen3_vl-hippo-hippo_no_attn]"
+    "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[llava_onevision-specvlm-default]"
+    tests/test_std_tabed_torchrun.py::test_greedy_output_equals_ar
+)
+if [ "${1:-}" = "--all" ]; then subset=(tests); fi
+status=0
+python -m pytest -q -p no:cacheprovider "${subset[@]}" || status=$?
+if [ "$status" != 0 ]; then
+    echo "test_latest: FAILED on the newest releases; what differs from the tested lock:" >&2
+    python -m vpsd.provenance >&2
+fi
+exit "$status"
