@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vpsd.pipeline.sampling import probs_from_logits
-from vpsd.pipeline.verification import verify_greedy, verify_sampling
+from vpsd.pipeline.verification import verify_chunk, verify_greedy, verify_sampling
 
 
 def _logits_for(target_ids: list[int], vocab: int = 8) -> torch.Tensor:
@@ -94,3 +94,12 @@ def test_rejection_never_resamples_the_rejected_mass():
     for seed in range(20):
         v = verify_sampling([1], q, p, torch.Generator().manual_seed(seed))
         assert (v.num_accepted, v.next_token) == (0, 0)
+
+
+def test_a_round_that_drafts_nothing_draws_from_p():
+    """Serial sd drafts k = 0 tokens when one token is left to max_new_tokens: sampling must still emit a token
+    drawn from the target's row (it crashed on the missing q before)."""
+    p = torch.tensor([[0.0, 1.0, 0.0]])
+    v = verify_sampling([], None, p, torch.Generator().manual_seed(0))
+    assert (v.num_accepted, v.next_token, v.num_drafted) == (0, 1, 0)
+    assert verify_chunk([], None, torch.tensor([[0.0, 5.0, 0.0]]), 1.0, torch.Generator().manual_seed(0)).num_drafted == 0

@@ -49,12 +49,14 @@ def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor) -> Ve
 
 def verify_sampling(
     draft_token_ids: list[int],
-    draft_probs: torch.Tensor,  # (k, V) q
+    draft_probs: torch.Tensor | None,  # (k, V) q; None only when k == 0
     target_probs: torch.Tensor,  # (k+1, V) p
     generator: torch.Generator | None,
 ) -> Verification:
     """The speculative sampling rule; the emitted sequence is distributed exactly as sampling from p."""
     k = len(draft_token_ids)
+    if k == 0 and draft_probs is None:  # nothing drafted (one token left to the budget): a plain draw from p
+        draft_probs = target_probs[:0]
     if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
         raise ValueError(f"need q of {k} rows and p of {k + 1} rows, got {draft_probs.shape[0]} and {target_probs.shape[0]}")
     for i, x in enumerate(draft_token_ids):
