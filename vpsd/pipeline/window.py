@@ -37,6 +37,37 @@ AUTO = "auto"
 
 
 @dataclass
+class WeightedLine:
+    """T(k) = a + b k fitted by weighted least squares, each new point weighing 1 and the history `decay` times
+    what it weighed before (about the last 1 / (1 - decay) points count). With one distinct k seen, the line is
+    flat at the weighted mean. b is never negative: a forward never gets cheaper with more rows, noise must not
+    say otherwise."""
+
+    decay: float = 0.8
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w k, w k^2, w t, w k t
+
+    def observe(self, k: float, t: float) -> None:
+        s = self._sums
+        for i, v in enumerate((1.0, k, k * k, t, k * t)):
+            s[i] = self.decay * s[i] + v
+
+    def line(self) -> tuple[float | None, float]:
+        """(a, b), or (None, 0) before any point."""
+        w, wk, wkk, wt, wkt = self._sums
+        if w <= 0:
+            return None, 0.0
+        var = wkk / w - (wk / w) ** 2
+        if var < 1e-9:  # one window size so far: T_p is a constant, Eq. 6 as printed
+            return wt / w, 0.0
+        b = max((wkt / w - (wk / w) * (wt / w)) / var, 0.0)
+        return wt / w - b * wk / w, b
+
+    def at(self, k: float) -> float | None:
+        a, b = self.line()
+        return None if a is None else a + b * k
+
+
+@dataclass
 class WindowController:
     """Chooses gamma. `fixed` set: gamma never moves (a user's --gamma N)."""
 
@@ -48,10 +79,10 @@ class WindowController:
     t_q: float | None = None  # draft step seconds, exponentially averaged
     accepted: float = 0.0  # accepted draft tokens, exponentially weighted (tau_hat's A)
     rejections: float = 0.0  # rounds that ended in a rejection, the same weights (tau_hat's R)
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w k, w k^2, w t, w k t
     gamma: int = 0
 
     def __post_init__(self) -> None:
+        self._verify = WeightedLine(self.decay)
         if not 1 <= self.gamma_min <= self.gamma_max:
             raise ValueError(f"gamma bounds must satisfy 1 <= min <= max, got [{self.gamma_min}, {self.gamma_max}]")
         self.gamma = self._clamp(self.initial)
@@ -69,10 +100,7 @@ class WindowController:
         """One verification forward of `rows` new tokens that took `seconds` (T_p at that window)."""
         if rows < 1 or seconds <= 0:
             return
-        d = self.decay
-        s = self._sums
-        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            s[i] = d * s[i] + v
+        self._verify.observe(rows, seconds)
         self._update()
 
     def observe_round(self, num_accepted: int, num_drafted: int) -> None:
@@ -100,24 +128,12 @@ class WindowController:
 
     def verify_time(self, rows: float) -> float | None:
         """T_p(rows) from the fitted line (the mean, when only one window size was seen)."""
-        a, b = self._line()
-        return None if a is None else a + b * rows
-
-    def _line(self) -> tuple[float | None, float]:
-        w, wk, wkk, wt, wkt = self._sums
-        if w <= 0:
-            return None, 0.0
-        var = wkk / w - (wk / w) ** 2
-        if var < 1e-9:  # one window size so far: T_p is a constant, Eq. 6 as printed
-            return wt / w, 0.0
-        b = (wkt / w - (wk / w) * (wt / w)) / var
-        b = max(b, 0.0)  # a verify never gets cheaper with more rows; noise must not say otherwise
-        return wt / w - b * wk / w, b
+        return self._verify.at(rows)
 
     def _update(self) -> None:
         if self.fixed or self.t_q is None:
             return
-        a, b = self._line()
+        a, b = self._verify.line()
         if a is None:
             return
         if self.accepted + self.rejections > 0:
