@@ -9,6 +9,7 @@ prefilled with only the kept video tokens, each at its original position.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.result import DecodeResult, finished, truncate
 from vpsd.decoders.tree_sd import speculate_tree
-from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
@@ -61,6 +62,48 @@ def draft_chunk(
     return tokens, (torch.stack(probs) if probs else None)
 
 
+@dataclass
+class PairPrefill:
+    """Both models prefilled for one item: the target on the whole video, the draft on the kept tokens."""
+
+    target_emb: SequenceEmbeddings
+    target: PrefillResult
+    draft: PrefillResult
+    keep: torch.Tensor | None  # kept video-token indices (None: every token)
+    num_video_tokens: int
+
+    @property
+    def num_kept(self) -> int:
+        """Video tokens the draft saw (the grids agree: checked by prefill_pair)."""
+        return int(self.keep.numel()) if self.keep is not None else self.num_video_tokens
+
+    def kept_indices(self) -> torch.Tensor:
+        return self.keep if self.keep is not None else torch.arange(self.num_video_tokens)
+
+
+def prefill_pair(
+    target: VideoLMAdapter,
+    draft: VideoLMAdapter,
+    frames: np.ndarray,
+    prompt: str,
+    keep_policy: KeepPolicy,
+    pruning: PruningConfig | None = None,
+    frame_times: np.ndarray | None = None,
+    target_inputs: VideoInputs | None = None,
+) -> PairPrefill:
+    """The target's full prefill (with the signals `pruning`'s strategy reads), the kept video tokens, and the
+    draft's pruned prefill. `target_inputs`: the target's `prepare` output when the caller already has it."""
+    t_inputs = target_inputs if target_inputs is not None else target.prepare(frames, prompt, frame_times)
+    t_emb = target.embed(t_inputs)
+    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
+    d_emb.layout.check_same_grid(t_emb.layout.grid)
+    t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)
+    keep = keep_policy(t_emb, t_pre, d_emb)
+    t_pre.signals = None  # the copied keys are not needed while decoding
+    d_pre = draft.prefill(d_emb, keep=keep)
+    return PairPrefill(t_emb, t_pre, d_pre, keep, t_emb.layout.num_tokens)
+
+
 def decode_sd(
     target: VideoLMAdapter,
     draft: VideoLMAdapter,
@@ -76,13 +119,8 @@ def decode_sd(
     `frame_times`: (T,) seconds of each frame (VideoLMAdapter.prepare);
     `tree`: draft and verify a static tree each round (tree_sd.py) instead of a chain of gamma tokens."""
     t0 = time.perf_counter()
-    t_emb = target.embed(target.prepare(frames, prompt, frame_times))
-    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
-    d_emb.layout.check_same_grid(t_emb.layout.grid)
-    t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)
-    keep = keep_policy(t_emb, t_pre, d_emb)
-    t_pre.signals = None  # the copied keys are not needed while decoding
-    d_pre = draft.prefill(d_emb, keep=keep)
+    pair = prefill_pair(target, draft, frames, prompt, keep_policy, pruning, frame_times)
+    t_pre, d_pre = pair.target, pair.draft
     verify_gen = torch.Generator().manual_seed(cfg.seed)
     committed = [next_token(t_pre.logits, cfg.temperature, verify_gen)]
     t1 = time.perf_counter()
@@ -95,10 +133,10 @@ def decode_sd(
         stats=stats,
         prefill_s=t1 - t0,
         decode_s=time.perf_counter() - t1,
-        num_kept=int(keep.numel()) if keep is not None else d_emb.layout.num_tokens,
-        num_video_tokens=t_emb.layout.num_tokens,
-        kept=keep if keep is not None else torch.arange(t_emb.layout.num_tokens),
-        layout=t_emb.layout,
+        num_kept=pair.num_kept,
+        num_video_tokens=pair.num_video_tokens,
+        kept=pair.kept_indices(),
+        layout=pair.target_emb.layout,
     )
 
 

@@ -1,0 +1,188 @@
+"""Many sequences in one forward: one model's KV cache for a batch of items, each row at its own length.
+
+Row r is one item's sequence. Items join and leave at any time (continuous batching), and every row has its
+own length, rotary offset and rollback, so the cache is a table with holes rather than a rectangle:
+
+    cache   (B, Hkv, C, d) per layer   C columns; row r's entries are its `valid[r]` columns, in order
+    valid   (B, C) bool                which columns hold row r's entries (the attention mask)
+    lengths [B]                        entries per row (its DecodeState.length)
+    offsets [B]                        rotary position of row r's next token = lengths[r] + offsets[r]
+
+- join: an item's own prefill (batch 1, its exact prefill, pruned or not) becomes a new row, its entries in
+  the first columns; the other rows get hole columns on the right when it is the longest.
+- step: each row feeds its own tokens (none, one, a ragged window); the batch is padded to the longest with
+  columns that are holes from the start, every row at its own rotary positions (M-RoPE's three rows alike
+  after the prefill, as `VideoLMAdapter.step` does). One forward; row r's logits are its first len(tokens[r]).
+- rollback: row r forgets its entries past a length by turning those columns into holes (no copy).
+- compact: when holes waste more than a quarter of the width, every row's entries are gathered to the left.
+
+A hole is masked out of every attention (the 2-D mask the language model turns into its causal mask), so
+each row computes what its batch-1 decode computes, up to the float order of a wider reduction and of a
+batched GEMM: ~1e-6 in float32 (tests/test_batch_decode.py bounds it), which can flip a greedy choice only
+at a near-tie (vpsd.decoders.lossless judges such a difference by the target's margin). Padding with masks
+was chosen over a packed layout: transformers' attention takes it as it is on every family and backend
+(eager, sdpa), and the holes cost only the columns they occupy until the next compaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from vpsd.models.base import DecodeState, VideoLMAdapter
+
+# Token fed in a padding slot: never attended to (its column is a hole), its logits never read.
+PAD_TOKEN = 0
+
+
+@dataclass
+class BatchedCache:
+    """One model's batch of sequences (see the module docstring)."""
+
+    adapter: VideoLMAdapter
+    cache: object | None = None  # the language model's DynamicCache, batch rows = items; None while empty
+    valid: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.bool))
+    keys: list[Hashable] = field(default_factory=list)  # row -> item
+    lengths: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+    @property
+    def width(self) -> int:
+        return int(self.valid.shape[1])
+
+    def row(self, key: Hashable) -> int:
+        return self.keys.index(key)
+
+    def length(self, key: Hashable) -> int:
+        return self.lengths[self.row(key)]
+
+    # ---- membership ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def join(self, key: Hashable, state: DecodeState) -> None:
+        """Adds `state` (a batch-1 prefill's cache, taken over: do not use it after) as the row of `key`."""
+        if key in self.keys:
+            raise ValueError(f"item {key!r} is already in the batch")
+        n = state.length
+        if self.cache is None:
+            self.cache = state.cache
+            self.valid = torch.ones(1, n, dtype=torch.bool)
+        else:
+            width = max(self.width, n)
+            for mine, theirs in zip(self.cache.layers, state.cache.layers):
+                mine.keys = torch.cat([_widen(mine.keys, width), _widen(theirs.keys, width)])
+                mine.values = torch.cat([_widen(mine.values, width), _widen(theirs.values, width)])
+            row = torch.zeros(1, width, dtype=torch.bool)
+            row[0, :n] = True
+            self.valid = torch.cat([torch.nn.functional.pad(self.valid, (0, width - self.width)), row])
+        self.keys.append(key)
+        self.lengths.append(n)
+        self.offsets.append(state.position_offset)
+        self.prefill_lens.append(state.prefill_len)
+
+    @torch.inference_mode()
+    def leave(self, key: Hashable) -> None:
+        """Drops the row of `key`; the others keep their entries."""
+        r = self.row(key)
+        for name in ("keys", "lengths", "offsets", "prefill_lens"):
+            del getattr(self, name)[r]
+        if not self.keys:
+            self.cache, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
+            return
+        rest = torch.tensor([i for i in range(self.valid.shape[0]) if i != r])
+        self.valid = self.valid[rest]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[rest.to(layer.keys.device)]
+            layer.values = layer.values[rest.to(layer.values.device)]
+        self.compact_if_wasteful()
+
+    # ---- decoding -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, tokens: dict[Hashable, list[int]]) -> dict[Hashable, torch.Tensor]:
+        """Feeds each row the tokens `tokens` maps its key to (absent: none) in ONE forward.
+
+        Returns {key: (len(tokens[key]), V) float32 logits} for the rows that were fed, row i of it predicting
+        the token after tokens[key][i], as `VideoLMAdapter.step` does for one sequence.
+        """
+        counts = [len(tokens.get(key, ())) for key in self.keys]
+        k = max(counts, default=0)
+        if k == 0:
+            return {}
+        self.compact_if_wasteful()
+        device = self.adapter.device
+        ids = torch.full((self.size, k), PAD_TOKEN, dtype=torch.long)
+        for r, key in enumerate(self.keys):
+            if counts[r]:
+                ids[r, : counts[r]] = torch.tensor(tokens[key], dtype=torch.long)
+        start = torch.tensor([n + o for n, o in zip(self.lengths, self.offsets)])
+        pos = (start[:, None] + torch.arange(k)[None, :]).to(device)  # (B, k): padding continues harmlessly
+        fed = torch.arange(k)[None, :] < torch.tensor(counts)[:, None]  # (B, k) real tokens; padding = holes
+        self.valid = torch.cat([self.valid, fed], dim=1)
+        rows = self.adapter.position_rows
+        out = self.adapter.run_language_model(
+            self.cache,
+            input_ids=ids.to(device),
+            position_ids=pos[None].expand(rows, -1, -1) if rows > 1 else pos,
+            attention_mask=self.valid.long().to(device),
+        )
+        logits = self.adapter.model.lm_head(out.last_hidden_state).float()
+        for r, c in enumerate(counts):
+            self.lengths[r] += c
+        return {key: logits[r, : counts[r]] for r, key in enumerate(self.keys) if counts[r]}
+
+    def step_rowwise(self, tokens: dict[Hashable, list[int]]) -> dict[Hashable, torch.Tensor]:
+        """As `step`, one token per row per forward (`decoding.exact_verify`: the shapes `ar` runs)."""
+        out: dict[Hashable, list[torch.Tensor]] = {}
+        for i in range(max((len(t) for t in tokens.values()), default=0)):
+            part = self.step({key: t[i : i + 1] for key, t in tokens.items() if len(t) > i})
+            for key, logits in part.items():
+                out.setdefault(key, []).append(logits)
+        return {key: torch.cat(rows) for key, rows in out.items()}
+
+    @torch.inference_mode()
+    def rollback(self, key: Hashable, length: int) -> None:
+        """Forgets row `key`'s entries past `length` (they become holes)."""
+        r = self.row(key)
+        if not self.prefill_lens[r] <= length <= self.lengths[r]:
+            raise ValueError(f"cannot roll item {key!r} back from {self.lengths[r]} to {length} "
+                             f"(prefill {self.prefill_lens[r]})")
+        if length < self.lengths[r]:
+            cols = torch.nonzero(self.valid[r]).squeeze(1)
+            self.valid[r, cols[length:]] = False
+            self.lengths[r] = length
+
+    @torch.inference_mode()
+    def compact_if_wasteful(self) -> None:
+        """Gathers every row's entries to the left once holes take more than a quarter of the width."""
+        width = max(self.lengths, default=0)
+        if self.cache is None or self.width - width <= max(16, self.width // 4):
+            return
+        order = torch.zeros(self.size, width, dtype=torch.long)  # row r's entries first, then any column
+        for r in range(self.size):
+            cols = torch.nonzero(self.valid[r]).squeeze(1)
+            order[r, : cols.numel()] = cols
+        for layer in self.cache.layers:
+            index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self.valid = torch.arange(width)[None, :] < torch.tensor(self.lengths)[:, None]
+
+    def entries(self, key: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `key`'s (keys, values) of one layer, (Hkv, length, d) each, holes removed (for tests, checks)."""
+        r = self.row(key)
+        cols = torch.nonzero(self.valid[r]).squeeze(1)
+        src = self.cache.layers[layer]
+        return src.keys[r][:, cols.to(src.keys.device)], src.values[r][:, cols.to(src.values.device)]
+
+
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, C, d) -> (B, H, width, d): hole columns (zeros) on the right."""
+    return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
