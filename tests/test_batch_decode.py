@@ -1,0 +1,232 @@
+"""Many items in flight: the batched cache computes what batch-1 decoding computes, row by row, and the batched
+decoder commits, for every item, what that item's batch-1 decoder commits (all three families; B = 2 and 8;
+`ar`, serial sd with a smaller draft, and the target drafting for itself on pruned video under the uniform,
+HIPPO and UV-Prune strategies); sampling draws each item's tokens from its own streams; the window chosen by
+goodput; admission under a KV budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.conftest import random_frames, tiny_pair
+from vpsd.config import DecodingConfig, PruningConfig
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.batched import BatchDecoder, BatchItem, kv_bytes_per_token
+from vpsd.decoders.keep import keep_policy_for
+from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
+from vpsd.decoders.sd import decode_sd
+from vpsd.models.batch import BatchedCache
+from vpsd.pipeline.batch_window import BatchWindow, batch_token_time
+from vpsd.pipeline.theory import expected_accepted
+
+PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
+
+
+def items(n: int, max_new: int = 14) -> list[BatchItem]:
+    """n items of different lengths: frame counts, prompts and answer budgets differ."""
+    return [BatchItem(f"item-{i}", random_frames(10 + i, t=4 + 2 * (i % 2)), PROMPTS[i % 3], max_new - 2 * (i % 3))
+            for i in range(n)]
+
+
+def run_batched(engine: BatchDecoder, todo: list[BatchItem]) -> dict:
+    """The launcher's loop (launch/batch.py decode_in_batches) without the videos: admit while there is room."""
+    queue, out = list(todo), {}
+    while queue or engine.slots:
+        while queue and not engine.full:
+            status, res = engine.admit(queue[0])
+            if status == "wait":
+                break
+            item = queue.pop(0)
+            if res is not None:
+                out[item.id] = res
+        for item, res in engine.round():
+            out[item.id] = res
+    return out
+
+
+# ---- the batched cache ------------------------------------------------------------------------------
+
+
+def test_batched_rows_score_as_batch1_steps_through_joins_rollbacks_leaves_and_compaction(family):
+    target, _ = tiny_pair(family)
+    embs = [target.embed(target.prepare(random_frames(i, t=4 + 2 * (i % 2)), PROMPTS[i])) for i in range(3)]
+    single = [target.prefill(e).state for e in embs]
+    batch = BatchedCache(target)
+    for i, e in enumerate(embs):
+        batch.join(i, target.prefill(e).state)
+    worst = 0.0
+
+    def feed(tokens: dict[int, list[int]]) -> None:
+        nonlocal worst
+        got = batch.step(tokens)
+        for key, ids in tokens.items():
+            if ids:
+                ref = target.step(single[key], torch.tensor(ids))
+                worst = max(worst, float((ref - got[key]).abs().max()))
+
+    feed({0: [5, 6], 1: [7], 2: []})  # ragged, and a row that feeds nothing
+    feed({0: [8], 1: [9, 10, 11], 2: [12]})
+    for key, drop in ((1, 3), (0, 1)):  # per-row rollback: the rows' entries become holes
+        batch.rollback(key, batch.length(key) - drop)
+        target.rollback(single[key], single[key].length - drop)
+    feed({0: [1, 2, 3], 1: [4], 2: [4, 4]})
+    batch.leave(0)
+    for _ in range(12):  # enough holes to compact
+        feed({1: [3, 4, 5], 2: [6]})
+        batch.rollback(1, batch.length(1) - 2)
+        target.rollback(single[1], single[1].length - 2)
+    assert batch.width - max(batch.lengths) <= max(16, batch.width // 4) + 3  # compaction ran (before the last feed)
+    feed({1: [7], 2: [8]})
+    assert worst < 1e-5, worst
+    for key in (1, 2):  # what a row holds is exactly its batch-1 cache, holes removed
+        keys, values = batch.entries(key, 0)
+        assert batch.length(key) == single[key].length
+        torch.testing.assert_close(keys[None], single[key].cache.layers[0].keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(values[None], single[key].cache.layers[0].values, atol=1e-5, rtol=0)
+
+
+# ---- lossless -----------------------------------------------------------------------------------------
+
+CASES = [  # (draft, strategy, ratio): None = ar
+    (None, "none", 0.0),
+    ("smaller", "uniform", 0.5),
+    ("self", "hippo", 0.5),
+    ("self", "uv", 0.5),
+]
+
+
+@pytest.mark.parametrize("size", [2, 8])
+@pytest.mark.parametrize("draft_kind,strategy,ratio", CASES, ids=[c[0] and f"{c[0]}-{c[1]}" or "ar" for c in CASES])
+def test_every_item_equals_its_batch1_decode(family, size, draft_kind, strategy, ratio):
+    target, smaller = tiny_pair(family)
+    draft = {None: None, "smaller": smaller, "self": target}[draft_kind]
+    pruning = PruningConfig(strategy, ratio, seed=3, layers=2) if draft is not None else None
+    cfg = DecodingConfig(gamma=3, max_new_tokens=14, temperature=0.0)
+    todo = items(9 if size == 8 else 5)
+    got = run_batched(BatchDecoder(target, draft, cfg, pruning, size), todo)
+    assert set(got) == {it.id for it in todo}
+    tolerance = TIE_TOLERANCE[target.model.dtype]
+    for it in todo:
+        one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
+        ref = decode_ar(target, it.frames, it.prompt, one)
+        div = first_divergence(target, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids)
+        assert judge(div, tolerance), (it.id, div)  # identical, or a float tie at most (never seen here)
+        if draft is not None:  # the same rounds as its batch-1 serial sd: same windows, same verdicts
+            sd = decode_sd(target, draft, it.frames, it.prompt, one, keep_policy_for(pruning, target.family), pruning)
+            assert got[it.id].token_ids == sd.token_ids
+            assert got[it.id].stats.accepted_per_round == sd.stats.accepted_per_round
+            assert got[it.id].num_kept == sd.num_kept
+
+
+def test_self_speculation_really_accepts_in_a_batch(family):
+    target, _ = tiny_pair(family)
+    cfg = DecodingConfig(gamma=4, max_new_tokens=16, temperature=0.0)
+    got = run_batched(BatchDecoder(target, target, cfg, PruningConfig("none", 0.0), 3), items(4, max_new=16))
+    assert all(r.stats.acceptance_rate == 1.0 for r in got.values())
+
+
+@pytest.mark.parametrize("size", [2, 8])
+def test_sampling_draws_each_item_from_its_own_streams(size):
+    """At temperature 1 every item's tokens are exactly those of its batch-1 run (the same seeded streams, the
+    same rows up to float noise): what else is in the batch changes nothing, so each row follows the law that
+    the speculative-sampling rule gives batch-1 decoding (its chi-square test: tests/test_verification.py)."""
+    target, smaller = tiny_pair("qwen2_5_vl")
+    pruning = PruningConfig("uniform", 0.5, seed=1)
+    for draft in (None, smaller):
+        cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=1.0, seed=7)
+        todo = items(9 if size == 8 else 4, max_new=12)
+        got = run_batched(BatchDecoder(target, draft, cfg, pruning if draft else None, size), todo)
+        for it in todo:
+            one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
+            ref = (decode_ar(target, it.frames, it.prompt, one) if draft is None else
+                   decode_sd(target, draft, it.frames, it.prompt, one, keep_policy_for(pruning), pruning))
+            assert got[it.id].token_ids == ref.token_ids, it.id
+
+
+def test_exact_verify_in_a_batch_equals_ar(family):
+    target, _ = tiny_pair(family)
+    cfg = DecodingConfig(gamma=3, max_new_tokens=10, temperature=0.0, exact_verify=True)
+    todo = items(3, max_new=10)
+    got = run_batched(BatchDecoder(target, target, cfg, PruningConfig("uniform", 0.5), 3), todo)
+    for it in todo:
+        ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        assert got[it.id].token_ids == ref.token_ids
+
+
+# ---- admission ------------------------------------------------------------------------------------------
+
+
+def test_items_join_only_while_their_kv_fits_the_budget():
+    target, smaller = tiny_pair("qwen2_5_vl")
+    cfg = DecodingConfig(gamma=3, max_new_tokens=10, temperature=0.0)
+    todo = items(5, max_new=10)
+    probe = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5), 8)
+    needs = [probe.kv_bytes(it, target.prepare(it.frames, it.prompt).seq_len) for it in todo]
+    budget = max(needs) + min(needs) + 1  # two items at most, whichever two
+    engine = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=budget)
+    peak, queue, got = 0, list(todo), {}
+    while queue or engine.slots:
+        while queue and not engine.full:
+            status, res = engine.admit(queue[0])
+            if status == "wait":
+                break
+            queue.pop(0)
+        peak = max(peak, engine.reserved_bytes())
+        assert len(engine.slots) <= 2
+        for item, res in engine.round():
+            got[item.id] = res
+    assert peak <= budget and set(got) == {it.id for it in todo}
+    per_token = kv_bytes_per_token(target) + kv_bytes_per_token(smaller)
+    assert needs[0] == (target.prepare(todo[0].frames, todo[0].prompt).seq_len + 10 + cfg.gamma_max + 1) * per_token
+    alone = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=min(needs) - 1)
+    with pytest.raises(ValueError, match="over the budget"):
+        alone.admit(todo[0])
+
+
+# ---- the window by goodput ------------------------------------------------------------------------------
+
+
+def test_batch_token_time_is_the_round_over_what_it_commits():
+    # gamma 4 drafts at 2 ms, a 5-row verify of 40 ms, tau 0.8: (4*2 + 40) / (1 + E[X]) with Lemma 1's E[X].
+    assert batch_token_time(0.002, 0.040, 4, 0.8) == pytest.approx(0.048 / (1 + 0.8 * (1 - 0.8**4) / 0.2))
+    assert batch_token_time(0.002, 0.030, 0, 0.8) == pytest.approx(0.030)  # gamma 0: one plain step per token
+    assert expected_accepted(0.8, 4) == pytest.approx(2.3616)
+
+
+def _measured(window: BatchWindow, batch: int, t_q: float, line: tuple[float, float], tau_rounds: tuple[int, int]):
+    a, b = line
+    window.observe_draft_step(batch, t_q)
+    for k in (1, 5, 9):
+        window.observe_verify(batch, k, a + b * k)
+    accepted, rejected = tau_rounds
+    for _ in range(rejected):
+        window.observe_round(0, 4)
+    for _ in range(accepted):
+        window.observe_round(4, 4)
+
+
+def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_where_it_does_not():
+    good = BatchWindow(5, 1, 12)
+    assert good.gamma(8) == 5  # nothing measured yet: the configured window
+    _measured(good, 8, 0.002, (0.050, 0.010), (40, 1))  # cheap draft, tau near 1
+    costs = good.costs(8)
+    assert good.gamma(8) == min(costs, key=costs.get) > 0
+    assert costs[good.gamma(8)] < costs[0]
+    bad = BatchWindow(5, 1, 12, explore_every=4)
+    _measured(bad, 8, 0.030, (0.050, 0.040), (1, 40))  # expensive draft and verify rows, tau near 0
+    choices = [bad.gamma(8) for _ in range(8)]
+    assert choices.count(0) == 6 and all(g > 0 for g in choices[3::4])  # plain, with an exploring round in 4
+    assert BatchWindow(3, 1, 12, fixed=True).gamma(8) == 3
+
+
+def test_the_window_measures_a_plain_step_before_trusting_its_line():
+    w = BatchWindow(5, 1, 12)
+    w.observe_draft_step(4, 0.001)
+    w.observe_verify(4, 6, 0.05)  # windows of one length only: T_p(4, 1) would be a guess
+    w.observe_round(3, 5)
+    assert w.gamma(4) == 0
+    w.observe_verify(4, 1, 0.02)
+    assert w.gamma(4) > 0
