@@ -14,8 +14,8 @@ import pytest
 
 import media
 from tests.conftest import tiny_pair
-from tests.torchrun_jobs import (ROOT, job_args, launcher_cmd, results, run_job, run_launcher, torchrun_cmd,
-                                 world_manifest)
+from tests.torchrun_jobs import (ROOT, job_args, job_env, launcher_cmd, results, run_job, run_launcher,
+                                 torchrun_cmd, world_manifest)
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.entry import restart_problem
@@ -161,6 +161,30 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert_same_results(out, uninterrupted)
     assert json.loads((out / "summary.json").read_text())["run"]["skipped"] >= 2
+
+
+def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_path_factory, six, uninterrupted):
+    """Continuous batching (3 items in flight; the parallel method's draft on the target's rank): killed with
+    items in flight, rerun, every id exactly once and every output the batch-1 pipeline's."""
+    out = tmp_path_factory.mktemp("killed_batched")
+    proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet", "--batch", "3"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
+    try:
+        _wait_for(lambda: len(results(out)) >= 1, 180)
+        os.kill(_pids(out)["target"], signal.SIGKILL)
+        proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert 1 <= len(results(out)) < 6, "the kill came too late to test anything"
+    rerun = run_job(CONFIG, six, out, METHOD, "--quiet", "--batch", "3")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_results(out, uninterrupted)
+    summary = json.loads((out / "summary.json").read_text())["run"]
+    assert summary["skipped"] >= 1 and summary["batching"]["size"] == 3 and summary["batching"]["rounds"] > 0
+    verify = [s for s in spans(out, "rank0_target") if s["name"] == "verify"]
+    assert max(len(s["items"]) for s in verify) > 1  # rounds really carried several items' rows
 
 
 def test_a_rerun_with_other_settings_is_refused_and_changes_nothing(six, uninterrupted):

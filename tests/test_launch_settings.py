@@ -43,6 +43,18 @@ def test_tree_settings_at_launch():
     assert get_method("sd").draft_tree(shaped) is None
 
 
+def test_batch_size_at_launch():
+    assert resolve_config(args("hippo", "--batch", "8")).batching.size == 8
+    assert resolve_config(args("ar")).batching.size == 1
+    for method, what in (("sd-tree", "tree"), ("std", "sparse kv"), ("tabed", "views")):
+        with pytest.raises(SystemExit, match=f"method {method}: it drafts a {what}.*--batch 2 runs ar, sd, pearl"):
+            resolve_config(args(method, "--batch", "2"))
+    with pytest.raises(ConfigError, match="batching.size must be an int >= 1"):
+        resolve_config(args("ar", "--batch", "0"))
+    with pytest.raises(ConfigError, match="kv_budget_mib"):
+        resolve_config(args("ar", "--set", "batching.kv_budget_mib=-1"))
+
+
 def bad_settings_job(tmp_path):
     """A config with a missing checkpoint and a checkpoint of another family, plus mistyped --set values."""
     other = tmp_path / "qwen3-ckpt"

@@ -136,6 +136,27 @@ class PruningConfig:
 
 
 @dataclass
+class BatchingConfig:
+    """Many items in flight (decoders/batched.py; `--batch N` sets `size`)."""
+
+    size: int = 1  # items decoded together; 1: one at a time, through the roles for parallel methods
+    # KV cache the items in flight may reserve together, target and draft, in MiB (null: no limit). An item
+    # joins only while its cache (prompt + video + max_new_tokens + one window, both models) fits beside the
+    # others'; one that does not fit alone fails with that error, and the job goes on.
+    kv_budget_mib: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"batching.size must be an int >= 1, got {self.size!r}")
+        if self.kv_budget_mib is not None and self.kv_budget_mib <= 0:
+            raise ValueError(f"batching.kv_budget_mib must be > 0 or null, got {self.kv_budget_mib!r}")
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        return None if self.kv_budget_mib is None else int(self.kv_budget_mib * 2**20)
+
+
+@dataclass
 class RunConfig:
     family: str
     target: ModelSpec
@@ -143,6 +164,7 @@ class RunConfig:
     video: VideoConfig = field(default_factory=VideoConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     extra: dict[str, Any] = field(default_factory=dict)  # sections other components own (roles, launch)
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,7 +173,7 @@ class RunConfig:
 
 # Top-level sections that components other than this module read from `extra` (roles, launch, TABED, draft).
 EXTRA_SECTIONS = ("roles", "timeout_s", "idle_timeout_s", "cpu_affinity", "tabed", "eager_when_idle")
-SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning")
+SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
 
 
 class ConfigError(ValueError):
@@ -222,7 +244,8 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     family, draft_data = data.pop("family"), data.pop("draft", "self")
     sections = {"target": (ModelSpec, data.pop("target")), "video": (VideoConfig, data.pop("video", None)),
                 "decoding": (DecodingConfig, data.pop("decoding", None)),
-                "pruning": (PruningConfig, data.pop("pruning", None))}
+                "pruning": (PruningConfig, data.pop("pruning", None)),
+                "batching": (BatchingConfig, data.pop("batching", None))}
     if draft_data not in ("self", None):
         sections["draft"] = (ModelSpec, draft_data)
     built, problems = {}, []
@@ -234,7 +257,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     if problems:
         raise ConfigError(problems)
     return RunConfig(family=family, target=built["target"], draft=built.get("draft"), video=built["video"],
-                     decoding=built["decoding"], pruning=built["pruning"], extra=data)
+                     decoding=built["decoding"], pruning=built["pruning"], batching=built["batching"], extra=data)
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -30,10 +30,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from vpsd.config import RunConfig
+from vpsd.decoders.batched import BatchDecoder, BatchItem
+from vpsd.decoders.result import DecodeResult
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
 from vpsd.launch.progress import Progress, wants_bar
@@ -51,6 +54,17 @@ from vpsd.video.errors import VideoError
 from vpsd.video.fit import fit_to_context
 from vpsd.video.item import FrameRequest, cap_frames, load_frames, timed
 from vpsd.video.prefetch import Prefetcher
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory (VmHWM), in MiB; None where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
 
 def context_limit(target: VideoLMAdapter, cfg: RunConfig) -> int:
     """Tokens one sequence may hold: the config's limit, else what the target's positions allow."""
@@ -110,6 +124,128 @@ def _error(e: Exception) -> dict:
     return err
 
 
+Record = Callable[[dict], None]
+
+
+def _record(results: ResultsFile, progress: Progress, row: dict) -> None:
+    """An item's result line, flushed as it finishes (exactly once: the resume skips its id)."""
+    results.append(row)
+    progress.item_done(len(row["token_ids"]), failed=row["error"] is not None)
+    get_logger().info("item_done", item=row["id"], tokens=len(row["token_ids"]), error=row["error"])
+
+
+def _row(cfg: RunConfig, method: str, it: ManifestItem) -> dict:
+    return {"id": it.id, "method": method, "strategy": cfg.pruning.strategy, **it.extra}
+
+
+def _failed_row(row: dict, timings: dict, e: Exception) -> dict:
+    get_logger().error("item_failed", item=row["id"], error=str(e))
+    return {**row, "token_ids": [], "text": "", "stats": timings, "error": _error(e)}
+
+
+def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
+                         reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
+    """Each item through the method's own decoder (the roles for a parallel method); returns the failures."""
+    method = ctx.method.name
+    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
+    if todo:
+        prefetch.ahead(todo[0])
+    failed = 0
+    for i, it in enumerate(todo):
+        ctx.item_id = it.id
+        nxt = todo[i + 1] if i + 1 < len(todo) else None
+        if nxt is not None:
+            prefetch.ahead(nxt)  # read while this item decodes
+        row = _row(cfg, method, it)
+        timings: dict[str, float] = {}
+        try:
+            loaded = prefetch.take(it, timings, item=it.id)
+            timings.update(loaded.timings)
+            work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
+                            reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
+                            frame_times=loaded.times)
+            res = decode_item(ctx, target, draft, work)
+            row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
+                       stats={**res.stats_dict(), **timings, "num_frames": int(loaded.frames.shape[0])}, error=None)
+        except (VideoError, ValueError) as e:
+            failed += 1
+            row = _failed_row(row, timings, e)
+        finish_item(ctx, it.id, row["token_ids"], row["error"])
+        record(row)
+    prefetch.close()
+    return failed
+
+
+def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
+                      reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
+    """Up to `batching.size` items in flight (decoders/batched.py): an item joins as soon as a slot is free and
+    its KV fits the budget, and its line is written the moment it finishes, so a killed job redoes only the
+    items that were in flight. The next items' videos are read ahead while the batch decodes. Returns the
+    failures."""
+    method = ctx.method.name
+    dec = cfg.decoding
+    engine = BatchDecoder(target, draft, dec, cfg.pruning if draft is not None else None, cfg.batching.size,
+                          kv_budget_bytes=cfg.batching.kv_budget_bytes)
+    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
+    queue = list(todo)
+    for it in queue[: cfg.batching.size]:
+        prefetch.ahead(it)
+    rows: dict[str, tuple[dict, dict, int]] = {}  # read: its row, timings, frames
+    failed = 0
+
+    def read_next() -> BatchItem | None:
+        """The next manifest item, read (ahead, while the batch decoded); None if its video failed."""
+        nonlocal failed
+        it = queue.pop(0)
+        if len(queue) >= cfg.batching.size:
+            prefetch.ahead(queue[cfg.batching.size - 1])
+        row, timings = _row(cfg, method, it), {}
+        try:
+            loaded = prefetch.take(it, timings, item=it.id)
+        except (VideoError, ValueError) as e:
+            failed += 1
+            record(_failed_row(row, timings, e))
+            return None
+        timings.update(loaded.timings)
+        rows[it.id] = (row, timings, int(loaded.frames.shape[0]))
+        return BatchItem(it.id, loaded.frames, it.prompt, reader.max_new_tokens(it), loaded.times)
+
+    def finish(item: BatchItem, res: DecodeResult) -> None:
+        row, timings, num_frames = rows.pop(item.id)
+        stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": cfg.batching.size}
+        record({**row, "token_ids": res.token_ids, "error": None, "stats": stats,
+                "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
+
+    pending: BatchItem | None = None  # read, not admitted yet (the batch was full, or its KV did not fit)
+    while queue or pending is not None or engine.slots:
+        while not engine.full:
+            if pending is None:
+                if not queue:
+                    break
+                pending = read_next()
+                continue
+            ctx.item_id = pending.id
+            try:
+                status, res = engine.admit(pending)
+            except (VideoError, ValueError) as e:
+                failed += 1
+                row, timings, _ = rows.pop(pending.id)
+                record(_failed_row(row, timings, e))
+                pending = None
+                continue
+            if status == "wait":
+                break  # admitted after a round frees KV (admit never waits on an empty batch)
+            if status == "done":
+                finish(pending, res)
+            pending = None
+        for item, res in engine.round():
+            finish(item, res)
+    prefetch.close()
+    ctx.extra["batching"] = engine.report()  # into summary.json's run section
+    get_logger().info("batching_done", **ctx.extra["batching"])
+    return failed
+
+
 def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: Path) -> dict:
     log = get_logger()
     started = time.perf_counter()
@@ -137,46 +273,24 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
                         "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
         progress.item_done(0, failed=True)
     target = load_adapter(cfg.family, cfg.target)
+    in_roles = ctx.method.runs_in_roles(cfg.batching.size)
     draft = None
-    if ctx.method.loads_draft_model and not ctx.method.parallel:
+    if ctx.method.loads_draft_model and not in_roles:
         draft = load_draft(cfg.family, cfg.draft, target)
     reader = ItemReader(target, cfg)
-    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
     todo = [it for it in items if it.id not in done]
-    if todo:
-        prefetch.ahead(todo[0])
-    for i, it in enumerate(todo):
-        ctx.item_id = it.id
-        nxt = todo[i + 1] if i + 1 < len(todo) else None
-        if nxt is not None:
-            prefetch.ahead(nxt)  # read while this item decodes
-        row = {"id": it.id, "method": method, "strategy": cfg.pruning.strategy, **it.extra}
-        timings: dict[str, float] = {}
-        try:
-            loaded = prefetch.take(it, timings, item=it.id)
-            timings.update(loaded.timings)
-            work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
-                            reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
-                            frame_times=loaded.times)
-            res = decode_item(ctx, target, draft, work)
-            row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
-                       stats={**res.stats_dict(), **timings, "num_frames": int(loaded.frames.shape[0])}, error=None)
-        except (VideoError, ValueError) as e:
-            failed += 1
-            log.error("item_failed", item=it.id, error=str(e))
-            row.update(token_ids=[], text="", stats=timings, error=_error(e))
-        finish_item(ctx, it.id, row["token_ids"], row["error"])
-        results.append(row)
-        progress.item_done(len(row["token_ids"]), failed=row["error"] is not None)
-        log.info("item_done", item=it.id, tokens=len(row["token_ids"]), error=row["error"])
-    prefetch.close()
+    run = decode_in_batches if cfg.batching.size > 1 else decode_one_at_a_time
+    loop_start = time.perf_counter()
+    failed += run(ctx, cfg, target, draft, reader, todo, lambda row: _record(results, progress, row))
+    loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
     progress.close()
-    if ctx.method.parallel:
+    if in_roles:
         for r in ("draft", "pruner"):
             ctx.send(r, Shutdown("job finished"))
     summary = summarize(out)
     summary["run"] = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": failed,
                       "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                      "loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": ctx.extra.get("batching"),
                       "stack": versions}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("job_done", **summary)

@@ -29,7 +29,7 @@ from vpsd.launch.manifest import Shard
 from vpsd.launch.preflight import checkpoint_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.ensemble import TabedConfig
-from vpsd.pipeline.methods import get_method
+from vpsd.pipeline.methods import BATCHABLE, get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
                    help="run only shard I (0-based) of N of the manifest, for independent jobs splitting it; "
                         "give each its own --out")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="items in flight at once (continuous batching; sets batching.size): "
+                        f"methods {', '.join(BATCHABLE)}")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
     return p.parse_args(argv)
@@ -90,6 +93,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides["decoding.gamma"] = args.gamma
     if args.temperature is not None:
         overrides["decoding.temperature"] = args.temperature
+    if args.batch is not None:
+        overrides["batching.size"] = args.batch
     cfg = load_config(args.config, overrides)  # ConfigError: one line per bad setting (main prints them)
     check_method_settings(method, cfg)
     problems = checkpoint_problems(cfg)
@@ -104,6 +109,9 @@ def check_method_settings(method, cfg: RunConfig) -> None:
     try:
         if method.draft == "views":
             TabedConfig.from_dict(cfg.extra.get("tabed"))
+        if cfg.batching.size > 1 and not method.batchable:
+            raise ValueError(f"it drafts a {'tree' if method.tree else method.draft.replace('_', ' ')}, which runs one "
+                             f"item at a time; --batch {cfg.batching.size} runs {', '.join(BATCHABLE)}")
         if method.draft == "sparse_kv" and cfg.pruning.strategy != "none":
             raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
     except (ValueError, TypeError) as e:
@@ -189,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     role = next((r for r, k in ranks.items() if k == rank), "spare")
     configure_tracing(out, role, rank)
     log = get_logger()
-    if method.parallel and world < len(ROLES):
+    in_roles = method.runs_in_roles(cfg.batching.size)
+    if in_roles and world < len(ROLES):
         raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
-    if role == "spare" or (not method.parallel and role != "target"):
+    if role == "spare" or (not in_roles and role != "target"):
         dist.barrier()
         dist.destroy_process_group()
         return 0
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them (roles/context.py).
-    if method.parallel:  # a serial method's target runs alone: its peers exited and have no endpoint
+    if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
         ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     try:
         if role == "target":

@@ -7,7 +7,8 @@ the settings that decide its outputs and statistics (`identity`) in DIR/job.json
 differ stops at launch, before any rank loads a model, saying which settings differ.
 
 Not part of the identity: where and how fast the job runs (the model's device, cpu affinity, roles,
-timeouts), how it is driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
+timeouts, how many items are in flight: `batching`, whose items decode exactly as at batch 1), how it is
+driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
 (`video.context_limit`, `video.subsample_to_fit`: an item that fits decodes the same either way, and
 retrying the items that did not fit with subsampling on is how such failures are meant to be rerun).
 A setting vpsd gained after a directory was recorded (absent from its job.json) counts as its default there,

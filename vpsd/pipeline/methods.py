@@ -33,6 +33,16 @@ class Method:
         """Whether the run loads the config's draft model (sparse_kv drafts with the target's weights)."""
         return self.uses_draft and self.draft != "sparse_kv"
 
+    @property
+    def batchable(self) -> bool:
+        """Whether the batched engine (decoders/batched.py) runs it: a chain drafted by a pruned-input draft."""
+        return self.tree is None and self.draft == "pruned_input"
+
+    def runs_in_roles(self, batch: int) -> bool:
+        """Whether the draft and pruner ranks take part: a parallel method at batch 1. At batch > 1 every
+        method runs in the batched engine on the target's rank (draft and target take turns there)."""
+        return self.parallel and batch == 1
+
     def draft_tree(self, setting: Any = None) -> DraftTree | None:
         """The tree this method drafts under the `decoding.tree` setting (None: it drafts a chain)."""
         if self.tree is None:
@@ -60,6 +70,9 @@ METHODS: dict[str, Method] = {
         Method("tabed", parallel=True, uses_draft=True, default_strategy="uniform", draft="views"),
     ]
 }
+
+
+BATCHABLE = tuple(name for name, m in METHODS.items() if m.batchable)
 
 
 def get_method(name: str) -> Method:
