@@ -41,7 +41,7 @@ from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.result import DecodeResult, finished, truncate
 from vpsd.decoders.sd import prefill_pair
-from vpsd.models.base import VideoLMAdapter
+from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.batch_window import BatchWindow
 from vpsd.pipeline.kv import CacheCursor
@@ -82,17 +82,33 @@ class Slot:
     windows: list[int] = field(default_factory=list)  # the gamma of each round it drafted in
 
 
+@dataclass
+class Prefilled:
+    """An item prefilled outside the batch, ready to join it (`BatchDecoder.prefill`, then `join`)."""
+
+    item: BatchItem
+    target_state: DecodeState
+    draft_state: DecodeState | None
+    committed: list[int]  # the first token, from the target's prefill
+    verify_gen: torch.Generator  # already drew that token
+    result: DecodeResult  # prefill_s, kept tokens; the rest is filled when the item finishes
+    kv_bytes: int
+
+
 class BatchDecoder:
     """Up to `size` items in flight; `admit` an item while there is room, `round` until none is left."""
 
     def __init__(self, target: VideoLMAdapter, draft: VideoLMAdapter | None, cfg: DecodingConfig,
                  pruning: PruningConfig | None, size: int, window: BatchWindow | None = None,
-                 kv_budget_bytes: int | None = None) -> None:
+                 kv_budget_bytes: int | None = None, parallel_signals: bool = False) -> None:
+        """parallel_signals: prune from the layers a parallel method's pipeline streams (its method is parallel:
+        hippo at --batch 8 keeps exactly the video tokens hippo at --batch 1 keeps)."""
         if size < 1:
             raise ValueError(f"batch size must be >= 1, got {size}")
         self.target, self.draft, self.cfg, self.pruning, self.size = target, draft, cfg, pruning, size
         self.window = window or BatchWindow(cfg.serial_gamma(), cfg.gamma_min, cfg.gamma_max, fixed=not cfg.auto_gamma)
         self.kv_budget_bytes = kv_budget_bytes
+        self.parallel_signals = parallel_signals
         self.target_batch = BatchedCache(target)
         self.draft_batch = BatchedCache(draft) if draft is not None else None
         self.keep_policy = keep_policy_for(pruning, target.family) if pruning is not None else None
@@ -104,6 +120,7 @@ class BatchDecoder:
         self.verify_s: list[float] = []  # each round's target forward
         self.draft_step_s: list[float] = []  # each round's mean draft forward (rounds that drafted)
         self.accepted = self.rejections = 0  # over every row's verified window (tau_hat's A and R)
+        self.decode_s = 0.0  # inside rounds: the decode thread's time (prefills run beside it)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -121,24 +138,16 @@ class BatchDecoder:
     def reserved_bytes(self) -> int:
         return sum(s.kv_bytes for s in self.slots.values())
 
-    def admit(self, item: BatchItem) -> tuple[str, DecodeResult | None]:
-        """Prefills `item` and adds it to the batch: ("joined", None); ("done", result) when its first token
-        already ends it; ("wait", None) when its KV would overflow the budget beside the items in flight (admit
-        it again after a round). An item over the budget on its own, a broken video or a draft on another grid
-        raises ValueError: that item fails, the batch goes on."""
-        if item.id in self.slots:
-            raise ValueError(f"item {item.id!r} is already in flight")
+    def prefill(self, item: BatchItem) -> Prefilled:
+        """The item's batch-1 prefills and first token, outside the batch. Safe on another thread while `round`
+        runs (the launcher prefills the next items on a spare core: encoder-disaggregated serving in small);
+        raises ValueError for an item over the KV budget on its own, a draft on another grid, a bad video."""
         t0 = time.perf_counter()
         inputs = self.target.prepare(item.frames, item.prompt, item.frame_times)
         need = self.kv_bytes(item, inputs.seq_len)
-        if self.kv_budget_bytes is not None:
-            if need > self.kv_budget_bytes:
-                raise ValueError(f"item needs {need / 2**20:.1f} MiB of KV cache, over the budget of "
-                                 f"{self.kv_budget_bytes / 2**20:.1f} MiB (batching.kv_budget_mib)")
-            if self.slots and self.reserved_bytes() + need > self.kv_budget_bytes:
-                log.info("item_deferred", item=str(item.id), need_mib=need / 2**20,
-                         reserved_mib=self.reserved_bytes() / 2**20, budget_mib=self.kv_budget_bytes / 2**20)
-                return "wait", None
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise ValueError(f"item needs {need / 2**20:.1f} MiB of KV cache, over the budget of "
+                             f"{self.kv_budget_bytes / 2**20:.1f} MiB (batching.kv_budget_mib)")
         with span("item_prefill", item=str(item.id), tokens=inputs.seq_len):
             if self.draft is None:
                 emb = self.target.embed(inputs)
@@ -146,30 +155,49 @@ class BatchDecoder:
                 num_kept, num_video = None, emb.layout.num_tokens
             else:
                 pair = prefill_pair(self.target, self.draft, item.frames, item.prompt, self.keep_policy, self.pruning,
-                                    item.frame_times, target_inputs=inputs)
+                                    item.frame_times, target_inputs=inputs, parallel_signals=self.parallel_signals)
                 pre, draft_pre, layout, kept = pair.target, pair.draft, pair.target_emb.layout, pair.kept_indices()
                 num_kept, num_video = pair.num_kept, pair.num_video_tokens
         verify_gen = torch.Generator().manual_seed(self.cfg.seed)
         committed = [next_token(pre.logits, self.cfg.temperature, verify_gen)]
-        t1 = time.perf_counter()
-        result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=t1 - t0, num_kept=num_kept,
-                              num_video_tokens=num_video, kept=kept if self.draft is not None else None,
+        result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=time.perf_counter() - t0,
+                              num_kept=num_kept, num_video_tokens=num_video,
+                              kept=kept if self.draft is not None else None,
                               layout=layout if self.draft is not None else None)
-        slot = Slot(item, committed, CacheCursor(pre.state.length),
-                    CacheCursor(draft_pre.state.length) if draft_pre is not None else None,
-                    verify_gen, torch.Generator().manual_seed(self.cfg.seed + 1), result, t1, need)
+        return Prefilled(item, pre.state, draft_pre.state if draft_pre is not None else None, committed, verify_gen,
+                         result, need)
+
+    def join(self, p: Prefilled) -> tuple[str, DecodeResult | None]:
+        """Adds a prefilled item to the batch: ("joined", None); ("done", result) when its first token already
+        ends it; ("wait", None) when its KV would overflow the budget beside the items in flight (join it again
+        after a round; never on an empty batch)."""
+        item = p.item
+        if item.id in self.slots:
+            raise ValueError(f"item {item.id!r} is already in flight")
+        if self.kv_budget_bytes is not None and self.slots and self.reserved_bytes() + p.kv_bytes > self.kv_budget_bytes:
+            log.info("item_deferred", item=str(item.id), need_mib=p.kv_bytes / 2**20,
+                     reserved_mib=self.reserved_bytes() / 2**20, budget_mib=self.kv_budget_bytes / 2**20)
+            return "wait", None
+        slot = Slot(item, p.committed, CacheCursor(p.target_state.length),
+                    CacheCursor(p.draft_state.length) if p.draft_state is not None else None,
+                    p.verify_gen, torch.Generator().manual_seed(self.cfg.seed + 1), p.result, time.perf_counter(),
+                    p.kv_bytes)
         if self.draft is None:
             slot.stats.record(0, 0)  # as decode_ar counts its first token
-        if finished(committed, item.max_new_tokens, self.eos):
+        if finished(p.committed, item.max_new_tokens, self.eos):
             return "done", self._result(slot)
         self.slots[item.id] = slot
-        self.target_batch.join(item.id, pre.state)
-        if draft_pre is not None:
-            self.draft_batch.join(item.id, draft_pre.state)
-        log.info("item_admitted", item=str(item.id), in_flight=len(self.slots), need_mib=need / 2**20,
+        self.target_batch.join(item.id, p.target_state)
+        if p.draft_state is not None:
+            self.draft_batch.join(item.id, p.draft_state)
+        log.info("item_admitted", item=str(item.id), in_flight=len(self.slots), need_mib=p.kv_bytes / 2**20,
                  reserved_mib=self.reserved_bytes() / 2**20,
                  budget_mib=None if self.kv_budget_bytes is None else self.kv_budget_bytes / 2**20)
         return "joined", None
+
+    def admit(self, item: BatchItem) -> tuple[str, DecodeResult | None]:
+        """`join(prefill(item))` on this thread; after "wait", admit the item again after a round."""
+        return self.join(self.prefill(item))
 
     # ---- one round --------------------------------------------------------------------------------
 
@@ -177,6 +205,7 @@ class BatchDecoder:
         """One batched round over every item in flight; returns the items it finished, with their results."""
         if not self.slots:
             return []
+        started = time.perf_counter()
         batch = len(self.slots)
         self.batch_sizes.append(batch)
         gamma = self.window.gamma(batch) if self.draft is not None else 0
@@ -196,6 +225,7 @@ class BatchDecoder:
             if self.draft_batch is not None:
                 self.draft_batch.leave(key)
             out.append((slot.item, self._result(slot)))
+        self.decode_s += time.perf_counter() - started
         return out
 
     def _draft(self, windows: dict[Hashable, int]) -> tuple[dict[Hashable, list[int]], dict[Hashable, torch.Tensor]]:
@@ -282,9 +312,10 @@ class BatchDecoder:
     def report(self) -> dict:
         """What the batch did, for the run's summary and the throughput bench's accounting (Appendix C over a
         batch: pipeline/batch_window.py): rounds, mean items per round, mean window, mean target forward (T_p of
-        the batch) and draft forward (T_q of the batch), tau_hat over every row's windows."""
+        the batch) and draft forward (T_q of the batch), tau_hat over every row's windows; decode_s, the time
+        spent in rounds."""
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        return {"size": self.size, "rounds": self.rounds, "mean_batch": mean(self.batch_sizes),
+        return {"size": self.size, "rounds": self.rounds, "decode_s": self.decode_s, "mean_batch": mean(self.batch_sizes),
                 "mean_gamma": mean(self.gammas), "plain_rounds": sum(g == 0 for g in self.gammas),
                 "t_p_s": mean(self.verify_s), "t_q_s": mean(self.draft_step_s),
                 "tau_hat": tau_hat(self.accepted, self.rejections) if self.draft is not None else None}

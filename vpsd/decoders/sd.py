@@ -90,14 +90,18 @@ def prefill_pair(
     pruning: PruningConfig | None = None,
     frame_times: np.ndarray | None = None,
     target_inputs: VideoInputs | None = None,
+    parallel_signals: bool = False,
 ) -> PairPrefill:
     """The target's full prefill (with the signals `pruning`'s strategy reads), the kept video tokens, and the
-    draft's pruned prefill. `target_inputs`: the target's `prepare` output when the caller already has it."""
+    draft's pruned prefill. `target_inputs`: the target's `prepare` output when the caller already has it;
+    `parallel_signals`: read the signals of the layers a parallel run streams (PruningConfig.signal_layers), so
+    a parallel method keeps the same video tokens here as in its pipeline."""
     t_inputs = target_inputs if target_inputs is not None else target.prepare(frames, prompt, frame_times)
     t_emb = target.embed(t_inputs)
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
     d_emb.layout.check_same_grid(t_emb.layout.grid)
-    t_pre = target.prefill(t_emb) if pruning is None else prefill_for_strategy(target, t_emb, pruning)
+    t_pre = (target.prefill(t_emb) if pruning is None
+             else prefill_for_strategy(target, t_emb, pruning, parallel=parallel_signals))
     keep = keep_policy(t_emb, t_pre, d_emb)
     t_pre.signals = None  # the copied keys are not needed while decoding
     d_pre = draft.prefill(d_emb, keep=keep)

@@ -30,12 +30,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
 
 from vpsd.config import RunConfig
-from vpsd.decoders.batched import BatchDecoder, BatchItem
+from vpsd.decoders.batched import BatchDecoder, BatchItem, Prefilled
 from vpsd.decoders.result import DecodeResult
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
@@ -178,72 +180,90 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
 
 def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
                       reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
-    """Up to `batching.size` items in flight (decoders/batched.py): an item joins as soon as a slot is free and
-    its KV fits the budget, and its line is written the moment it finishes, so a killed job redoes only the
-    items that were in flight. The next items' videos are read ahead while the batch decodes. Returns the
-    failures."""
+    """Up to `batching.size` items in flight (decoders/batched.py). The next items are read and prefilled on a
+    thread of their own, pinned to the draft's cores when the config pins roles (a batched run leaves them
+    free), so a joining item costs the batch its join, not its vision and prefill; two items more than the free
+    slots are prepared ahead, so a slot that frees is taken at once, and while the batch is under half full
+    this thread prefills too (`_steal_one`). An item joins as soon as a slot is free and
+    its KV fits the budget; its line is written the moment it finishes, so a killed job redoes only the items
+    that were in flight. Returns the failures."""
     method = ctx.method.name
-    dec = cfg.decoding
-    engine = BatchDecoder(target, draft, dec, cfg.pruning if draft is not None else None, cfg.batching.size,
-                          kv_budget_bytes=cfg.batching.kv_budget_bytes)
-    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
+    size = cfg.batching.size
+    engine = BatchDecoder(target, draft, cfg.decoding, cfg.pruning if draft is not None else None, size,
+                          kv_budget_bytes=cfg.batching.kv_budget_bytes, parallel_signals=ctx.method.parallel)
+    spare = (cfg.extra.get("cpu_affinity") or {}).get("draft")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(spare,))
     queue = list(todo)
-    for it in queue[: cfg.batching.size]:
-        prefetch.ahead(it)
-    rows: dict[str, tuple[dict, dict, int]] = {}  # read: its row, timings, frames
+    ahead: deque[tuple[ManifestItem, Future]] = deque()  # being read and prefilled, in manifest order
+    in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
     failed = 0
 
-    def read_next() -> BatchItem | None:
-        """The next manifest item, read (ahead, while the batch decoded); None if its video failed."""
-        nonlocal failed
-        it = queue.pop(0)
-        if len(queue) >= cfg.batching.size:
-            prefetch.ahead(queue[cfg.batching.size - 1])
-        row, timings = _row(cfg, method, it), {}
-        try:
-            loaded = prefetch.take(it, timings, item=it.id)
-        except (VideoError, ValueError) as e:
-            failed += 1
-            record(_failed_row(row, timings, e))
-            return None
-        timings.update(loaded.timings)
-        rows[it.id] = (row, timings, int(loaded.frames.shape[0]))
-        return BatchItem(it.id, loaded.frames, it.prompt, reader.max_new_tokens(it), loaded.times)
+    def read_and_prefill(it: ManifestItem) -> tuple[Prefilled, LoadedItem]:
+        loaded = reader.load(it)
+        item = BatchItem(it.id, loaded.frames, it.prompt, reader.max_new_tokens(it), loaded.times)
+        return engine.prefill(item), loaded
 
     def finish(item: BatchItem, res: DecodeResult) -> None:
-        row, timings, num_frames = rows.pop(item.id)
-        stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": cfg.batching.size}
+        row, timings, num_frames = in_flight.pop(item.id)
+        stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": size}
         record({**row, "token_ids": res.token_ids, "error": None, "stats": stats,
                 "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
 
-    pending: BatchItem | None = None  # read, not admitted yet (the batch was full, or its KV did not fit)
-    while queue or pending is not None or engine.slots:
-        while not engine.full:
-            if pending is None:
-                if not queue:
-                    break
-                pending = read_next()
-                continue
-            ctx.item_id = pending.id
+    while queue or ahead or engine.slots:
+        while queue and len(ahead) < size - len(engine.slots) + 2:
+            it = queue.pop(0)
+            ahead.append((it, pool.submit(read_and_prefill, it)))
+        # Join what is ready, in order; block on a prefill only when nothing is decoding.
+        while ahead and not engine.full and (ahead[0][1].done() or not engine.slots):
+            it, future = ahead[0]
+            ctx.item_id = it.id
+            row = _row(cfg, method, it)
             try:
-                status, res = engine.admit(pending)
+                prefilled, loaded = future.result()
             except (VideoError, ValueError) as e:
+                ahead.popleft()
                 failed += 1
-                row, timings, _ = rows.pop(pending.id)
-                record(_failed_row(row, timings, e))
-                pending = None
+                record(_failed_row(row, {}, e))
                 continue
+            in_flight[it.id] = (row, loaded.timings, int(loaded.frames.shape[0]))
+            status, res = engine.join(prefilled)
             if status == "wait":
-                break  # admitted after a round frees KV (admit never waits on an empty batch)
+                break  # its KV does not fit beside the items in flight: after a round (never on an empty batch)
+            ahead.popleft()
             if status == "done":
-                finish(pending, res)
-            pending = None
+                finish(prefilled.item, res)
+        if ahead and len(engine.slots) < max(1, size // 2) and not ahead[0][1].done():
+            _steal_one(ahead, read_and_prefill)  # a thin batch: prefilling here beats decoding it
+            continue
         for item, res in engine.round():
             finish(item, res)
-    prefetch.close()
+    pool.shutdown()
     ctx.extra["batching"] = engine.report()  # into summary.json's run section
     get_logger().info("batching_done", **ctx.extra["batching"])
     return failed
+
+
+def _steal_one(ahead: deque, work: Callable) -> None:
+    """Runs on this thread the last queued prefill that has not started (the pool's thread holds the others).
+
+    The decode thread drains its batch faster than one thread can prefill when speculation makes decoding
+    cheap (hippo on the scaled default: an item's vision + prefill costs about what its decoding does at B = 8),
+    and a half-empty batch wastes the forwards it runs; then both cores prefill until the batch fills again."""
+    for i in range(len(ahead) - 1, -1, -1):
+        it, future = ahead[i]
+        if future.cancel():
+            done: Future = Future()
+            try:
+                done.set_result(work(it))
+            except Exception as e:  # noqa: BLE001 - delivered where the pool's would be: future.result()
+                done.set_exception(e)
+            ahead[i] = (it, done)
+            return
+
+
+def _pin_thread(cpus: list[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # this thread only
 
 
 def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: Path) -> dict:

@@ -36,7 +36,9 @@ the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -85,6 +87,20 @@ def _text_queries(attn: torch.nn.Module, projected: torch.Tensor, cos: torch.Ten
 
 
 SignalsReady = Callable[[PrefillSignals], None]
+
+
+def _this_thread_only(hook: Callable) -> Callable:
+    """The hook, run only for forwards on the thread that registered it: the model is shared, and a batch may
+    decode on another thread while this prefill runs (decoders/batched.py prefills on a spare core)."""
+    owner = threading.get_ident()
+
+    @functools.wraps(hook)
+    def guarded(*args):
+        if threading.get_ident() == owner:
+            return hook(*args)
+        return None
+
+    return guarded
 
 
 def _layer_output(out) -> torch.Tensor:
@@ -169,15 +185,15 @@ def prefill_with_signals(
 
     try:
         if attention:
-            handles.append(language_model.rotary_emb.register_forward_hook(keep_rotary))
+            handles.append(language_model.rotary_emb.register_forward_hook(_this_thread_only(keep_rotary)))
             for i in range(attn_layers):
                 attn = layers[i].self_attn
-                handles.append(attn.q_proj.register_forward_hook(capture_queries(i, attn)))
-                handles.append(attn.register_forward_hook(score_layer(i)))
+                handles.append(attn.q_proj.register_forward_hook(_this_thread_only(capture_queries(i, attn))))
+                handles.append(attn.register_forward_hook(_this_thread_only(score_layer(i))))
         if hidden:
             keep_rows(emb.embeds)  # layer 0's input: a full prefill feeds every row of the embeddings as they are
-            handles.append(layers[uv_layers - 1].register_forward_hook(capture_output))
-        handles.append(layers[last - 1].register_forward_hook(signals_done))
+            handles.append(layers[uv_layers - 1].register_forward_hook(_this_thread_only(capture_output)))
+        handles.append(layers[last - 1].register_forward_hook(_this_thread_only(signals_done)))
         result = adapter.prefill(emb, cache=cache)
     finally:
         for h in handles:
