@@ -20,7 +20,7 @@ from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.batch_window import BatchWindow, batch_token_time
-from vpsd.pipeline.theory import expected_accepted
+from vpsd.pipeline.theory import expected_accepted, tau_hat
 
 PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
 
@@ -196,11 +196,12 @@ def test_batch_token_time_is_the_round_over_what_it_commits():
     assert expected_accepted(0.8, 4) == pytest.approx(2.3616)
 
 
-def _measured(window: BatchWindow, batch: int, t_q: float, line: tuple[float, float], tau_rounds: tuple[int, int]):
-    a, b = line
-    window.observe_draft_step(batch, t_q)
-    for k in (1, 5, 9):
-        window.observe_verify(batch, k, a + b * k)
+def _measured(window: BatchWindow, t_q: tuple[float, float], t_p: tuple[float, float], tau_rounds: tuple[int, int]):
+    """Draft forwards T_q(B) = a + b B and target forwards T_p(rows) = a + b rows, at a few sizes; rounds."""
+    for b in (2, 8):
+        window.observe_draft_step(b, t_q[0] + t_q[1] * b)
+        for k in (1, 5):
+            window.observe_verify(b, k, t_p[0] + t_p[1] * b * k)
     accepted, rejected = tau_rounds
     for _ in range(rejected):
         window.observe_round(0, 4)
@@ -211,22 +212,26 @@ def _measured(window: BatchWindow, batch: int, t_q: float, line: tuple[float, fl
 def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_where_it_does_not():
     good = BatchWindow(5, 1, 12)
     assert good.gamma(8) == 5  # nothing measured yet: the configured window
-    _measured(good, 8, 0.002, (0.050, 0.010), (40, 1))  # cheap draft, tau near 1
+    _measured(good, (0.001, 0.0002), (0.045, 0.002), (40, 1))  # cheap draft, tau near 1
     costs = good.costs(8)
-    assert good.gamma(8) == min(costs, key=costs.get) > 0
-    assert costs[good.gamma(8)] < costs[0]
+    assert costs[0] == pytest.approx(0.045 + 0.002 * 8)  # plain: one forward of 8 rows per token
+    g = good.gamma(8)
+    assert g == min(costs, key=costs.get) > 0 and costs[g] < costs[0]
+    t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
+    assert costs[g] == pytest.approx(batch_token_time(t_q, t_p, g, tau_hat(good.accepted, good.rejections)), rel=1e-9)
     bad = BatchWindow(5, 1, 12, explore_every=4)
-    _measured(bad, 8, 0.030, (0.050, 0.040), (1, 40))  # expensive draft and verify rows, tau near 0
+    _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))  # expensive draft and verify rows, tau near 0
     choices = [bad.gamma(8) for _ in range(8)]
     assert choices.count(0) == 6 and all(g > 0 for g in choices[3::4])  # plain, with an exploring round in 4
     assert BatchWindow(3, 1, 12, fixed=True).gamma(8) == 3
 
 
-def test_the_window_measures_a_plain_step_before_trusting_its_line():
+def test_one_fit_serves_every_batch_size_once_two_sizes_were_seen():
     w = BatchWindow(5, 1, 12)
     w.observe_draft_step(4, 0.001)
-    w.observe_verify(4, 6, 0.05)  # windows of one length only: T_p(4, 1) would be a guess
+    w.observe_verify(4, 6, 0.05)
     w.observe_round(3, 5)
-    assert w.gamma(4) == 0
-    w.observe_verify(4, 1, 0.02)
-    assert w.gamma(4) > 0
+    assert w.costs(4) is None and w.gamma(4) == 5  # one size each: a slope would be a guess
+    w.observe_draft_step(2, 0.0008)
+    w.observe_verify(2, 6, 0.04)
+    assert w.costs(4) is not None and w.costs(3) is not None  # a batch size never seen is priced from the lines

@@ -12,15 +12,15 @@ this B: the batch is never slower than batched `ar` by more than what the explor
 SmartSpec's idea (Liu et al., 2024: pick the window that maximises goodput at the current batch size),
 with Theorem 6's acceptance model.
 
-What is measured, live and per batch size B (the costs change with B far more than with anything else):
-T_q(B) the draft's forward of the batch (exponential average), T_p(B, k) the target's forward of B rows of k
-tokens, a line a + b k per B (`WeightedLine`: on a CPU a k-row verify costs 2-4x a 1-row step, on a GPU about
-one step up to k ~ 32), and tau_hat over every row's rounds (one acceptance model for the batch: the rows
-share the draft and the target). Until a batch size has a T_q and a T_p line, and tau a round, the window is
-`initial` (the config's serial gamma); then one plain round measures T_p(B, 1), which the windows of one
-length could only extrapolate; when gamma 0 wins, one round in `explore_every` still speculates at
-the best gamma > 0, so tau and the costs stay measured and the choice can come back. A fixed window (a
-user's --gamma N) never moves. Pure: no clocks here; the decoder passes in what it measured.
+What is measured, live: T_p as a line in the rows a target forward computes, T_p(B k) = a + b B k
+(`WeightedLine`; on this CPU a forward's cost follows its total rows: B = 8 rows of 8 tokens cost what B = 4
+rows of 16 do, and on a GPU b is close to 0 up to hundreds of rows), so one fit serves every batch size the job
+passes through as items join and leave; T_q(B) = a' + b' B for the draft's forward likewise; tau_hat over every
+row's rounds (one acceptance model for the batch: the rows share the draft and the target). Until both lines
+have seen two sizes and tau a round, the window is `initial` (the config's serial gamma). When gamma 0 wins,
+one round in `explore_every` still speculates at the best gamma > 0, so tau and the costs stay measured and
+the choice can come back. A fixed window (a user's --gamma N) never moves. Pure: no clocks here; the decoder
+passes in what it measured.
 """
 
 from __future__ import annotations
@@ -42,26 +42,23 @@ class BatchWindow:
     gamma_min: int = 1
     gamma_max: int = 16
     fixed: bool = False
-    decay: float = 0.8
+    decay: float = 0.9
     explore_every: int = 8
     accepted: float = 0.0
     rejections: float = 0.0
-    draft_step: dict[int, float] = field(default_factory=dict)  # B -> seconds of one draft forward of B rows
-    verify: dict[int, WeightedLine] = field(default_factory=dict)  # B -> T_p(B, k)
-    plain_measured: set[int] = field(default_factory=set)  # batch sizes with a 1-row forward measured
+    verify: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_p(rows), rows = B k
+    draft: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_q(B)
     _plain_rounds: int = 0  # consecutive rounds at gamma 0
 
     def observe_draft_step(self, batch: int, seconds: float) -> None:
-        if seconds > 0:
-            old = self.draft_step.get(batch)
-            self.draft_step[batch] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        """One draft forward of `batch` rows of one token each."""
+        if batch >= 1 and seconds > 0:
+            self.draft.observe(batch, seconds)
 
     def observe_verify(self, batch: int, rows: int, seconds: float) -> None:
-        """One target forward of `batch` rows, `rows` tokens each (the longest row's), in `seconds`."""
-        if rows >= 1 and seconds > 0:
-            self.verify.setdefault(batch, WeightedLine(self.decay)).observe(rows, seconds)
-            if rows == 1:
-                self.plain_measured.add(batch)
+        """One target forward of `batch` rows, `rows` tokens each (the longest row's: the others are padded)."""
+        if batch >= 1 and rows >= 1 and seconds > 0:
+            self.verify.observe(batch * rows, seconds)
 
     def observe_round(self, num_accepted: int, num_drafted: int) -> None:
         """One row's verified window (tau_hat's A and R, exponentially weighted)."""
@@ -71,12 +68,12 @@ class BatchWindow:
 
     def costs(self, batch: int) -> dict[int, float] | None:
         """{gamma: time per committed token x B} over 0 and [gamma_min, gamma_max]; None until measured."""
-        line = self.verify.get(batch)
-        t_q = self.draft_step.get(batch)
-        if line is None or t_q is None or self.accepted + self.rejections <= 0:
+        if not (self.verify.spread and self.draft.spread) or self.accepted + self.rejections <= 0:
             return None
         tau = tau_hat(self.accepted, self.rejections)
-        return {g: batch_token_time(t_q, line.at(g + 1), g, tau) for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
+        t_q = self.draft.at(batch)
+        return {g: batch_token_time(t_q, self.verify.at(batch * (g + 1)), g, tau)
+                for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
 
     def gamma(self, batch: int) -> int:
         """The window for the next round of a batch of `batch` items (0: plain batched decoding)."""
@@ -85,8 +82,6 @@ class BatchWindow:
         costs = self.costs(batch)
         if costs is None:
             return self.initial
-        if batch not in self.plain_measured:
-            return 0  # one plain round: T_p(B, 1) measured, not extrapolated from windows of one length
         best = min(costs, key=costs.get)
         if best == 0:
             self._plain_rounds += 1

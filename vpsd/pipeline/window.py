@@ -66,6 +66,12 @@ class WeightedLine:
         a, b = self.line()
         return None if a is None else a + b * k
 
+    @property
+    def spread(self) -> bool:
+        """Whether two distinct k have been seen (a slope is measured, not assumed 0)."""
+        w, wk, wkk = self._sums[:3]
+        return w > 0 and wkk / w - (wk / w) ** 2 >= 1e-9
+
 
 @dataclass
 class WindowController:
