@@ -6,6 +6,7 @@
     vpsd bias DIR [--strategy S] [--band 0.1] [--out PNG]   position bias of the kept tokens per frame
     vpsd acceptance DIR [--item ID] [--out PNG]              accepted draft tokens per verification round
     vpsd bench --manifest M [--config C] [--out DIR]         every method and strategy, one table
+    vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile K]   throughput per batch size
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
 """
 
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.bias import main as run
     elif command == "acceptance":
         from vpsd.reports.acceptance import main as run
+    elif command == "bench" and any(a == "--batch" or a.startswith("--batch=") for a in rest):
+        from vpsd.reports.throughput import main as run
     elif command == "bench":
         from vpsd.reports.bench import main as run
     elif command == "grow":

@@ -1,0 +1,239 @@
+"""The throughput benchmark: every method at every batch size, against batched `ar` at the same size, in one run.
+
+    vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile 4] [--repeats 3] [--out DIR]
+
+Each cell (method, B) is a real torchrun job of `vpsd.launch.entry --batch B` (B = 1: the method's own path, the
+roles for a parallel method; B > 1: continuous batching, decoders/batched.py). `--tile K` repeats the manifest K
+times (new ids, the same videos) so a batch of 16 has items to keep it full. Timing is measured side by side:
+the whole grid runs `--repeats` times in rounds, each round every B, each B `ar` first; a cell reports the median
+over its repeats, and the spread of the `ar` runs at each B is printed as that B's timing noise.
+
+Per cell:
+- items/hour: items over the job's item loop (models loaded, summary.json's `run.loop_s`);
+- decode tokens/s: tokens after each item's first (which its prefill gives) over the decode time: the batch's
+  rounds (the next items' vision + prefill run beside them, decoders/batched.py), or at batch 1 the items'
+  decode phases (after each one's prefill);
+- per-item latency p50 / p95: an item's vision + prefill + time in flight;
+- x ar(B): items/hour over batched `ar` at the same B; x ar(1): over batch-1 `ar` (items/hour) and, for decode
+  tokens/s, the same two ratios;
+- theory: decode tokens/s ParallelVLM App. C predicts for a batch from the run's own measured forwards, over
+  the same for `ar` at that B: B (1 + E[X](tau_hat, gamma)) / (gamma T_q(B) + T_p(B, gamma + 1)) against
+  B / T_p(B, 1) (pipeline/batch_window.py); batched rows only;
+- peak RSS of the target's rank (MiB), and whether every output equals batch-1 `ar`'s.
+Writes OUT/throughput.txt, .csv, .json and .png; exits 1 if an output differs or a job failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vpsd.pipeline.batch_window import batch_token_time
+from vpsd.reports.bench import BenchRun, run_one
+from vpsd.reports.summary import read_rows
+
+
+@dataclass
+class Cell:
+    """One job's measurements."""
+
+    items: int
+    failed: int
+    items_per_hour: float
+    decode_tokens_per_s: float
+    p50_s: float
+    p95_s: float
+    peak_rss_mib: float | None
+    batching: dict | None
+    outputs: dict[str, list[int]]
+
+
+def read_cell(path: Path) -> Cell:
+    rows = [r for r in read_rows(path) if r.get("error") is None]
+    run = json.loads((path / "summary.json").read_text())["run"] if (path / "summary.json").exists() else {}
+    loop = float(run.get("loop_s") or 0.0)
+    # Decode time: the batch's rounds (prefills run beside them, on a thread of their own), or at batch 1 the
+    # items' decode phases, one after the other.
+    batching = run.get("batching") or {}
+    decode = batching.get("decode_s") or sum(r["stats"].get("decode_s", 0.0) for r in rows)
+    decoded = sum(max(len(r["token_ids"]) - 1, 0) for r in rows)
+    lat = sorted(r["stats"].get("wall_s", 0.0) for r in rows)
+    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] if lat else 0.0  # noqa: E731
+    return Cell(len(rows), len(read_rows(path)) - len(rows), 3600 * len(rows) / loop if loop else 0.0,
+                decoded / decode if decode else 0.0, q(0.5), q(0.95), run.get("peak_rss_mib"),
+                run.get("batching"), {r["id"]: r["token_ids"] for r in rows})
+
+
+@dataclass
+class Row:
+    method: str
+    batch: int
+    items: int
+    identical: int
+    items_per_hour: float
+    decode_tokens_per_s: float
+    p50_s: float
+    p95_s: float
+    x_ar_b: float  # items/hour over batched ar at the same B
+    x_ar_1: float  # items/hour over batch-1 ar
+    decode_x_ar_b: float
+    decode_x_ar_1: float
+    theory_decode_x_ar_b: float | None
+    mean_batch: float | None
+    gamma: float | None
+    tau_hat: float | None
+    peak_rss_mib: float | None
+    repeats: int
+
+
+def predicted_tokens_per_s(batching: dict | None) -> float | None:
+    """App. C over a batch: committed tokens per second of the run's mean round (pipeline/batch_window.py)."""
+    if not batching or not batching.get("t_p_s") or not batching.get("mean_batch"):
+        return None
+    gamma = round(batching.get("mean_gamma") or 0)
+    t_q = batching.get("t_q_s") or 0.0
+    tau = batching.get("tau_hat") or 0.0
+    return batching["mean_batch"] / batch_token_time(t_q, batching["t_p_s"], gamma, tau)
+
+
+def tile_manifest(manifest: Path, times: int, out: Path) -> Path:
+    """The manifest `times` over (ids suffixed #k, video paths made absolute), written to OUT/manifest_xK.jsonl."""
+    if times <= 1:
+        return manifest
+    lines = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    rows = []
+    for k in range(times):
+        for item in lines:
+            video = Path(item["video"])
+            rows.append({**item, "id": f"{item['id']}#{k}",
+                         "video": str(video if video.is_absolute() else (manifest.parent / video).resolve())})
+    path = out / f"manifest_x{times}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell], ar_1: list[Cell],
+                    reference: dict[str, list[int]]) -> Row:
+    med = lambda cs, f: statistics.median(f(c) for c in cs) if cs else 0.0  # noqa: E731
+    iph, dts = med(cells, lambda c: c.items_per_hour), med(cells, lambda c: c.decode_tokens_per_s)
+    ratio = lambda a, b: a / b if b else 0.0  # noqa: E731
+    first = cells[0]
+    same = sum(first.outputs.get(i) == toks for i, toks in reference.items() if i in first.outputs)
+    theory = None
+    mine, theirs = predicted_tokens_per_s(first.batching), predicted_tokens_per_s(ar_b[0].batching if ar_b else None)
+    if mine and theirs:
+        theory = mine / theirs
+    b = first.batching or {}
+    return Row(method, batch, first.items, same, iph, dts, med(cells, lambda c: c.p50_s), med(cells, lambda c: c.p95_s),
+               ratio(iph, med(ar_b, lambda c: c.items_per_hour)), ratio(iph, med(ar_1, lambda c: c.items_per_hour)),
+               ratio(dts, med(ar_b, lambda c: c.decode_tokens_per_s)),
+               ratio(dts, med(ar_1, lambda c: c.decode_tokens_per_s)), theory, b.get("mean_batch"),
+               b.get("mean_gamma"), b.get("tau_hat"), first.peak_rss_mib, len(cells))
+
+
+def format_table(rows: list[Row], noise: dict[int, float]) -> str:
+    def num(v, width, spec, suffix=""):
+        return (format(v, spec) + suffix if v is not None else "-").rjust(width)
+
+    head = (f"{'method':<13}{'B':>3}{'items/h':>9}{'dec tok/s':>10}{'p50 s':>7}{'p95 s':>7}{'x ar(B)':>8}{'x ar(1)':>8}"
+            f"{'dec x ar(B)':>12}{'dec x ar(1)':>12}{'theory':>8}{'in flight':>10}{'gamma':>6}{'tau':>6}"
+            f"{'RSS MiB':>8}{'same':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.method:<13}{r.batch:>3}{num(r.items_per_hour, 9, '.0f')}{num(r.decode_tokens_per_s, 10, '.1f')}"
+                     f"{num(r.p50_s, 7, '.2f')}{num(r.p95_s, 7, '.2f')}{num(r.x_ar_b, 8, '.2f', 'x')}"
+                     f"{num(r.x_ar_1, 8, '.2f', 'x')}{num(r.decode_x_ar_b, 12, '.2f', 'x')}"
+                     f"{num(r.decode_x_ar_1, 12, '.2f', 'x')}{num(r.theory_decode_x_ar_b, 8, '.2f', 'x')}"
+                     f"{num(r.mean_batch, 10, '.1f')}{num(r.gamma, 6, '.1f')}{num(r.tau_hat, 6, '.2f')}"
+                     f"{num(r.peak_rss_mib, 8, '.0f')}{f'{r.identical}/{r.items}':>8}")
+    lines.append("noise (spread of the ar runs' items/hour at each B): "
+                 + ", ".join(f"B={b}: {v:.0%}" for b, v in sorted(noise.items())))
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r.method for r in rows):
+        mine = [r for r in rows if r.method == method]
+        ax1.plot([r.batch for r in mine], [r.items_per_hour for r in mine], marker="o", label=method)
+        ax2.plot([r.batch for r in mine], [r.decode_tokens_per_s for r in mine], marker="o", label=method)
+    for ax, label in ((ax1, "items / hour"), (ax2, "decode tokens / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("items in flight (B)")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vpsd bench --batch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
+    p.add_argument("--manifest", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=Path("runs/throughput"))
+    p.add_argument("--batch", required=True, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
+    p.add_argument("--methods", default="ar,sd,hippo", help="comma-separated; ar is always run")
+    p.add_argument("--tile", type=int, default=1, help="repeat the manifest this many times (new ids)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--torchrun", default="--standalone")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batch.split(",") if b]
+    methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
+    a.out.mkdir(parents=True, exist_ok=True)
+    manifest = tile_manifest(a.manifest, a.tile, a.out)
+    torchrun = a.torchrun.split() + ["--nproc-per-node", str(a.nproc)]
+    extra = [f"--set={kv}" for kv in a.set]
+    schedule = [(rep, b, m) for rep in range(a.repeats) for b in batches for m in methods]
+    cells: dict[tuple[str, int], list[Cell]] = {}
+    codes: dict[tuple[str, int], int] = {}
+    t0 = time.time()
+    for i, (rep, b, m) in enumerate(schedule, 1):
+        t = time.time()
+        path = a.out / f"{m}_b{b}" / f"r{rep + 1}"
+        code = run_one(BenchRun(m, m), a.config, str(manifest), path, torchrun, extra + ["--batch", str(b)])
+        codes[m, b] = max(codes.get((m, b), 0), code)
+        cells.setdefault((m, b), []).append(read_cell(path))
+        print(f"[{i}/{len(schedule)}] {m} B={b} r{rep + 1}  exit {code}  ({time.time() - t:.0f} s)", flush=True)
+    ar_1 = cells.get(("ar", 1)) or cells[("ar", batches[0])]
+    reference = ar_1[0].outputs
+    rows = [summarize_cells(m, b, cells[m, b], cells["ar", b], ar_1, reference) for b in batches for m in methods]
+    noise = {}
+    for b in batches:
+        v = [c.items_per_hour for c in cells["ar", b]]
+        noise[b] = (max(v) - min(v)) / statistics.median(v) if len(v) > 1 and statistics.median(v) else 0.0
+    table = format_table(rows, noise)
+    print()
+    print(table)
+    (a.out / "throughput.txt").write_text(table + "\n")
+    with open(a.out / "throughput.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        w.writeheader()
+        w.writerows(asdict(r) for r in rows)
+    (a.out / "throughput.json").write_text(json.dumps({"config": a.config, "manifest": str(manifest),
+                                                       "repeats": a.repeats, "noise": noise,
+                                                       "rows": [asdict(r) for r in rows]}, indent=1))
+    plot(rows, a.out / "throughput.png")
+    print(f"\nwrote {a.out}/throughput.txt, .csv, .json, .png  ({(time.time() - t0) / 60:.1f} min)")
+    bad = [f"{r.method} B={r.batch}" for r in rows if r.identical != r.items or r.items == 0 or codes[r.method, r.batch]]
+    if bad:
+        print(f"vpsd bench: runs that failed or differ from ar: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
