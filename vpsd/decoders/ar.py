@@ -8,10 +8,11 @@ import numpy as np
 import torch
 
 from vpsd.config import DecodingConfig
-from vpsd.decoders.result import DecodeResult, finished
+from vpsd.decoders.result import DecodeResult
 from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.stopping import done
 
 
 def decode_ar(
@@ -26,7 +27,7 @@ def decode_ar(
     stats = AcceptanceStats()
     stats.record(0, 0)
     eos = target.eos_token_ids
-    while not finished(tokens, cfg.max_new_tokens, eos):
+    while not done(tokens, cfg.max_new_tokens, eos):
         logits = target.step(pre.state, torch.tensor([tokens[-1]]))[-1]
         tokens.append(next_token(logits, cfg.temperature, gen))
         stats.record(0, 0)

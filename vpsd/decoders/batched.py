@@ -39,7 +39,7 @@ import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.keep import keep_policy_for
-from vpsd.decoders.result import DecodeResult, finished, truncate
+from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.sd import prefill_pair
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
@@ -47,6 +47,7 @@ from vpsd.pipeline.batch_window import BatchWindow
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.theory import tau_hat
 from vpsd.pipeline.verification import verify_chunk
 from vpsd.tracing import get_logger, span
@@ -184,7 +185,7 @@ class BatchDecoder:
                     p.kv_bytes)
         if self.draft is None:
             slot.stats.record(0, 0)  # as decode_ar counts its first token
-        if finished(p.committed, item.max_new_tokens, self.eos):
+        if done(p.committed, item.max_new_tokens, self.eos):
             return "done", self._result(slot)
         self.slots[item.id] = slot
         self.target_batch.join(item.id, p.target_state)
@@ -219,7 +220,7 @@ class BatchDecoder:
             fields.update(accepted=sum(accepted.values()), rows=fed)
         self.rounds += 1
         out = []
-        for key in [k for k, s in self.slots.items() if _ended(s, self.eos)]:
+        for key in [k for k, s in self.slots.items() if done(s.committed, s.item.max_new_tokens, self.eos)]:
             slot = self.slots.pop(key)
             self.target_batch.leave(key)
             if self.draft_batch is not None:
@@ -302,7 +303,7 @@ class BatchDecoder:
 
     def _result(self, slot: Slot) -> DecodeResult:
         r = slot.result
-        r.token_ids = truncate(slot.committed, slot.item.max_new_tokens, self.eos)
+        r.token_ids = cut(slot.committed, slot.item.max_new_tokens, self.eos)
         r.stats = slot.stats
         r.decode_s = time.perf_counter() - slot.decode_start
         if self.draft is not None:
@@ -319,11 +320,6 @@ class BatchDecoder:
                 "mean_gamma": mean(self.gammas), "plain_rounds": sum(g == 0 for g in self.gammas),
                 "t_p_s": mean(self.verify_s), "t_q_s": mean(self.draft_step_s),
                 "tau_hat": tau_hat(self.accepted, self.rejections) if self.draft is not None else None}
-
-
-def _ended(slot: Slot, eos: list[int]) -> bool:
-    """The item is over: its budget is spent, or an EOS was committed (an accepted one mid-window included)."""
-    return finished(slot.committed, slot.item.max_new_tokens, eos) or any(t in eos for t in slot.committed)
 
 
 def kv_bytes_per_token(adapter: VideoLMAdapter) -> int:

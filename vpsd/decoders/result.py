@@ -45,16 +45,3 @@ class DecodeResult:
             "gamma": self.gamma,
             **{f"{k}_s": v for k, v in self.timings.items()},
         }
-
-
-def finished(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> bool:
-    return len(token_ids) >= max_new_tokens or (bool(token_ids) and token_ids[-1] in eos_token_ids)
-
-
-def truncate(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
-    """Cuts a committed sequence exactly where plain decoding would have stopped."""
-    out = token_ids[:max_new_tokens]
-    for i, t in enumerate(out):
-        if t in eos_token_ids:
-            return out[: i + 1]
-    return out

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.decoders.result import DecodeResult, finished, truncate
+from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.tree_sd import speculate_tree
 from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree
 from vpsd.pipeline.verification import verify_chunk
 from vpsd.tracing import span
@@ -162,7 +163,7 @@ def speculate(
     t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
     stats = AcceptanceStats()
     eos = target.eos_token_ids
-    while not finished(committed, cfg.max_new_tokens, eos):
+    while not done(committed, cfg.max_new_tokens, eos):
         # Never draft past max_new_tokens: the round's own token fills the last slot.
         k = min(cfg.serial_gamma(), cfg.max_new_tokens - len(committed) - 1)
         drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, cfg.temperature, draft_gen)
@@ -178,7 +179,5 @@ def speculate(
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(not v.all_accepted)
         emitted = v.emitted(drafts)
-        committed += emitted
-        if any(t in eos for t in emitted):
-            break  # an EOS accepted mid-round ends the output there (truncate cuts what follows it)
-    return truncate(committed, cfg.max_new_tokens, eos), stats
+        committed += emitted  # an EOS accepted mid-round ends the output there (cut trims what follows it)
+    return cut(committed, cfg.max_new_tokens, eos), stats

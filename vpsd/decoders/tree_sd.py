@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from vpsd.config import DecodingConfig
-from vpsd.decoders.result import finished, truncate
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree, propose_children, verify_tree
 from vpsd.tracing import span
 
@@ -93,7 +93,7 @@ def speculate_tree(
     t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
     stats = AcceptanceStats()
     eos = target.eos_token_ids
-    while not finished(committed, cfg.max_new_tokens, eos):
+    while not done(committed, cfg.max_new_tokens, eos):
         # Never draft past max_new_tokens: the round's own token fills the last slot.
         round_tree = tree.truncated(cfg.max_new_tokens - len(committed) - 1)
         length, pending = t_cur.sync(committed)
@@ -120,8 +120,5 @@ def speculate_tree(
         d_cur.feed([drafted.tokens[n] for n in d_path])
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(bool(round_tree.children[v.path[-1] if v.path else 0]))  # a candidate was rejected
-        emitted = v.emitted(drafted.tokens)
-        committed += emitted
-        if any(t in eos for t in emitted):
-            break  # an EOS accepted mid-path ends the output there (truncate cuts what follows it)
-    return truncate(committed, cfg.max_new_tokens, eos), stats
+        committed += v.emitted(drafted.tokens)  # an EOS accepted mid-path ends the output (cut trims the rest)
+    return cut(committed, cfg.max_new_tokens, eos), stats

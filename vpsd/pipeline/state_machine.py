@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from vpsd.pipeline.stopping import cut, done
+
 
 class Mode(str, Enum):
     OPTIMISTIC = "optimistic"  # post-verify: keep drafting while the target verifies
@@ -76,8 +78,7 @@ class TargetMachine:
 
     @property
     def done(self) -> bool:
-        c = self.committed
-        return len(c) >= self.max_new_tokens or any(t in self.eos_token_ids for t in c)
+        return done(self.committed, self.max_new_tokens, self.eos_token_ids)
 
     def on_chunk(self, epoch: int, start: int, num_tokens: int) -> Drop | Verify:
         if self.done:
@@ -120,11 +121,7 @@ class TargetMachine:
 
     def output(self) -> list[int]:
         """The committed tokens cut where plain decoding stops (max_new_tokens, first EOS inclusive)."""
-        out = self.committed[: self.max_new_tokens]
-        for i, t in enumerate(out):
-            if t in self.eos_token_ids:
-                return out[: i + 1]
-        return out
+        return cut(self.committed, self.max_new_tokens, self.eos_token_ids)
 
 
 @dataclass
@@ -140,7 +137,7 @@ class DraftMachine:
     # Send what is drafted at once when the target has nothing in flight (see ready_chunk). Off by default:
     # it makes more, shorter rounds, and on a CPU the target's forward costs about the same for 1 token as
     # for gamma, so where the target's core is contended (2 cores shared with a training job) the extra
-    # forwards cost more than the idle time they save. Config: extra `eager_when_idle: true`.
+    # forwards cost more than the idle time they save. Config: `decoding.eager_when_idle: true`.
     eager_when_idle: bool = False
 
     def __post_init__(self) -> None:
