@@ -43,6 +43,17 @@ def test_tree_settings_at_launch():
     assert get_method("sd").draft_tree(shaped) is None
 
 
+def test_drafting_knobs_are_typed_decoding_settings():
+    """They were free-form extras: `lookahead` was never read, and `eager_when_idle: "false"` read as true."""
+    cfg = resolve_config(args("pearl", "--set", "decoding.lookahead=12", "--set", "decoding.eager_when_idle=true"))
+    assert cfg.decoding.lookahead_for(4) == 12 and cfg.decoding.eager_when_idle is True
+    assert resolve_config(args("pearl")).decoding.lookahead_for(5) == 10  # two windows by default
+    with pytest.raises(ConfigError, match="decoding.eager_when_idle must be bool, got 'false'"):
+        resolve_config(args("pearl", "--set", 'decoding.eager_when_idle="false"'))
+    with pytest.raises(ConfigError, match="unknown setting"):
+        resolve_config(args("pearl", "--set", "eager_when_idle=true"))
+
+
 def test_batch_size_at_launch():
     assert resolve_config(args("hippo", "--batch", "8")).batching.size == 8
     assert resolve_config(args("ar")).batching.size == 1

@@ -19,13 +19,11 @@ from vpsd.pipeline import messages as m
 from vpsd.pipeline.messages import MessageError, decode, encode
 
 EXAMPLES: list[m.Message] = [
-    m.JobStart("job-1", "item-7", 1234, 64, 5, "pruned", {"ratio": 0.7, "tags": ["a", "b"], "n": None}, [2, 151645]),
+    m.JobStart("job-1", "item-7", 1234, 64, 5, {"ratio": 0.7, "tags": ["a", "b"], "n": None}, [2, 151645]),
     m.TensorAnnounce("draft_probs", [[5, 151936], []], ["float32", "int64"], 1, 3),
     m.TensorAnnounce("kept", [[480]], ["int64"], 2, 0, ["cuda"]),
     m.DraftChunk("item-7", 3, 120, [11, 22, 33, 44, 55], True),
     m.VerifyResult("item-7", 3, 120, 2, 99, 123, "pruned", False),
-    m.Rollback("item-7", 4, 123, [99]),
-    m.ModeSwitch("item-7", 5, "full"),
     m.KeepIndices("item-7", 480),
     m.ItemDone("item-7", [1, 2, 3], None),
     m.ItemDone("item-8", [], {"kind": "OOM", "rank": 0}),
@@ -174,9 +172,9 @@ MALFORMED: dict[str, bytes] = {
     "ext_type_field": _raw(_with(item_id=msgpack.ExtType(1, b"x"))),
     "float_field_str": _raw({"type": "Heartbeat", "v": 1, "role": "t", "rank": 0, "t": "now"}),
     "float_field_bool": _raw({"type": "Heartbeat", "v": 1, "role": "t", "rank": 0, "t": True}),
-    "list_field_not_list": _raw({"type": "Rollback", "v": 1, "item_id": "i", "epoch": 0, "committed_len": 0, "token_ids": 5}),
-    "list_field_map": _raw({"type": "Rollback", "v": 1, "item_id": "i", "epoch": 0, "committed_len": 0, "token_ids": {"a": 1}}),
-    "list_item_wrong": _raw({"type": "Rollback", "v": 1, "item_id": "i", "epoch": 0, "committed_len": 0, "token_ids": [1, "2"]}),
+    "list_field_not_list": _raw({"type": "ItemDone", "v": 1, "item_id": "i", "error": None, "token_ids": 5}),
+    "list_field_map": _raw({"type": "ItemDone", "v": 1, "item_id": "i", "error": None, "token_ids": {"a": 1}}),
+    "list_item_wrong": _raw({"type": "ItemDone", "v": 1, "item_id": "i", "error": None, "token_ids": [1, "2"]}),
     "nested_list_wrong": _raw({"type": "TensorAnnounce", "v": 1, "tag": "t", "shapes": [[1], 2], "dtypes": ["int64"], "src": 0, "epoch": 0}),
     "nested_item_wrong": _raw({"type": "TensorAnnounce", "v": 1, "tag": "t", "shapes": [[1.5]], "dtypes": ["int64"], "src": 0, "epoch": 0}),
     "optional_wrong": _raw({"type": "ItemDone", "v": 1, "item_id": "i", "token_ids": [], "error": "boom"}),
@@ -202,7 +200,7 @@ def test_error_messages_are_specific():
         "missing_field": "missing fields ['num_accepted']",
         "extra_field": "unexpected fields ['accepted']",
         "int_field_str": "VerifyResult.epoch: expected int64, got str",
-        "list_item_wrong": "Rollback.token_ids[1]",
+        "list_item_wrong": "ItemDone.token_ids[1]",
         "not_a_map_list": "must be a msgpack map",
     }
     for name, text in cases.items():
@@ -218,8 +216,8 @@ def test_error_messages_are_specific():
         m.DraftChunk("i", 0, 0, [1, 2], 1),  # type: ignore[arg-type]
         m.Heartbeat("t", 2**63, 0.0),
         m.KeepIndices(b"i", 3),  # type: ignore[arg-type]
-        m.JobStart("j", "i", 0, 1, 1, "m", {1: 2}, [2]),
-        m.JobStart("j", "i", 0, 1, 1, "m", {"obj": object()}, [2]),
+        m.JobStart("j", "i", 0, 1, 1, {1: 2}, [2]),
+        m.JobStart("j", "i", 0, 1, 1, {"obj": object()}, [2]),
     ],
 )
 def test_encode_rejects_invalid_fields(msg):

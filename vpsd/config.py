@@ -67,9 +67,16 @@ class DecodingConfig:
     # `ar`'s bit for bit in any dtype, even at near-ties (README "What lossless means"), at the price of
     # k target forwards per verify instead of one.
     exact_verify: bool = False
+    # Parallel drafting (pipeline/state_machine.DraftMachine): how far past the last confirmed token the draft
+    # may run (null: two windows, one being verified and one being drafted), and whether it sends a short chunk
+    # when the target has nothing to verify (off: on a CPU the extra short rounds cost more than the idle time).
+    lookahead: int | None = None
+    eager_when_idle: bool = False
 
     def __post_init__(self) -> None:
-        parse_tree(self.tree)  # a bad shape fails here, with the reason
+        parse_tree(self.tree)
+        if self.lookahead is not None and (type(self.lookahead) is not int or self.lookahead < 1):
+            raise ValueError(f"lookahead must be an int >= 1 or null, got {self.lookahead!r}")  # a bad shape fails here, with the reason
         if self.gamma != AUTO and (type(self.gamma) is not int or self.gamma < 1):
             raise ValueError(f"gamma must be an int >= 1 or {AUTO!r}, got {self.gamma!r}")
         if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:
@@ -85,6 +92,10 @@ class DecodingConfig:
     def serial_gamma(self) -> int:
         """The fixed window of a serial method."""
         return SERIAL_AUTO_GAMMA if self.gamma == AUTO else int(self.gamma)
+
+    def lookahead_for(self, gamma: int) -> int:
+        """The draft's lookahead under window `gamma` (never below it)."""
+        return max(self.lookahead if self.lookahead is not None else 2 * gamma, gamma)
 
     def window(self) -> WindowController:
         """The parallel pipeline's window: live under auto, fixed otherwise."""
@@ -172,7 +183,7 @@ class RunConfig:
 
 
 # Top-level sections that components other than this module read from `extra` (roles, launch, TABED, draft).
-EXTRA_SECTIONS = ("roles", "timeout_s", "idle_timeout_s", "cpu_affinity", "tabed", "eager_when_idle")
+EXTRA_SECTIONS = ("roles", "timeout_s", "idle_timeout_s", "cpu_affinity", "tabed")
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
 
 

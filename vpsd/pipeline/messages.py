@@ -226,16 +226,16 @@ class JobStart(Message):
     """Launcher -> roles: decode one item.
 
     v2: `eos_token_ids`, the target's: the draft stops drafting on these, not on its own checkpoint's
-    set (a draft whose generation config names other ids would otherwise draft past the target's end)."""
+    set (a draft whose generation config names other ids would otherwise draft past the target's end).
+    v3: no `mode` (every item starts optimistic; the verdicts carry the mode from then on)."""
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     job_id: str
     item_id: str
     seed: int
     max_new_tokens: int
     gamma: int  # draft tokens per chunk
-    mode: str
     extra: dict
     eos_token_ids: list[int]
 
@@ -288,27 +288,6 @@ class VerifyResult(Message):
     mode: str
     rollback: bool
     gamma: int = 0  # the window for the chunks drafted from now on (0: unchanged); see pipeline/window.py
-
-
-@message
-@dataclass(frozen=True)
-class Rollback(Message):
-    """Target -> draft: drop everything past `committed_len`; `token_ids` is the committed tail to resync."""
-
-    item_id: str
-    epoch: int
-    committed_len: int
-    token_ids: list[int]
-
-
-@message
-@dataclass(frozen=True)
-class ModeSwitch(Message):
-    """Target -> draft: change the drafting mode from `epoch` on."""
-
-    item_id: str
-    epoch: int
-    mode: str
 
 
 @message

@@ -20,6 +20,7 @@ from vpsd.pipeline.ensemble import TabedConfig, verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
 from vpsd.pipeline.state_machine import DraftMachine, Mode
+from vpsd.pipeline.stopping import done
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.drafters import SingleDrafter, TabedDrafter
 from vpsd.tracing import get_logger, mark, span
@@ -94,16 +95,15 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
     temperature = cfg.decoding.temperature
     with_target_probs = verdicts_carry_target_probs(method.draft, tabed_section, temperature)
     gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
-    machine = DraftMachine(gamma=job.gamma, lookahead=_lookahead(ctx, job.gamma),
-                           eager_when_idle=bool(cfg.extra.get("eager_when_idle", False)))
+    dec = cfg.decoding
+    machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
     step_s = 0.0  # running mean of one draft step (propose + forward): T_q for the target's window (Eq. 6)
     cursor = CacheCursor(drafter.length)
     eos = set(job.eos_token_ids)  # the target's: it decides where the output ends
     probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
 
     def stopped() -> bool:
-        seq = machine.sequence
-        return len(seq) >= job.max_new_tokens or (bool(seq) and seq[-1] in eos)
+        return done(machine.sequence, job.max_new_tokens, eos)
 
     def send_ready() -> None:
         while (chunk := machine.ready_chunk(flush=stopped())) is not None:
@@ -131,7 +131,7 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
                     labels = machine.sequence[msg.start : msg.start + msg.num_accepted]
                     drafter.observe(msg.start, labels + ([msg.next_token] if msg.rollback else []), target_probs)
                 if msg.gamma and msg.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
-                    machine.set_gamma(msg.gamma, _lookahead(ctx, msg.gamma))
+                    machine.set_gamma(msg.gamma, dec.lookahead_for(msg.gamma))
                     if isinstance(drafter, TabedDrafter):  # its drafting blocks are windows too
                         drafter.gamma = msg.gamma
                 if machine.on_verdict(msg.epoch, msg.committed_len, msg.next_token, msg.rollback, Mode(msg.mode)):
@@ -164,12 +164,6 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
         else:
             with span("recv_wait", item=job.item_id):
                 ctx.wait("target")  # RoleFailure naming the target if it falls silent
-
-
-def _lookahead(ctx: RoleContext, gamma: int) -> int:
-    """How far past the last confirmed token the draft may run: two windows (one being verified, one being
-    drafted), unless the run sets `lookahead`."""
-    return max(int(ctx.extra.get("lookahead", 2 * gamma)), gamma)
 
 
 def _recv_target_probs(ctx: RoleContext) -> torch.Tensor:

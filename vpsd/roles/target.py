@@ -83,7 +83,6 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
         seed=seed,
         max_new_tokens=item.max_new_tokens,
         gamma=window.gamma,
-        mode="optimistic",
         extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
                "prompt_special_tokens": isinstance(item.prompt, ControlText)},
         eos_token_ids=list(target.eos_token_ids),
