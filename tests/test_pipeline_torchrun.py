@@ -228,3 +228,28 @@ def test_a_draft_whose_own_eos_set_differs_stops_where_the_target_does(tmp_path_
     row = results(out)[item["id"]]
     assert row["error"] is None, row["error"]
     assert row["token_ids"] == ar
+
+
+def test_a_draft_grown_on_first_use_loads_on_the_draft_rank(tmp_path_factory, tmp_path):
+    """`grow:` on the draft's spec: the draft rank (rank 1) builds the scale model. transformers' save_pretrained
+    writes nothing off rank 0, so this published a directory without config or weights and the job failed."""
+    config = ROOT / "configs" / "world_qwen2_5_vl.yaml"
+    examples = ROOT / "examples" / "world" / "manifest.jsonl"
+    item = json.loads(examples.read_text().splitlines()[0])
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps({**item, "video": str(examples.parent / item["video"])}) + "\n")
+    cfg = load_config(config)
+    draft = tmp_path / "draft"  # a source of our own, so the scale model is built beside it, here
+    draft.mkdir()
+    for f in Path(cfg.draft.path).iterdir():
+        (draft / f.name).symlink_to(f)
+    out = tmp_path_factory.mktemp("grown-draft")
+    proc = run_job("world_qwen2_5_vl.yaml", manifest, out, "pearl", "--set", f"draft.path={draft}",
+                   "--set", "draft.grow={width: 2, layers: 3}", "--timeout", "90")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown = tmp_path / "draft.grown-w2-l3"
+    assert (grown / "config.json").is_file() and (grown / "model.safetensors").is_file()
+    target = load_adapter(cfg.family, cfg.target)
+    frames, times = load_item_frames(examples.parent / item["video"], cfg.video.num_frames, None, None)
+    row = results(out)[item["id"]]
+    assert row["error"] is None and row["token_ids"] == decode_ar(target, frames, item["prompt"], cfg.decoding, times).token_ids

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import safetensors
+import safetensors.torch
 import torch
 from transformers import PreTrainedModel
 
@@ -330,6 +332,30 @@ def _replace_dir(tmp: Path, dst: Path) -> None:
         os.replace(tmp, dst)
 
 
+def _write_checkpoint(model, out: Path) -> None:
+    """config.json, generation_config.json and model.safetensors, written by this process whatever its rank.
+
+    Not `save_pretrained`: under an initialised torch.distributed it writes only on rank 0, so a draft grown on
+    rank 1 published a directory with neither config nor weights and then failed to load it. The files are read
+    back before the directory is published: a checkpoint that cannot be read never takes dst's place."""
+    model.config.to_json_file(out / "config.json")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.to_json_file(out / "generation_config.json")
+    weights = out / "model.safetensors"
+    safetensors.torch.save_model(model, str(weights), metadata={"format": "pt"})  # shared tensors once
+    with safetensors.safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+    missing = [n for n in model.state_dict() if n not in names and not _is_tied_copy(model, n)]
+    if missing or json.loads((out / "config.json").read_text()).get("model_type") != model.config.model_type:
+        raise GrowthError(f"the grown checkpoint written to {out} does not read back (missing {missing[:3]})")
+
+
+def _is_tied_copy(model, name: str) -> bool:
+    """Whether `name` shares its storage with another parameter (saved once, under the other name)."""
+    tensor = model.state_dict()[name]
+    return any(other != name and t.data_ptr() == tensor.data_ptr() for other, t in model.state_dict().items())
+
+
 def grow_checkpoint(src: Path, dst: Path, width: int, layers: int, dtype: str | None = None) -> Path:
     """Loads the checkpoint at src (local, offline), grows it and writes a normal checkpoint directory to dst.
 
@@ -359,7 +385,7 @@ def grow_checkpoint(src: Path, dst: Path, width: int, layers: int, dtype: str | 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        grown.save_pretrained(tmp)
+        _write_checkpoint(grown, tmp)
         _copy_side_files(src, tmp)
         (tmp / RECORD).write_text(json.dumps(record.__dict__, indent=2) + "\n")
         _publish_modes(tmp)
