@@ -58,3 +58,29 @@ def test_extend_pools_rounds_with_their_commit_counts():
     b.record(1, 4)  # serial rule: commits 2
     a.extend(b)
     assert a.rounds == 2 and a.mean_accepted_tokens == 6 / 2 and a.acceptance_rate == 5 / 8
+
+
+def test_verify_feed_rolls_back_feeds_what_is_missing_and_points_at_the_windows_rows():
+    """The one verify step of the serial, batched and parallel decoders (CacheCursor.verify_feed + window_rows)."""
+    import torch
+
+    from vpsd.pipeline.verification import window_rows
+
+    cur = CacheCursor(10)
+    cur.feed([1, 2, 3])
+    # Token 3 was rejected and 7 committed in its place: roll back to 12, feed 7 then the window.
+    assert cur.verify_feed([1, 2, 7], [8, 9]) == (12, [7, 8, 9], 0)
+    assert cur.fed == [1, 2, 7, 8, 9]
+    logits = torch.arange(3.0)[:, None]
+    assert window_rows(logits, 0).flatten().tolist() == [0.0, 1.0, 2.0]  # rows for 8, 9 and the bonus
+    # Everything committed is in the cache: the window's first row is the kept row of the last forward.
+    assert cur.verify_feed([1, 2, 7, 8, 9], [4]) == (15, [4], -1)
+    kept = torch.tensor([5.0])
+    assert window_rows(torch.tensor([[6.0]]), -1, kept).flatten().tolist() == [5.0, 6.0]
+    import pytest
+
+    with pytest.raises(ValueError, match="none was kept"):
+        window_rows(torch.tensor([[6.0]]), -1)
+    # Two committed tokens the cache lacks: the window's first row is the second fed token's.
+    cur = CacheCursor(4)
+    assert cur.verify_feed([5, 6], [7]) == (4, [5, 6, 7], 1)

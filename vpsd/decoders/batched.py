@@ -49,7 +49,7 @@ from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.theory import tau_hat
-from vpsd.pipeline.verification import verify_chunk
+from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.tracing import get_logger, span
 
 log = get_logger()
@@ -267,21 +267,17 @@ class BatchDecoder:
     def _verify_forward(self, drafts: dict[Hashable, list[int]]) -> tuple[dict[Hashable, torch.Tensor], int]:
         """ONE target forward: each row's committed tokens its cache lacks, then its window. Returns each row's
         logits from its last committed token on (the rows that score the window and the bonus position)."""
-        feed, skip = {}, {}
+        feed, first = {}, {}
         for key, slot in self.slots.items():
-            length, pending = slot.target_cursor.sync(slot.committed)
+            length, feed[key], first[key] = slot.target_cursor.verify_feed(slot.committed, drafts.get(key, []))
             self.target_batch.rollback(key, length)
-            feed[key] = pending + drafts.get(key, [])
-            skip[key] = len(pending) - 1
         fed = max(len(t) for t in feed.values())
         t0 = time.perf_counter()
         step = self.target_batch.step_rowwise if self.cfg.exact_verify else self.target_batch.step
         logits = step(feed)
         self.verify_s.append(time.perf_counter() - t0)
         self.window.observe_verify(len(feed), fed, self.verify_s[-1])
-        for key, tokens in feed.items():
-            self.slots[key].target_cursor.feed(tokens)
-        return {key: logits[key][skip[key]:] for key in feed}, fed
+        return {key: window_rows(logits[key], first[key]) for key in feed}, fed
 
     def _commit(self, key: Hashable, rows: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> int:
         """What the item's batch-1 decoder commits from these rows; returns its accepted draft tokens."""

@@ -25,7 +25,7 @@ from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree
-from vpsd.pipeline.verification import verify_chunk
+from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.tracing import span
 
 # Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
@@ -167,15 +167,14 @@ def speculate(
         # Never draft past max_new_tokens: the round's own token fills the last slot.
         k = min(cfg.serial_gamma(), cfg.max_new_tokens - len(committed) - 1)
         drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, cfg.temperature, draft_gen)
-        length, pending = t_cur.sync(committed)
+        length, feed, first = t_cur.verify_feed(committed, drafts)
         target.rollback(t_state, length)
         # Same span names as the parallel roles, so benchmarks read T_p and T_q the same way.
         # Verification sits inside the span, as in the target role, so the span can carry `accepted`.
-        with span("verify", tokens=len(pending) + len(drafts), drafted=len(drafts)) as verify_fields:
-            logits = target.step(t_state, torch.tensor(pending + drafts), rowwise=cfg.exact_verify)[len(pending) - 1 :]
+        with span("verify", tokens=len(feed), drafted=len(drafts)) as verify_fields:
+            logits = window_rows(target.step(t_state, torch.tensor(feed), rowwise=cfg.exact_verify), first)
             v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
             verify_fields["accepted"] = v.num_accepted
-        t_cur.feed(pending + drafts)
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(not v.all_accepted)
         emitted = v.emitted(drafts)

@@ -36,3 +36,14 @@ class CacheCursor:
             n += 1
         del self.fed[n:]
         return self.prefill_len + n, list(committed[n:])
+
+    def verify_feed(self, committed: list[int], window: list[int]) -> tuple[int, list[int], int]:
+        """The one verify step's bookkeeping (serial, batched and the target role alike): the length to roll
+        the cache back to, the tokens to feed (the committed ones it lacks, then the window), and the index of
+        the first logits row that scores the window (`verification.window_rows`). -1: the cache lacks nothing,
+        so the row for the window's first token is the one the previous forward produced (the kept row).
+        Records the feed."""
+        length, pending = self.sync(committed)
+        self.feed(pending + window)
+        return length, pending + window, len(pending) - 1
+

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from vpsd.pipeline.messages import VerifyResult
 from vpsd.pipeline.stopping import cut, done
 
 
@@ -48,20 +49,6 @@ class Verify:
     use_kept_row: bool  # the target already holds the logits row for position `start`
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """What the target tells the draft after verifying a chunk (fields of messages.VerifyResult)."""
-
-    epoch: int  # the epoch from now on (bumped on rollback)
-    start: int
-    num_accepted: int
-    next_token: int  # recovered token on rejection; -1 when all accepted (the bonus row is kept)
-    committed_len: int
-    mode: Mode
-    rollback: bool
-    done: bool
-
-
 PLACEHOLDER = -1  # no token: an all-accepted chunk defers its bonus token to the next chunk's first row
 
 
@@ -69,6 +56,7 @@ PLACEHOLDER = -1  # no token: an all-accepted chunk defers its bonus token to th
 class TargetMachine:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
+    item_id: str = ""  # named in every verdict
     committed: list[int] = field(default_factory=list)
     epoch: int = 0
     mode: Mode = Mode.OPTIMISTIC
@@ -91,11 +79,13 @@ class TargetMachine:
             return Drop("empty chunk")
         return Verify(start=start, use_kept_row=self.holds_next_row)
 
-    def on_verified(self, chunk: list[int], num_accepted: int, next_token: int, pre_verify: bool = True) -> Verdict:
+    def on_verified(self, chunk: list[int], num_accepted: int, next_token: int, pre_verify: bool = True,
+                    gamma: int = 0) -> VerifyResult:
         """Commits the outcome of verifying `chunk` (next_token: the target's token at the first
         rejected position; ignored when every token was accepted). `pre_verify`: after a rejection, have the
         draft send its first token alone (conservative mode) rather than a whole window (see
-        pipeline/window.py: worth it only while the draft's window takes longer than that verify)."""
+        pipeline/window.py: worth it only while the draft's window takes longer than that verify). `gamma`: the window
+        the draft drafts with from now on (0: unchanged). Returns the verdict as it goes on the wire."""
         start = len(self.committed)
         if num_accepted == len(chunk):
             self.committed += chunk
@@ -108,16 +98,8 @@ class TargetMachine:
             self.epoch += 1
             self.mode = Mode.CONSERVATIVE if pre_verify else Mode.OPTIMISTIC
             rollback, emitted = True, next_token
-        return Verdict(
-            epoch=self.epoch,
-            start=start,
-            num_accepted=num_accepted,
-            next_token=emitted,
-            committed_len=len(self.committed),
-            mode=self.mode,
-            rollback=rollback,
-            done=self.done,
-        )
+        return VerifyResult(self.item_id, self.epoch, start, num_accepted, emitted, len(self.committed), self.mode.value,
+                            rollback, gamma)
 
     def output(self) -> list[int]:
         """The committed tokens cut where plain decoding stops (max_new_tokens, first EOS inclusive)."""
@@ -183,11 +165,11 @@ class DraftMachine:
         self.sent += size
         return start, self.sequence[start : start + size]
 
-    def on_verdict(self, epoch: int, committed_len: int, next_token: int, rollback: bool, mode: Mode) -> bool:
+    def on_verdict(self, epoch: int, committed_len: int, next_token: int, rollback: bool, mode: Mode | str) -> bool:
         """Applies a verdict; returns True when the draft must roll its cache back."""
         if epoch < self.epoch:
             return False  # an old verdict overtaken by a rollback already applied
-        self.mode = mode
+        self.mode = Mode(mode)  # the wire's string or the enum
         if rollback:
             # Everything from the rejected position on is wrong; the target's token replaces it.
             del self.sequence[committed_len - 1 :]

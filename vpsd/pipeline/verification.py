@@ -75,6 +75,16 @@ def verify_sampling(
     return Verification(num_accepted=k, next_token=token, num_drafted=k)
 
 
+def window_rows(logits: torch.Tensor, first: int, kept_row: torch.Tensor | None = None) -> torch.Tensor:
+    """The k+1 rows that verify a window, from a verify forward's logits (`CacheCursor.verify_feed` gives
+    `first`); first == -1 puts `kept_row`, the previous forward's last row, in front."""
+    if first >= 0:
+        return logits[first:]
+    if kept_row is None:
+        raise ValueError("the window's first row is the previous forward's, and none was kept")
+    return torch.cat([kept_row[None], logits])
+
+
 def verify_chunk(
     draft_token_ids: list[int],
     draft_probs: torch.Tensor | None,  # (k, V) q; None when greedy

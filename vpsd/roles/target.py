@@ -23,13 +23,13 @@ from vpsd.models.prompt import ControlText
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, KeepIndices, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, KeepIndices, TensorAnnounce
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.stats import AcceptanceStats
-from vpsd.pipeline.verification import verify_chunk
+from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.signals_wire import pack
@@ -160,7 +160,7 @@ def _recv_chunk(ctx: RoleContext, limit_s: float | None = None) -> tuple[DraftCh
 
 
 def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, dec, window: WindowController) -> DecodeResult:
-    machine = TargetMachine(max_new_tokens=item.max_new_tokens, eos_token_ids=frozenset(target.eos_token_ids))
+    machine = TargetMachine(item.max_new_tokens, frozenset(target.eos_token_ids), item_id=item.id)
     cursor = CacheCursor(pre.state.length)
     kept_row = pre.logits  # the target's row for position len(committed)
     gen = torch.Generator().manual_seed(int(dec.seed))
@@ -189,21 +189,17 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
         with span("verify", item=item.id, round=stats.rounds, start=chunk.start, tokens=len(tokens), epoch=machine.epoch,
                   drafted=len(tokens), mode=machine.mode.value, gamma=window.gamma) as verify_fields:
             t_fwd = time.perf_counter()
-            if decision.use_kept_row:
-                rows = torch.cat([kept_row[None], target.step(pre.state, torch.tensor(tokens), rowwise=dec.exact_verify)])
-                cursor.feed(tokens)
-                fed = len(tokens)
-            else:
-                length, pending = cursor.sync(machine.committed)
-                target.rollback(pre.state, length)
-                rows = target.step(pre.state, torch.tensor(pending + tokens), rowwise=dec.exact_verify)[len(pending) - 1 :]
-                cursor.feed(pending + tokens)
-                fed = len(pending) + len(tokens)
+            length, feed, first = cursor.verify_feed(machine.committed, tokens)
+            if decision.use_kept_row != (first < 0):
+                raise RoleFailure(f"target: the cache of item {item.id} disagrees with its committed tokens")
+            target.rollback(pre.state, length)
+            rows = window_rows(target.step(pre.state, torch.tensor(feed), rowwise=dec.exact_verify), first, kept_row)
+            fed = len(feed)
             window.observe_verify(fed, time.perf_counter() - t_fwd)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             window.observe_round(v.num_accepted, v.num_drafted)
             before = len(machine.committed)
-            verdict = machine.on_verified(tokens, v.num_accepted, v.next_token, window.pre_verify())
+            verdict = machine.on_verified(tokens, v.num_accepted, v.next_token, window.pre_verify(), window.gamma)
             committed = verdict.committed_len - before
             verify_fields.update(accepted=v.num_accepted, committed=committed)  # for vpsd.reports.acceptance
         if not verdict.rollback:
@@ -212,11 +208,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
         if verdict.rollback:
             stats.rollbacks += 1
             mark("rollback", item=item.id, epoch=verdict.epoch, committed=verdict.committed_len)
-        ctx.send(
-            "draft",
-            VerifyResult(item.id, verdict.epoch, verdict.start, verdict.num_accepted, verdict.next_token,
-                         verdict.committed_len, verdict.mode.value, verdict.rollback, window.gamma),
-        )
+        ctx.send("draft", verdict)
         if with_target_probs:  # TABED soft labels: p at the verified positions (pipeline/ensemble.py)
             _send_target_probs(ctx, probs_from_logits(rows[: v.num_accepted + int(not v.all_accepted)], dec.temperature))
     return DecodeResult(token_ids=machine.output(), stats=stats,
