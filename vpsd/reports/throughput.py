@@ -19,6 +19,10 @@ Per cell:
 - theory: decode tokens/s ParallelVLM App. C predicts for a batch from the run's own measured forwards, over
   the same for `ar` at that B: B (1 + E[X](tau_hat, gamma)) / (gamma T_q(B) + T_p(B, gamma + 1)) against
   B / T_p(B, 1) (pipeline/batch_window.py); batched rows only;
+- P ms: an item's vision + prefill (the target's, and for a batched speculative run the draft's pruned one),
+  which neither batching nor speculation shortens; cap: the items/hour this machine could reach if decoding
+  cost nothing, its cores all prefilling (cores x 3600 / P), and "of cap", the row's share of it. Where
+  a row is near its cap the job is prefill-bound, and a faster decoder can only move it by the rest;
 - peak RSS of the target's rank (MiB), and whether every output equals batch-1 `ar`'s.
 Writes OUT/throughput.txt, .csv, .json and .png; exits 1 if an output differs or a job failed.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import sys
 import time
@@ -52,6 +57,7 @@ class Cell:
     peak_rss_mib: float | None
     batching: dict | None
     outputs: dict[str, list[int]]
+    prefill_s: float  # mean per item: vision + prefill
 
 
 def read_cell(path: Path) -> Cell:
@@ -67,7 +73,8 @@ def read_cell(path: Path) -> Cell:
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] if lat else 0.0  # noqa: E731
     return Cell(len(rows), len(read_rows(path)) - len(rows), 3600 * len(rows) / loop if loop else 0.0,
                 decoded / decode if decode else 0.0, q(0.5), q(0.95), run.get("peak_rss_mib"),
-                run.get("batching"), {r["id"]: r["token_ids"] for r in rows})
+                run.get("batching"), {r["id"]: r["token_ids"] for r in rows},
+                statistics.mean(r["stats"].get("prefill_s", 0.0) for r in rows) if rows else 0.0)
 
 
 @dataclass
@@ -90,6 +97,8 @@ class Row:
     tau_hat: float | None
     peak_rss_mib: float | None
     repeats: int
+    prefill_ms: float
+    cap_items_per_hour: float  # cores x 3600 / P: no decoder on this machine passes it
 
 
 def predicted_tokens_per_s(batching: dict | None) -> float | None:
@@ -119,7 +128,7 @@ def tile_manifest(manifest: Path, times: int, out: Path) -> Path:
 
 
 def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell], ar_1: list[Cell],
-                    reference: dict[str, list[int]]) -> Row:
+                    reference: dict[str, list[int]], cores: int) -> Row:
     med = lambda cs, f: statistics.median(f(c) for c in cs) if cs else 0.0  # noqa: E731
     iph, dts = med(cells, lambda c: c.items_per_hour), med(cells, lambda c: c.decode_tokens_per_s)
     ratio = lambda a, b: a / b if b else 0.0  # noqa: E731
@@ -130,11 +139,13 @@ def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell]
     if mine and theirs:
         theory = mine / theirs
     b = first.batching or {}
+    prefill = med(cells, lambda c: c.prefill_s)
     return Row(method, batch, first.items, same, iph, dts, med(cells, lambda c: c.p50_s), med(cells, lambda c: c.p95_s),
                ratio(iph, med(ar_b, lambda c: c.items_per_hour)), ratio(iph, med(ar_1, lambda c: c.items_per_hour)),
                ratio(dts, med(ar_b, lambda c: c.decode_tokens_per_s)),
                ratio(dts, med(ar_1, lambda c: c.decode_tokens_per_s)), theory, b.get("mean_batch"),
-               b.get("mean_gamma"), b.get("tau_hat"), first.peak_rss_mib, len(cells))
+               b.get("mean_gamma"), b.get("tau_hat"), first.peak_rss_mib, len(cells), 1e3 * prefill,
+               cores * 3600 / prefill if prefill else 0.0)
 
 
 def format_table(rows: list[Row], noise: dict[int, float]) -> str:
@@ -143,7 +154,7 @@ def format_table(rows: list[Row], noise: dict[int, float]) -> str:
 
     head = (f"{'method':<13}{'B':>3}{'items/h':>9}{'dec tok/s':>10}{'p50 s':>7}{'p95 s':>7}{'x ar(B)':>8}{'x ar(1)':>8}"
             f"{'dec x ar(B)':>12}{'dec x ar(1)':>12}{'theory':>8}{'in flight':>10}{'gamma':>6}{'tau':>6}"
-            f"{'RSS MiB':>8}{'same':>8}")
+            f"{'P ms':>6}{'of cap':>7}{'RSS MiB':>8}{'same':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.method:<13}{r.batch:>3}{num(r.items_per_hour, 9, '.0f')}{num(r.decode_tokens_per_s, 10, '.1f')}"
@@ -151,9 +162,14 @@ def format_table(rows: list[Row], noise: dict[int, float]) -> str:
                      f"{num(r.x_ar_1, 8, '.2f', 'x')}{num(r.decode_x_ar_b, 12, '.2f', 'x')}"
                      f"{num(r.decode_x_ar_1, 12, '.2f', 'x')}{num(r.theory_decode_x_ar_b, 8, '.2f', 'x')}"
                      f"{num(r.mean_batch, 10, '.1f')}{num(r.gamma, 6, '.1f')}{num(r.tau_hat, 6, '.2f')}"
+                     f"{num(r.prefill_ms, 6, '.0f')}{num(100 * r.items_per_hour / r.cap_items_per_hour if r.cap_items_per_hour else None, 7, '.0f', '%')}"
                      f"{num(r.peak_rss_mib, 8, '.0f')}{f'{r.identical}/{r.items}':>8}")
     lines.append("noise (spread of the ar runs' items/hour at each B): "
                  + ", ".join(f"B={b}: {v:.0%}" for b, v in sorted(noise.items())))
+    caps = [r.cap_items_per_hour for r in rows if r.cap_items_per_hour]
+    if caps:
+        lines.append(f"cap: items/hour with decoding free, every core prefilling (cores x 3600 / P): "
+                     f"{min(caps):.0f}-{max(caps):.0f}")
     return "\n".join(lines)
 
 
@@ -190,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--torchrun", default="--standalone")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
+    p.add_argument("--report-only", action="store_true", help="re-read the runs already in --out, run nothing")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]
     methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
@@ -204,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     for i, (rep, b, m) in enumerate(schedule, 1):
         t = time.time()
         path = a.out / f"{m}_b{b}" / f"r{rep + 1}"
+        if a.report_only:
+            codes[m, b] = 0
+            cells.setdefault((m, b), []).append(read_cell(path))
+            continue
         code = run_one(BenchRun(m, m), a.config, str(manifest), path, torchrun, extra + ["--batch", str(b)])
         codes[m, b] = max(codes.get((m, b), 0), code)
         cells.setdefault((m, b), []).append(read_cell(path))
         print(f"[{i}/{len(schedule)}] {m} B={b} r{rep + 1}  exit {code}  ({time.time() - t:.0f} s)", flush=True)
     ar_1 = cells.get(("ar", 1)) or cells[("ar", batches[0])]
     reference = ar_1[0].outputs
-    rows = [summarize_cells(m, b, cells[m, b], cells["ar", b], ar_1, reference) for b in batches for m in methods]
+    cores = len(os.sched_getaffinity(0))  # what the jobs' ranks share
+    rows = [summarize_cells(m, b, cells[m, b], cells["ar", b], ar_1, reference, cores) for b in batches for m in methods]
     noise = {}
     for b in batches:
         v = [c.items_per_hour for c in cells["ar", b]]
