@@ -84,3 +84,14 @@ def test_weights_replaced_in_place_stop_the_rerun(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(JobMismatch, match=r"target\.weights"):
         check_resume(out, "ar", cfg)
+
+
+def test_a_tabed_section_recorded_as_written_resumes_with_its_defaults_filled(tmp_path):
+    """Before tabed was a typed section, job.json held it as the user wrote it (a partial dict, or null)."""
+    cfg = _with_results(tmp_path, "tabed", {"tabed.distance": "tvd"})
+    jobs = json.loads((tmp_path / "job.json").read_text())
+    jobs["tabed"]["tabed"] = {"distance": "tvd"}
+    (tmp_path / "job.json").write_text(json.dumps(jobs))
+    check_resume(tmp_path, "tabed", cfg)
+    with pytest.raises(JobMismatch, match="tabed.distance: 'tvd' -> 'kl'"):
+        check_resume(tmp_path, "tabed", load_config(CONFIG, {"tabed.distance": "kl"}))

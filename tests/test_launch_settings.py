@@ -16,11 +16,11 @@ def args(method: str, *more: str):
 
 
 def test_a_bad_tabed_setting_stops_the_launch():
-    with pytest.raises(SystemExit, match="method tabed: tabed distance must be one of"):
+    with pytest.raises(ConfigError, match="tabed: tabed distance must be one of"):
         resolve_config(args("tabed", "--set", "tabed.distance=cosine"))
-    with pytest.raises(SystemExit, match="unknown keys in tabed"):
+    with pytest.raises(ConfigError, match="unknown keys in tabed"):
         resolve_config(args("tabed", "--set", "tabed.windows=3"))
-    assert resolve_config(args("tabed", "--set", "tabed.distance=tvd")).extra["tabed"] == {"distance": "tvd"}
+    assert resolve_config(args("tabed", "--set", "tabed.distance=tvd")).tabed.distance == "tvd"
 
 
 def test_std_refuses_an_input_pruning_strategy_at_launch():
@@ -134,3 +134,24 @@ def test_a_refusing_rank_marks_the_launchers_file_only_when_every_rank_refuses(t
     assert refuse(["--out is busy"], reporter=True, every_rank=False) == 2 and not mark.exists()
     monkeypatch.delenv(REFUSAL_MARK)
     assert main(bad_settings_job(tmp_path)) == 2
+
+
+def test_the_run_level_settings_are_typed_and_an_unknown_one_is_refused():
+    """roles, cpu_affinity, timeouts and tabed were free-form `extra`: a typo there was read by nobody."""
+    cfg = resolve_config(args("pearl", "--set", "timeout_s=30", "--set", "cpu_affinity={target: [0], draft: [1]}"))
+    assert cfg.timeout_s == 30 and cfg.cpu_affinity == {"target": [0], "draft": [1]} and cfg.roles["pruner"] == 2
+    with pytest.raises(ConfigError, match="timeout_s must be float, got 'soon'"):
+        resolve_config(args("pearl", "--set", "timeout_s=soon"))
+    with pytest.raises(ConfigError, match="roles must map target, draft and pruner to distinct ranks"):
+        resolve_config(args("pearl", "--set", "roles={target: 0, draft: 0, pruner: 2}"))
+    with pytest.raises(ConfigError, match="unknown setting"):
+        resolve_config(args("pearl", "--set", "idle_timeout=5"))
+
+
+def test_a_config_file_with_a_section_nobody_reads_is_refused(tmp_path):
+    from vpsd.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text((ROOT / "configs" / "tiny_qwen2_5_vl.yaml").read_text() + "\nlookahed: 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'lookahed'"):
+        load_config(path)

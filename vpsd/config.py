@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from vpsd.models.registry import ModelSpec
+from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.tree import parse_tree
 from vpsd.pipeline.window import AUTO, WindowController
 
@@ -176,15 +177,35 @@ class RunConfig:
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
-    extra: dict[str, Any] = field(default_factory=dict)  # sections other components own (roles, launch)
+    # TABED's settings (pipeline/ensemble.py), read by its draft and target; None: its defaults.
+    tabed: TabedConfig | None = None
+    # Where and how the ranks run (none of these changes an output, so none is part of a job's identity):
+    # the rank of each role, the cores each role is pinned to (e.g. target and draft on separate cores for
+    # a fair CPU benchmark), how long a peer may be silent before the job ends naming it (--timeout wins),
+    # and how long a live peer may be waited for between items.
+    roles: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_ROLES))
+    cpu_affinity: dict[str, list[int]] | None = None
+    timeout_s: float = 120.0
+    idle_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if sorted(self.roles) != sorted(DEFAULT_ROLES) or len(set(self.roles.values())) != len(DEFAULT_ROLES):
+            raise ValueError(f"roles must map target, draft and pruner to distinct ranks, got {self.roles}")
+        if self.timeout_s <= 0 or self.idle_timeout_s <= 0:
+            raise ValueError(f"timeout_s and idle_timeout_s must be > 0, got {self.timeout_s}, {self.idle_timeout_s}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def tabed_settings(self) -> TabedConfig:
+        return self.tabed or TabedConfig()
 
-# Top-level sections that components other than this module read from `extra` (roles, launch, TABED, draft).
-EXTRA_SECTIONS = ("roles", "timeout_s", "idle_timeout_s", "cpu_affinity", "tabed")
+
+DEFAULT_ROLES = {"target": 0, "draft": 1, "pruner": 2}
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
+# Top-level settings outside the sections (RunConfig's own fields), type-checked like a section's keys.
+TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s")
 
 
 class ConfigError(ValueError):
@@ -265,10 +286,28 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
             built[name] = _section(cls, section, name)
         except ConfigError as e:
             problems += e.problems
+    try:
+        built["tabed"] = TabedConfig.from_dict(data.pop("tabed")) if data.get("tabed") is not None else None
+    except (ValueError, TypeError) as e:
+        problems.append(f"tabed: {e}")
+    data.pop("tabed", None)
+    hints = typing.get_type_hints(RunConfig)
+    top = {}
+    for key in TOP_LEVEL:
+        if key in data:
+            value = data.pop(key)
+            if _fits(value, hints[key]):
+                top[key] = value
+            else:
+                problems.append(f"{key} must be {_type_name(hints[key])}, got {value!r}")
+    known = [*SECTIONS, "tabed", *TOP_LEVEL]
+    problems += [f"unknown setting {k!r}{nearest(k, known)}" for k in data]  # read by nobody: say so
     if problems:
         raise ConfigError(problems)
-    return RunConfig(family=family, target=built["target"], draft=built.get("draft"), video=built["video"],
-                     decoding=built["decoding"], pruning=built["pruning"], batching=built["batching"], extra=data)
+    try:
+        return RunConfig(family=family, draft=built.pop("draft", None), **built, **top)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -296,9 +335,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     """
     data = yaml.safe_load(Path(path).read_text())
     _resolve_model_paths(data, Path(path).resolve().parent)
-    known = set(SECTIONS) | set(EXTRA_SECTIONS) | set(data)  # a file's own extra sections are its business
+    known = set(SECTIONS) | {"tabed", *TOP_LEVEL}
     unknown = [k for k in overrides or {} if k.split(".")[0] not in known]
-    # A mistyped --set would otherwise land in `extra`, read by nobody.
+    # A mistyped --set would otherwise be read by nobody.
     problems = [f"--set {k}: unknown setting{nearest(k.split('.')[0], known)}" for k in unknown]
     for key, value in (overrides or {}).items():
         if key in unknown:

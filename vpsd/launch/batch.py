@@ -191,7 +191,7 @@ def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, 
     size = cfg.batching.size
     engine = BatchDecoder(target, draft, cfg.decoding, cfg.pruning if draft is not None else None, size,
                           kv_budget_bytes=cfg.batching.kv_budget_bytes, parallel_signals=ctx.method.parallel)
-    spare = (cfg.extra.get("cpu_affinity") or {}).get("draft")
+    spare = (cfg.cpu_affinity or {}).get("draft")
     pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(spare,))
     queue = list(todo)
     ahead: deque[tuple[ManifestItem, Future]] = deque()  # being read and prefilled, in manifest order
@@ -238,8 +238,8 @@ def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, 
         for item, res in engine.round():
             finish(item, res)
     pool.shutdown()
-    ctx.extra["batching"] = engine.report()  # into summary.json's run section
-    get_logger().info("batching_done", **ctx.extra["batching"])
+    ctx.report["batching"] = engine.report()  # into summary.json's run section
+    get_logger().info("batching_done", **ctx.report["batching"])
     return failed
 
 
@@ -310,7 +310,7 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
     summary = summarize(out)
     summary["run"] = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": failed,
                       "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                      "loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": ctx.extra.get("batching"),
+                      "loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": ctx.report.get("batching"),
                       "stack": versions}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("job_done", **summary)

@@ -28,7 +28,6 @@ from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, l
 from vpsd.launch.manifest import Shard
 from vpsd.launch.preflight import checkpoint_problems
 from vpsd.models.registry import load_adapter
-from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.methods import BATCHABLE, get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
@@ -107,8 +106,6 @@ def check_method_settings(method, cfg: RunConfig) -> None:
     """Settings only one method reads, checked at launch: a bad one must stop the job before any rank
     loads a model, not crash the draft role on the first item."""
     try:
-        if method.draft == "views":
-            TabedConfig.from_dict(cfg.extra.get("tabed"))
         if cfg.batching.size > 1 and not method.batchable:
             raise ValueError(f"it drafts a {'tree' if method.tree else method.draft.replace('_', ' ')}, which runs one "
                              f"item at a time; --batch {cfg.batching.size} runs {', '.join(BATCHABLE)}")
@@ -119,10 +116,7 @@ def check_method_settings(method, cfg: RunConfig) -> None:
 
 
 def role_ranks(cfg: RunConfig) -> dict[str, int]:
-    ranks = dict(cfg.extra.get("roles") or {"target": 0, "draft": 1, "pruner": 2})
-    if sorted(ranks) != sorted(ROLES) or len(set(ranks.values())) != len(ROLES):
-        raise ValueError(f"roles must map target, draft and pruner to distinct ranks, got {ranks}")
-    return ranks
+    return dict(cfg.roles)  # checked when the config was read
 
 
 def restart_problem(env: Mapping[str, str]) -> str | None:
@@ -177,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([str(e.code).removeprefix("vpsd: ")])
     method = get_method(args.method)
     out = Path(args.out)
-    timeout_s = float(args.timeout or cfg.extra.get("timeout_s", 120.0))
+    timeout_s = float(args.timeout or cfg.timeout_s)
     problem = restart_problem(os.environ)
     if problem is not None:
         return refuse([problem])
@@ -209,11 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
     ctrl = ControlChannel.from_process_group(role, secret=secret)
-    cpus = (cfg.extra.get("cpu_affinity") or {}).get(role)
+    cpus = (cfg.cpu_affinity or {}).get(role)
     if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only
     ctx = RoleContext(rank, role, ranks, ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
-                      extra={"job_id": out.name, "out": str(out), "idle_timeout_s": cfg.extra.get("idle_timeout_s", 3600.0)})
+                      idle_timeout_s=cfg.idle_timeout_s, job_id=out.name, out=out)
     log.info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
              pid=os.getpid(), host=os.uname().nodename)
 

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from vpsd.config import DecodingConfig, PruningConfig, RunConfig, VideoConfig
+from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.launch.results import ResultsFile
 
 JOB_FILE = "job.json"
-SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning")
-EXTRA_SECTIONS = ("tabed",)  # sections of `extra` that a method reads while decoding
+SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "tabed")
 NOT_IDENTITY = ("target.device", "draft.device", "video.context_limit", "video.subsample_to_fit")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 SAMPLE = 1 << 20  # bytes read at each of a weight file's start, middle and end
@@ -46,7 +46,6 @@ class JobMismatch(ValueError):
 def identity(cfg: RunConfig) -> dict[str, Any]:
     data = cfg.to_dict()
     out = {k: data[k] for k in SECTIONS}
-    out.update({k: data["extra"].get(k) for k in EXTRA_SECTIONS})
     for dotted in NOT_IDENTITY:
         section, key = dotted.split(".")
         if out[section] is not None:
@@ -100,7 +99,9 @@ def _with_later_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     """`recorded` with each section setting it lacks (added to vpsd since) set to that setting's default."""
     out = json.loads(json.dumps(recorded))
     skipped = {tuple(d.split(".")) for d in NOT_IDENTITY}
-    for section, cls in (("video", VideoConfig), ("decoding", DecodingConfig), ("pruning", PruningConfig)):
+    # tabed: recorded as written (a partial section) before it was typed; its missing keys are its defaults.
+    for section, cls in (("video", VideoConfig), ("decoding", DecodingConfig), ("pruning", PruningConfig),
+                         ("tabed", TabedConfig)):
         if isinstance(out.get(section), dict):
             defaults = json.loads(json.dumps(dataclasses.asdict(cls()), default=str))
             for key, value in defaults.items():

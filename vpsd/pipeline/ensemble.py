@@ -156,10 +156,10 @@ class AdaptiveWeights:
         self.window.clear()
 
 
-def verdicts_carry_target_probs(draft_kind: str, tabed_section: dict | None, temperature: float) -> bool:
+def verdicts_carry_target_probs(draft_kind: str, tabed: TabedConfig, temperature: float) -> bool:
     """The one rule both roles apply: a tensor of the target's p rows follows each VerifyResult.
 
     Only for TABED (Method.draft == "views") with soft labels at temperature > 0. Rows: one per verified
     position (the accepted ones and, after a rejection, the rejected one), (n, V) float32.
     """
-    return draft_kind == "views" and TabedConfig.from_dict(tabed_section).needs_target_probs(temperature)
+    return draft_kind == "views" and tabed.needs_target_probs(temperature)

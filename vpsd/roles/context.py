@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vpsd.config import RunConfig
 from vpsd.pipeline.messages import Message
 from vpsd.pipeline.methods import Method
+from vpsd.pipeline.window import WindowController
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.tensors import TensorChannel
 
@@ -32,18 +34,25 @@ class RoleContext:
     config: RunConfig
     method: Method
     timeout_s: float = 60.0
+    idle_timeout_s: float = 3600.0  # the default limit of a wait on a live peer
+    job_id: str = ""
+    out: Path | None = None  # the run directory (kept-token log), when the job has one
     item_id: str = ""  # the item in flight, for error messages
-    extra: dict = field(default_factory=dict)
+    # What the role carries from item to item: the target's window (gamma auto learns across items), its
+    # sends still on the wire, and what the job's summary reports of this rank (the batch's accounting).
+    window: WindowController | None = None
+    pending_sends: list = field(default_factory=list)
+    report: dict = field(default_factory=dict)
 
     def wait(self, src_role: str | None = None, limit_s: float | None = None, awaiting: str | None = None) -> None:
         """Block until a message from `src_role` (any peer if None) is ready.
 
         RoleFailure when the awaited peer (`awaiting`, default `src_role`) has been silent for `timeout_s`, or
-        after `limit_s` (default extra["idle_timeout_s"], else 3600 s) of waiting on a peer that is alive.
+        after `limit_s` (default `idle_timeout_s`) of waiting on a peer that is alive.
         """
         src = None if src_role is None else self.ranks[src_role]
         awaiting = awaiting or src_role
-        limit = float(limit_s if limit_s is not None else self.extra.get("idle_timeout_s", 3600.0))
+        limit = float(limit_s if limit_s is not None else self.idle_timeout_s)
         deadline = time.monotonic() + limit
         step = min(self.timeout_s, 1.0)
         while not self.ctrl.poll(max(0.0, min(step, deadline - time.monotonic())), src=src):

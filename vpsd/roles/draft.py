@@ -16,7 +16,7 @@ import torch
 
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.prompt import ControlText
-from vpsd.pipeline.ensemble import TabedConfig, verdicts_carry_target_probs
+from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
 from vpsd.pipeline.state_machine import DraftMachine, Mode
@@ -34,7 +34,7 @@ def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
     videos = FramePrefetcher()  # reads the next item's video while this one is drafted
     try:
         while True:
-            _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
+            _, msg = ctx.recv("target")
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, (ItemDone, VerifyResult, DraftChunk)):
@@ -86,14 +86,14 @@ def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: 
         _drain_until_done(ctx, job.item_id)
         return
     method = ctx.method
-    tabed_section = cfg.extra.get("tabed")
+    tabed = cfg.tabed_settings
     with span("prefill", item=job.item_id, kept=int(keep.numel()), draft=method.draft):
         if method.draft == "views":
-            drafter = TabedDrafter(draft, emb, keep, TabedConfig.from_dict(tabed_section), job.gamma)
+            drafter = TabedDrafter(draft, emb, keep, tabed, job.gamma)
         else:
             drafter = SingleDrafter(draft, emb, keep)
     temperature = cfg.decoding.temperature
-    with_target_probs = verdicts_carry_target_probs(method.draft, tabed_section, temperature)
+    with_target_probs = verdicts_carry_target_probs(method.draft, tabed, temperature)
     gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
     dec = cfg.decoding
     machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)

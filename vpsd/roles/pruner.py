@@ -6,7 +6,7 @@ signals from inside its prefill (right after layer L), so this runs while the ta
 prefilling and the draft's pruned prefill overlaps the target's full one (synchronous draft-target
 prefill). Before anything leaves, the kept set is checked against the contract of
 pipeline/pruning/select.py (sorted, unique, every non-prunable token plus exactly the budget). When the
-run has an output directory (ctx.extra["out"]) each item's kept set and layout are appended to
+run has an output directory (ctx.out) each item's kept set and layout are appended to
 RUN_DIR/kept.jsonl (reports/kept_log.py) for `vpsd bias`.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from pathlib import Path
 
 from vpsd.decoders.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
@@ -31,7 +30,7 @@ def run_pruner(ctx: RoleContext) -> None:
     cfg = ctx.config.pruning
     strategy = configured_strategy(cfg, ctx.config.family)
     while True:
-        _, msg = ctx.recv("target", timeout_s=ctx.extra.get("idle_timeout_s"))
+        _, msg = ctx.recv("target")
         if isinstance(msg, Shutdown):
             return
         if isinstance(msg, ItemDone):
@@ -59,8 +58,8 @@ def run_pruner(ctx: RoleContext) -> None:
             grid = torch.tensor(layout.grid, dtype=torch.long)
             ctx.tensors.send(ctx.ranks["draft"], [keep, grid], tag=f"keep:{msg.item_id}").wait()
         ctx.send("target", KeepIndices(msg.item_id, int(keep.numel())))
-        if ctx.extra.get("out"):
-            append_kept(Path(ctx.extra["out"]), KeptRecord(msg.item_id, cfg.strategy, ratio, keep, layout))
+        if ctx.out is not None:
+            append_kept(ctx.out, KeptRecord(msg.item_id, cfg.strategy, ratio, keep, layout))
 
 
 def check_keep(keep: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> None:

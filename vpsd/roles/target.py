@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,9 +63,9 @@ def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter 
             result = decode_serial(ctx.method, target, draft, frames, item.prompt, dec, cfg.pruning, item.frame_times)
         if ctx.method.uses_draft:
             result.gamma = float(dec.serial_gamma())
-        if result.kept is not None and ctx.extra.get("out"):
+        if result.kept is not None and ctx.out is not None:
             # The pruner rank logs a parallel run's kept tokens; a serial run chose them here.
-            append_kept(Path(ctx.extra["out"]), KeptRecord(item.id, cfg.pruning.strategy, cfg.pruning.applied_ratio,
+            append_kept(ctx.out, KeptRecord(item.id, cfg.pruning.strategy, cfg.pruning.applied_ratio,
                                                            result.kept, result.layout))
         return result
     return _decode_parallel(ctx, target, frames, item, dec)
@@ -76,9 +75,11 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
     t0 = time.perf_counter()
     seed = int(dec.seed)
     # One window for the whole job: what the last item measured is where the next one starts.
-    window = ctx.extra.setdefault("window", dec.window())
+    if ctx.window is None:
+        ctx.window = dec.window()
+    window = ctx.window
     job = JobStart(
-        job_id=ctx.extra.get("job_id", ""),
+        job_id=ctx.job_id,
         item_id=item.id,
         seed=seed,
         max_new_tokens=item.max_new_tokens,
@@ -165,7 +166,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
     kept_row = pre.logits  # the target's row for position len(committed)
     gen = torch.Generator().manual_seed(int(dec.seed))
     stats = AcceptanceStats()
-    with_target_probs = verdicts_carry_target_probs(ctx.method.draft, ctx.config.extra.get("tabed"), dec.temperature)
+    with_target_probs = verdicts_carry_target_probs(ctx.method.draft, ctx.config.tabed_settings, dec.temperature)
     windows: list[int] = []  # the window each round's chunk was drafted under
     first_chunk_wait = None  # prefill end -> first chunk that could be verified (HIPPO's synchronous prefill)
     t_loop = time.perf_counter()
@@ -219,9 +220,8 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
 def _send_target_probs(ctx: RoleContext, rows: torch.Tensor) -> None:
     """Sends without waiting: the draft may itself be blocked sending a chunk's q to us, so waiting here
     could deadlock; the draft receives these right after each verdict. Handles stay referenced until done."""
-    inflight = [h for h in ctx.extra.get("target_probs_sends", []) if not h.is_completed()]
-    inflight.append(ctx.tensors.send(ctx.ranks["draft"], [rows], tag="target_probs"))
-    ctx.extra["target_probs_sends"] = inflight
+    ctx.pending_sends = [h for h in ctx.pending_sends if not h.is_completed()]
+    ctx.pending_sends.append(ctx.tensors.send(ctx.ranks["draft"], [rows], tag="target_probs"))
 
 
 def finish_item(ctx: RoleContext, item_id: str, token_ids: list[int], error: dict | None) -> None:
