@@ -235,3 +235,38 @@ def test_one_fit_serves_every_batch_size_once_two_sizes_were_seen():
     w.observe_draft_step(2, 0.0008)
     w.observe_verify(2, 6, 0.04)
     assert w.costs(4) is not None and w.costs(3) is not None  # a batch size never seen is priced from the lines
+
+
+def test_an_item_is_drafted_for_only_while_drafting_saves_more_than_its_draft_prefill_costs():
+    """N (cost(0) - cost(best)) / B against D, by hand (pipeline/batch_window.py's module docstring)."""
+    w = BatchWindow(5, 1, 12, explore_every=4)
+    assert w.speculation_pays(8)  # nothing measured: draft
+    _measured(w, (0.001, 0.0002), (0.045, 0.002), (40, 1))
+    w.observe_item(30)
+    costs = w.costs(8)
+    saves = 30 * (costs[0] - min(v for g, v in costs.items() if g > 0)) / 8
+    assert w.drafting_saves(8) is None  # D not measured yet
+    w.observe_draft_prefill(0.5 * saves)
+    assert w.drafting_saves(8) == pytest.approx(saves) and w.speculation_pays(8)
+    w.observe_draft_prefill(10 * saves)  # running mean: 0.8 * 0.5 + 0.2 * 10 = 2.4 times the saving
+    assert w.draft_prefill_s == pytest.approx(2.4 * saves)
+    assert [w.speculation_pays(8) for _ in range(8)] == [False, False, False, True] * 2  # one item in 4 explores
+    assert BatchWindow(5, 1, 12, fixed=True).speculation_pays(8)
+
+
+def test_items_speculation_does_not_pay_for_decode_plain_in_the_same_batch_and_equal_ar(family):
+    target, smaller = tiny_pair(family)
+    cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.0)
+    window = BatchWindow(3, 1, 8, explore_every=3)
+    _measured(window, (0.001, 0.0002), (0.045, 0.002), (40, 1))
+    window.observe_item(12)
+    window.observe_draft_prefill(1e6)  # a draft whose prefill costs more than any item's decoding saves
+    todo = items(7, max_new=12)
+    engine = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5, seed=1), 4, window=window)
+    got = run_batched(engine, todo)
+    assert engine.report()["plain_items"] >= 4  # two of every three items; the third explores
+    plain = [k for k, r in got.items() if r.num_kept is None]
+    assert 4 <= len(plain) < len(todo)
+    for it in todo:
+        ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        assert got[it.id].token_ids == ref.token_ids, it.id

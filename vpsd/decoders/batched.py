@@ -24,6 +24,9 @@ batch's forwards and the acceptance, and falls back to plain batched decoding (g
 not pay at this batch size. Serial, not parallel: the draft and the target take turns on this rank. At a
 deployment-shaped cost ratio (c = T_p / T_q > 30 in the scaled default) the draft's share of a round is small,
 so the batch, not the overlap, is the larger term; the pipelined roles over a batch are the next step.
+An item whose draft prefill (the draft's vision, the pruning, its pruned prefill) would cost more than drafting
+saves it over its decoding is decoded plain, as a row without a draft in the same batch
+(`BatchWindow.speculation_pays`; greedy only, so that a sampled item's tokens never depend on timing).
 Timing on a GPU would need a synchronize before each clock read; this engine runs where the roles' serial
 methods run (CPU in CI).
 """
@@ -122,6 +125,7 @@ class BatchDecoder:
         self.draft_step_s: list[float] = []  # each round's mean draft forward (rounds that drafted)
         self.accepted = self.rejections = 0  # over every row's verified window (tau_hat's A and R)
         self.decode_s = 0.0  # inside rounds: the decode thread's time (prefills run beside it)
+        self.plain_items = 0  # items of a speculative run decoded without a draft (speculation did not pay)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -149,8 +153,10 @@ class BatchDecoder:
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise ValueError(f"item needs {need / 2**20:.1f} MiB of KV cache, over the budget of "
                              f"{self.kv_budget_bytes / 2**20:.1f} MiB (batching.kv_budget_mib)")
-        with span("item_prefill", item=str(item.id), tokens=inputs.seq_len):
-            if self.draft is None:
+        # Sampled items always draft: whether an item drafts must not depend on timing, or its sample would.
+        drafted = self.draft is not None and (self.cfg.temperature > 0 or self.window.speculation_pays(self._batch()))
+        with span("item_prefill", item=str(item.id), tokens=inputs.seq_len, drafted=drafted):
+            if not drafted:
                 emb = self.target.embed(inputs)
                 pre, draft_pre, layout, kept = self.target.prefill(emb), None, emb.layout, None
                 num_kept, num_video = None, emb.layout.num_tokens
@@ -159,12 +165,12 @@ class BatchDecoder:
                                     item.frame_times, target_inputs=inputs, parallel_signals=self.parallel_signals)
                 pre, draft_pre, layout, kept = pair.target, pair.draft, pair.target_emb.layout, pair.kept_indices()
                 num_kept, num_video = pair.num_kept, pair.num_video_tokens
+                self.window.observe_draft_prefill(pair.draft_s)
         verify_gen = torch.Generator().manual_seed(self.cfg.seed)
         committed = [next_token(pre.logits, self.cfg.temperature, verify_gen)]
         result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=time.perf_counter() - t0,
                               num_kept=num_kept, num_video_tokens=num_video,
-                              kept=kept if self.draft is not None else None,
-                              layout=layout if self.draft is not None else None)
+                              kept=kept if drafted else None, layout=layout if drafted else None)
         return Prefilled(item, pre.state, draft_pre.state if draft_pre is not None else None, committed, verify_gen,
                          result, need)
 
@@ -183,7 +189,7 @@ class BatchDecoder:
                     CacheCursor(p.draft_state.length) if p.draft_state is not None else None,
                     p.verify_gen, torch.Generator().manual_seed(self.cfg.seed + 1), p.result, time.perf_counter(),
                     p.kv_bytes)
-        if self.draft is None:
+        if p.draft_state is None:
             slot.stats.record(0, 0)  # as decode_ar counts its first token
         if done(p.committed, item.max_new_tokens, self.eos):
             return "done", self._result(slot)
@@ -211,7 +217,9 @@ class BatchDecoder:
         self.batch_sizes.append(batch)
         gamma = self.window.gamma(batch) if self.draft is not None else 0
         self.gammas.append(gamma)
-        windows = {key: max(0, min(gamma, s.item.max_new_tokens - len(s.committed) - 1)) for key, s in self.slots.items()}
+        # A row without a draft (ar, or an item speculation did not pay for) never drafts.
+        windows = {key: 0 if s.draft_cursor is None else max(0, min(gamma, s.item.max_new_tokens - len(s.committed) - 1))
+                   for key, s in self.slots.items()}
         drafts, probs = self._draft(windows) if any(windows.values()) else ({}, {})
         with span("verify", round=self.rounds, items=[str(k) for k in self.slots], gamma=gamma,
                   tokens=sum(len(d) for d in drafts.values()) + batch) as fields:
@@ -223,11 +231,19 @@ class BatchDecoder:
         for key in [k for k, s in self.slots.items() if done(s.committed, s.item.max_new_tokens, self.eos)]:
             slot = self.slots.pop(key)
             self.target_batch.leave(key)
-            if self.draft_batch is not None:
+            if slot.draft_cursor is not None:
                 self.draft_batch.leave(key)
+            else:
+                self.plain_items += self.draft is not None
+            self.window.observe_item(len(slot.committed))
             out.append((slot.item, self._result(slot)))
         self.decode_s += time.perf_counter() - started
         return out
+
+    def _batch(self) -> int:
+        """Items in flight an item prefilled now will most likely join: the recent rounds' mean, at most N."""
+        recent = self.batch_sizes[-16:]
+        return max(1, min(self.size, round(sum(recent) / len(recent)) if recent else self.size))
 
     def _draft(self, windows: dict[Hashable, int]) -> tuple[dict[Hashable, list[int]], dict[Hashable, torch.Tensor]]:
         """Each row's window: `windows[key]` tokens proposed by the draft from what the item committed."""
@@ -282,7 +298,7 @@ class BatchDecoder:
     def _commit(self, key: Hashable, rows: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> int:
         """What the item's batch-1 decoder commits from these rows; returns its accepted draft tokens."""
         slot = self.slots[key]
-        if self.draft is None:  # ar: the next token, drawn as decode_ar draws it
+        if slot.draft_cursor is None:  # ar: the next token, drawn as decode_ar draws it
             slot.committed.append(next_token(rows[-1], self.cfg.temperature, slot.verify_gen))
             slot.stats.record(0, 0)
             return 0
@@ -302,7 +318,7 @@ class BatchDecoder:
         r.token_ids = cut(slot.committed, slot.item.max_new_tokens, self.eos)
         r.stats = slot.stats
         r.decode_s = time.perf_counter() - slot.decode_start
-        if self.draft is not None:
+        if slot.draft_cursor is not None:
             r.gamma = sum(slot.windows) / len(slot.windows) if slot.windows else 0.0
         return r
 
@@ -314,6 +330,7 @@ class BatchDecoder:
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"size": self.size, "rounds": self.rounds, "decode_s": self.decode_s, "mean_batch": mean(self.batch_sizes),
                 "mean_gamma": mean(self.gammas), "plain_rounds": sum(g == 0 for g in self.gammas),
+                "plain_items": self.plain_items,
                 "t_p_s": mean(self.verify_s), "t_q_s": mean(self.draft_step_s),
                 "tau_hat": tau_hat(self.accepted, self.rejections) if self.draft is not None else None}
 

@@ -72,6 +72,7 @@ class PairPrefill:
     draft: PrefillResult
     keep: torch.Tensor | None  # kept video-token indices (None: every token)
     num_video_tokens: int
+    draft_s: float = 0.0  # what speculation added to the prefill: the draft's vision, the pruning, its prefill
 
     @property
     def num_kept(self) -> int:
@@ -99,14 +100,18 @@ def prefill_pair(
     a parallel method keeps the same video tokens here as in its pipeline."""
     t_inputs = target_inputs if target_inputs is not None else target.prepare(frames, prompt, frame_times)
     t_emb = target.embed(t_inputs)
+    t0 = time.perf_counter()
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
+    draft_s = time.perf_counter() - t0
     d_emb.layout.check_same_grid(t_emb.layout.grid)
     t_pre = (target.prefill(t_emb) if pruning is None
              else prefill_for_strategy(target, t_emb, pruning, parallel=parallel_signals))
+    t0 = time.perf_counter()
     keep = keep_policy(t_emb, t_pre, d_emb)
     t_pre.signals = None  # the copied keys are not needed while decoding
     d_pre = draft.prefill(d_emb, keep=keep)
-    return PairPrefill(t_emb, t_pre, d_pre, keep, t_emb.layout.num_tokens)
+    draft_s += time.perf_counter() - t0
+    return PairPrefill(t_emb, t_pre, d_pre, keep, t_emb.layout.num_tokens, draft_s)
 
 
 def decode_sd(

@@ -21,6 +21,19 @@ have seen two sizes and tau a round, the window is `initial` (the config's seria
 one round in `explore_every` still speculates at the best gamma > 0, so tau and the costs stay measured and
 the choice can come back. A fixed window (a user's --gamma N) never moves. Pure: no clocks here; the decoder
 passes in what it measured.
+
+Whether an item is worth drafting for at all (`speculation_pays`): speculation also costs each item the
+draft's own vision, the pruning and the draft's pruned prefill before its first round, D seconds, which the
+rounds' goodput above does not see. Over an item of N tokens at B in flight, drafting saves the decode work
+
+    N (cost(0) - cost(gamma*)) / B        (cost: `batch_token_time`, per committed token of an item, times B)
+
+and a job whose cores are all busy (a batch job on this CPU is: the next items prefill beside the rounds) is
+faster exactly when that exceeds D. With a draft costing c = T_p / T_q > 30 (the scaled default) D is a few
+ms and speculation always pays; with a draft grown to c ~ 9 its vision and prefill cost a fifth of the
+target's, while a batch of 8 already makes plain decoding cheap, and then an item is better decoded plain.
+N and D are running means over the job's items. This is where vpsd departs from SmartSpec, whose goodput
+counts decode steps only: with continuous batching the drafts' prefills are on the same cores.
 """
 
 from __future__ import annotations
@@ -49,6 +62,34 @@ class BatchWindow:
     verify: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_p(rows), rows = B k
     draft: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_q(B)
     _plain_rounds: int = 0  # consecutive rounds at gamma 0
+    draft_prefill_s: float | None = None  # D: running mean of what drafting adds to an item's prefill
+    item_tokens: float | None = None  # N: running mean of an item's committed tokens
+    _plain_items: int = 0  # consecutive items admitted without a draft
+
+    def observe_draft_prefill(self, seconds: float) -> None:
+        self.draft_prefill_s = seconds if self.draft_prefill_s is None else 0.8 * self.draft_prefill_s + 0.2 * seconds
+
+    def observe_item(self, tokens: int) -> None:
+        self.item_tokens = tokens if self.item_tokens is None else 0.8 * self.item_tokens + 0.2 * tokens
+
+    def drafting_saves(self, batch: int) -> float | None:
+        """Seconds of decode work drafting saves one item at `batch` in flight, N (cost(0) - cost(best)) / B;
+        None until the costs, N and D are measured."""
+        costs = self.costs(batch)
+        if costs is None or self.item_tokens is None or self.draft_prefill_s is None:
+            return None
+        best = min(v for g, v in costs.items() if g > 0)
+        return self.item_tokens * (costs[0] - best) / batch
+
+    def speculation_pays(self, batch: int) -> bool:
+        """Whether the next item should be drafted for (see the module docstring). A fixed window always
+        drafts; an item in `explore_every` drafts anyway, so the costs and tau stay measured."""
+        saves = None if self.fixed else self.drafting_saves(batch)
+        if saves is None or saves > self.draft_prefill_s:
+            self._plain_items = 0
+            return True
+        self._plain_items += 1
+        return self._plain_items % self.explore_every == 0
 
     def observe_draft_step(self, batch: int, seconds: float) -> None:
         """One draft forward of `batch` rows of one token each."""
