@@ -78,3 +78,30 @@ def test_accounting_by_hand(tmp_path):
     assert row.theory_speedup == theory and row.efficiency == 2.0 / theory
     assert row.overhead_ms == pytest.approx(1000 * (1.0 - 0.9) / 4)  # decode time neither verify nor chunk wait
     assert row.first_chunk_ms == 10.0
+
+
+def test_throughput_accounting_by_hand():
+    """vpsd bench --batch: ratios over batched and batch-1 ar, the prefill cap, the spread and App. C's
+    prediction, from cells whose numbers are chosen by hand."""
+    from vpsd.reports.throughput import Cell, format_table, predicted_tokens_per_s, summarize_cells
+
+    def cell(iph, dts, prefill_s, batching=None, outputs=None):
+        return Cell(4, 0, iph, dts, 1.0, 2.0, 800.0, batching, outputs or {"a": [1, 2]}, prefill_s)
+
+    ar1 = [cell(1000, 10, 0.2)]
+    ar8 = [cell(3000, 30, 0.2, {"mean_batch": 8, "t_p_s": 0.08, "mean_gamma": 0, "t_q_s": 0, "tau_hat": 0})]
+    spec = {"mean_batch": 8, "t_p_s": 0.16, "mean_gamma": 4, "t_q_s": 0.01, "tau_hat": 0.8}
+    hippo8 = [cell(4000, 80, 0.25, spec), cell(5000, 90, 0.25, spec), cell(4500, 70, 0.25, spec, {"a": [1, 3]})]
+    row = summarize_cells("hippo", 8, hippo8, ar8, ar1, {"a": [1, 2]}, cores=2)
+    assert (row.items_per_hour, row.decode_tokens_per_s) == (4500, 80)  # medians over the repeats
+    assert row.x_ar_b == pytest.approx(1.5) and row.x_ar_1 == pytest.approx(4.5)
+    assert row.decode_x_ar_b == pytest.approx(80 / 30) and row.decode_x_ar_1 == pytest.approx(8.0)
+    assert row.cap_items_per_hour == pytest.approx(2 * 3600 / 0.25) and row.prefill_ms == pytest.approx(250)
+    assert row.spread == pytest.approx((5000 - 4000) / 4500)
+    assert row.identical == 1  # the first repeat's output is what is compared
+    # App. C over a batch: B (1 + E[X]) / (gamma T_q + T_p) against B / T_p(B, 1) of batched ar.
+    e_x = 0.8 * (1 - 0.8**4) / 0.2
+    assert predicted_tokens_per_s(spec) == pytest.approx(8 * (1 + e_x) / (4 * 0.01 + 0.16))
+    assert row.theory_decode_x_ar_b == pytest.approx(predicted_tokens_per_s(spec) / (8 / 0.08))
+    table = format_table([row], {8: 0.1})
+    assert "hippo" in table and "22%" in table and "B=8: 10%" in table and "28800" in table

@@ -19,6 +19,8 @@ Per cell:
 - theory: decode tokens/s ParallelVLM App. C predicts for a batch from the run's own measured forwards, over
   the same for `ar` at that B: B (1 + E[X](tau_hat, gamma)) / (gamma T_q(B) + T_p(B, gamma + 1)) against
   B / T_p(B, 1) (pipeline/batch_window.py); batched rows only;
+- spread: (max - min) / median of the row's own items/hour over its repeats (the noise line under the table is
+  the `ar` rows', the baseline every ratio divides by);
 - P ms: an item's vision + prefill (the target's, and for a batched speculative run the draft's pruned one),
   which neither batching nor speculation shortens; cap: the items/hour this machine could reach if decoding
   cost nothing, its cores all prefilling (cores x 3600 / P), and "of cap", the row's share of it. Where
@@ -99,6 +101,7 @@ class Row:
     repeats: int
     prefill_ms: float
     cap_items_per_hour: float  # cores x 3600 / P: no decoder on this machine passes it
+    spread: float  # (max - min) / median of the row's items/hour over its repeats: its own timing noise
 
 
 def predicted_tokens_per_s(batching: dict | None) -> float | None:
@@ -140,24 +143,26 @@ def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell]
         theory = mine / theirs
     b = first.batching or {}
     prefill = med(cells, lambda c: c.prefill_s)
+    per_hour = [c.items_per_hour for c in cells]
     return Row(method, batch, first.items, same, iph, dts, med(cells, lambda c: c.p50_s), med(cells, lambda c: c.p95_s),
                ratio(iph, med(ar_b, lambda c: c.items_per_hour)), ratio(iph, med(ar_1, lambda c: c.items_per_hour)),
                ratio(dts, med(ar_b, lambda c: c.decode_tokens_per_s)),
                ratio(dts, med(ar_1, lambda c: c.decode_tokens_per_s)), theory, b.get("mean_batch"),
                b.get("mean_gamma"), b.get("tau_hat"), first.peak_rss_mib, len(cells), 1e3 * prefill,
-               cores * 3600 / prefill if prefill else 0.0)
+               cores * 3600 / prefill if prefill else 0.0,
+               (max(per_hour) - min(per_hour)) / iph if iph and len(cells) > 1 else 0.0)
 
 
 def format_table(rows: list[Row], noise: dict[int, float]) -> str:
     def num(v, width, spec, suffix=""):
         return (format(v, spec) + suffix if v is not None else "-").rjust(width)
 
-    head = (f"{'method':<13}{'B':>3}{'items/h':>9}{'dec tok/s':>10}{'p50 s':>7}{'p95 s':>7}{'x ar(B)':>8}{'x ar(1)':>8}"
+    head = (f"{'method':<13}{'B':>3}{'items/h':>9}{'spread':>7}{'dec tok/s':>10}{'p50 s':>7}{'p95 s':>7}{'x ar(B)':>8}{'x ar(1)':>8}"
             f"{'dec x ar(B)':>12}{'dec x ar(1)':>12}{'theory':>8}{'in flight':>10}{'gamma':>6}{'tau':>6}"
             f"{'P ms':>6}{'of cap':>7}{'RSS MiB':>8}{'same':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.method:<13}{r.batch:>3}{num(r.items_per_hour, 9, '.0f')}{num(r.decode_tokens_per_s, 10, '.1f')}"
+        lines.append(f"{r.method:<13}{r.batch:>3}{num(r.items_per_hour, 9, '.0f')}{num(100 * r.spread, 7, '.0f', '%')}{num(r.decode_tokens_per_s, 10, '.1f')}"
                      f"{num(r.p50_s, 7, '.2f')}{num(r.p95_s, 7, '.2f')}{num(r.x_ar_b, 8, '.2f', 'x')}"
                      f"{num(r.x_ar_1, 8, '.2f', 'x')}{num(r.decode_x_ar_b, 12, '.2f', 'x')}"
                      f"{num(r.decode_x_ar_1, 12, '.2f', 'x')}{num(r.theory_decode_x_ar_b, 8, '.2f', 'x')}"
