@@ -75,9 +75,9 @@ class DecodingConfig:
     eager_when_idle: bool = False
 
     def __post_init__(self) -> None:
-        parse_tree(self.tree)
+        parse_tree(self.tree)  # a bad shape fails here, with the reason
         if self.lookahead is not None and (type(self.lookahead) is not int or self.lookahead < 1):
-            raise ValueError(f"lookahead must be an int >= 1 or null, got {self.lookahead!r}")  # a bad shape fails here, with the reason
+            raise ValueError(f"lookahead must be an int >= 1 or null, got {self.lookahead!r}")
         if self.gamma != AUTO and (type(self.gamma) is not int or self.gamma < 1):
             raise ValueError(f"gamma must be an int >= 1 or {AUTO!r}, got {self.gamma!r}")
         if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:
@@ -286,11 +286,11 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
             built[name] = _section(cls, section, name)
         except ConfigError as e:
             problems += e.problems
+    tabed = data.pop("tabed", None)
     try:
-        built["tabed"] = TabedConfig.from_dict(data.pop("tabed")) if data.get("tabed") is not None else None
+        built["tabed"] = TabedConfig.from_dict(tabed) if tabed is not None else None
     except (ValueError, TypeError) as e:
         problems.append(f"tabed: {e}")
-    data.pop("tabed", None)
     hints = typing.get_type_hints(RunConfig)
     top = {}
     for key in TOP_LEVEL:

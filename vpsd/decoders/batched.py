@@ -233,8 +233,8 @@ class BatchDecoder:
             self.target_batch.leave(key)
             if slot.draft_cursor is not None:
                 self.draft_batch.leave(key)
-            else:
-                self.plain_items += self.draft is not None
+            elif self.draft is not None:
+                self.plain_items += 1
             self.window.observe_item(len(slot.committed))
             out.append((slot.item, self._result(slot)))
         self.decode_s += time.perf_counter() - started

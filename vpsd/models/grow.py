@@ -345,15 +345,16 @@ def _write_checkpoint(model, out: Path) -> None:
     safetensors.torch.save_model(model, str(weights), metadata={"format": "pt"})  # shared tensors once
     with safetensors.safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
-    missing = [n for n in model.state_dict() if n not in names and not _is_tied_copy(model, n)]
+    state = model.state_dict()
+    missing = [n for n in state if n not in names and not _is_tied_copy(state, n)]
     if missing or json.loads((out / "config.json").read_text()).get("model_type") != model.config.model_type:
         raise GrowthError(f"the grown checkpoint written to {out} does not read back (missing {missing[:3]})")
 
 
-def _is_tied_copy(model, name: str) -> bool:
-    """Whether `name` shares its storage with another parameter (saved once, under the other name)."""
-    tensor = model.state_dict()[name]
-    return any(other != name and t.data_ptr() == tensor.data_ptr() for other, t in model.state_dict().items())
+def _is_tied_copy(state: dict[str, torch.Tensor], name: str) -> bool:
+    """Whether `name` shares its storage with another entry (saved once, under the other name)."""
+    ptr = state[name].data_ptr()
+    return any(other != name and t.data_ptr() == ptr for other, t in state.items())
 
 
 def grow_checkpoint(src: Path, dst: Path, width: int, layers: int, dtype: str | None = None) -> Path:
