@@ -187,6 +187,22 @@ def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_pa
     assert max(len(s["items"]) for s in verify) > 1  # rounds really carried several items' rows
 
 
+def test_a_pipelined_batch_overlaps_draft_and_target_and_equals_batch1(tmp_path_factory, six, uninterrupted):
+    """Parallel SD over a batch on three ranks (`batching.pipelined`): the draft rank drafts every row in one
+    forward while the target rank verifies every ready window in one forward; every output is the batch-1
+    pipeline's, and both ranks' traces show forwards that carried several items."""
+    out = tmp_path_factory.mktemp("pipelined")
+    proc = run_job(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", "--set", "batching.pipelined=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_results(out, uninterrupted)
+    batching = json.loads((out / "summary.json").read_text())["run"]["batching"]
+    assert batching["pipelined"] and batching["rounds"] > 0
+    verify = [s for s in spans(out, "rank0_target") if s["name"] == "verify"]
+    assert max(len(s["items"]) for s in verify) > 1
+    drafted = [s for s in spans(out, "rank1_draft") if s["name"] == "draft_step"]
+    assert max(s["items"] for s in drafted) > 1
+
+
 def test_a_rerun_with_other_settings_is_refused_and_changes_nothing(six, uninterrupted):
     """Resuming would skip every finished id and mix two jobs in one results file."""
     before = (uninterrupted / "results.jsonl").read_text()

@@ -156,8 +156,15 @@ class BatchingConfig:
     # joins only while its cache (prompt + video + max_new_tokens + one window, both models) fits beside the
     # others'; one that does not fit alone fails with that error, and the job goes on.
     kv_budget_mib: float | None = None
+    # A parallel method over a batch: false (the default) runs draft and target in turns on the target's rank
+    # (decoders/batched.py), leaving the draft's core to prefill the next items; true runs them at the same
+    # time on their own ranks (roles/batch_target.py, roles/batch_draft.py), each forward carrying the batch.
+    # Which is faster depends on where the draft runs: see the README's "Many items in flight".
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pipelined, bool):
+            raise ValueError(f"batching.pipelined must be true or false, got {self.pipelined!r}")
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"batching.size must be an int >= 1, got {self.size!r}")
         if self.kv_budget_mib is not None and self.kv_budget_mib <= 0:

@@ -49,8 +49,11 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.pipeline.messages import Shutdown
+from vpsd.roles.batch_target import TargetBatchWorker
 from vpsd.roles.context import RoleContext
-from vpsd.roles.target import WorkItem, decode_item, finish_item
+from vpsd.roles.link import RankLink
+from vpsd.roles.starting import WorkItem
+from vpsd.roles.target import decode_item, finish_item
 from vpsd.tracing import get_logger
 from vpsd.video.errors import VideoError
 from vpsd.video.fit import fit_to_context
@@ -243,6 +246,60 @@ def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, 
     return failed
 
 
+def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
+                     reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
+    """A parallel method over a batch with the draft on its own rank (`batching.pipelined`): the target's worker
+    (roles/batch_target.py) verifies every ready window in one forward while the draft rank drafts every row in
+    one forward. Between rounds a free slot takes the next item (its video read ahead on a thread, its vision
+    and prefill here, the draft's overlapping on its rank); its line is written the moment it finishes. Returns
+    the failures."""
+    method = ctx.method.name
+    link = RankLink(ctx)
+    worker = TargetBatchWorker(link, target, cfg, cfg.batching.size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
+    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
+    queue = list(todo)
+    if queue:
+        prefetch.ahead(queue[0])
+    in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
+    failed = 0
+    while queue or worker.rows:
+        if queue and not worker.full:
+            it = queue.pop(0)
+            nxt = queue[0] if queue else None
+            if nxt is not None:
+                prefetch.ahead(nxt)  # read while this one prefills and the batch decodes
+            ctx.item_id = it.id
+            row, timings = _row(cfg, method, it), {}
+            try:
+                loaded = prefetch.take(it, timings, item=it.id)
+                timings.update(loaded.timings)
+                worker.admit(WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
+                                      reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
+                                      frame_times=loaded.times))
+                in_flight[it.id] = (row, timings, int(loaded.frames.shape[0]))
+            except (VideoError, ValueError) as e:
+                failed += 1
+                record(_failed_row(row, timings, e))
+        while link.poll():
+            worker.handle(*link.recv())
+        ran, finished = worker.step()
+        for item, res in finished:
+            row, timings, num_frames = in_flight.pop(item.id)
+            if isinstance(res, ValueError):
+                failed += 1
+                record(_failed_row(row, timings, res))
+                continue
+            stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": cfg.batching.size}
+            record({**row, "token_ids": res.token_ids, "error": None, "stats": stats,
+                    "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
+        if not (ran or finished) and worker.rows and (worker.full or not queue):
+            link.wait()  # nothing to verify and nothing to admit: the draft's next chunk
+    prefetch.close()
+    ctx.report["batching"] = worker.report()
+    get_logger().info("batching_done", **ctx.report["batching"])
+    return failed
+
+
 def _steal_one(ahead: deque, work: Callable) -> None:
     """Runs on this thread the last queued prefill that has not started (the pool's thread holds the others).
 
@@ -293,13 +350,13 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
                         "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
         progress.item_done(0, failed=True)
     target = load_adapter(cfg.family, cfg.target)
-    in_roles = ctx.method.runs_in_roles(cfg.batching.size)
+    in_roles = ctx.method.runs_in_roles(cfg.batching.size, cfg.batching.pipelined)
     draft = None
     if ctx.method.loads_draft_model and not in_roles:
         draft = load_draft(cfg.family, cfg.draft, target)
     reader = ItemReader(target, cfg)
     todo = [it for it in items if it.id not in done]
-    run = decode_in_batches if cfg.batching.size > 1 else decode_one_at_a_time
+    run = (decode_one_at_a_time if cfg.batching.size == 1 else decode_pipelined if in_roles else decode_in_batches)
     loop_start = time.perf_counter()
     failed += run(ctx, cfg, target, draft, reader, todo, lambda row: _record(results, progress, row))
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by

@@ -30,6 +30,7 @@ from vpsd.launch.preflight import checkpoint_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import BATCHABLE, get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
+from vpsd.roles.batch_draft import run_draft_batch
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
 from vpsd.storage import FULL, DiskFull
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     role = next((r for r, k in ranks.items() if k == rank), "spare")
     configure_tracing(out, role, rank)
     log = get_logger()
-    in_roles = method.runs_in_roles(cfg.batching.size)
+    in_roles = method.runs_in_roles(cfg.batching.size, cfg.batching.pipelined)
     if in_roles and world < len(ROLES):
         raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
     if role == "spare" or (not in_roles and role != "target"):
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             run_batch(ctx, args, cfg, out)
         elif role == "draft":
             device_cfg = cfg.draft or cfg.target
-            run_draft(ctx, load_adapter(cfg.family, device_cfg))
+            adapter = load_adapter(cfg.family, device_cfg)
+            (run_draft_batch if cfg.batching.size > 1 else run_draft)(ctx, adapter)
         else:
             run_pruner(ctx)
     except (RoleFailure, PeerTimeout) as e:

@@ -38,10 +38,11 @@ class Method:
         """Whether the batched engine (decoders/batched.py) runs it: a chain drafted by a pruned-input draft."""
         return self.tree is None and self.draft == "pruned_input"
 
-    def runs_in_roles(self, batch: int) -> bool:
-        """Whether the draft and pruner ranks take part: a parallel method at batch 1. At batch > 1 every
-        method runs in the batched engine on the target's rank (draft and target take turns there)."""
-        return self.parallel and batch == 1
+    def runs_in_roles(self, batch: int, pipelined: bool = False) -> bool:
+        """Whether the draft and pruner ranks take part: a parallel method at batch 1, or over a batch when the
+        batch is pipelined (`batching.pipelined`: draft and target overlap on their own ranks). Otherwise every
+        method at batch > 1 runs in the batched engine on the target's rank (draft and target take turns)."""
+        return self.parallel and (batch == 1 or pipelined)
 
     def draft_tree(self, setting: Any = None) -> DraftTree | None:
         """The tree this method drafts under the `decoding.tree` setting (None: it drafts a chain)."""

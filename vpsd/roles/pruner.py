@@ -14,52 +14,75 @@ from __future__ import annotations
 
 import torch
 
-
 from vpsd.decoders.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
-from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Shutdown, TensorAnnounce
+from vpsd.config import RunConfig
+from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Message, Shutdown, TensorAnnounce
 from vpsd.roles.context import RoleContext, RoleFailure
+from vpsd.roles.link import Link, RankLink
 from vpsd.roles.signals_wire import unpack
 from vpsd.tracing import get_logger, span
 
 log = get_logger()
 
 
-def run_pruner(ctx: RoleContext) -> None:
-    cfg = ctx.config.pruning
-    strategy = configured_strategy(cfg, ctx.config.family)
-    while True:
-        _, msg = ctx.recv("target")
+class PrunerWorker:
+    """The pruner's state and events: a JobStart names the item whose signals come next (`on_job`); the signals
+    become kept indices for the draft and a KeepIndices report for the target (`on_signals`). Items are served
+    in the order the target starts them, one or many in flight alike."""
+
+    def __init__(self, link: Link, cfg: RunConfig, out=None) -> None:
+        self.link, self.cfg, self.out = link, cfg.pruning, out
+        self.strategy = configured_strategy(cfg.pruning, cfg.family)
+        self.job: JobStart | None = None  # the item whose signals come next
+        self.stopped = False
+
+    def handle(self, src: str, msg: Message) -> None:
         if isinstance(msg, Shutdown):
-            return
-        if isinstance(msg, ItemDone):
-            continue
-        if not isinstance(msg, JobStart):
-            raise RoleFailure(f"pruner: unexpected {type(msg).__name__} between items")
-        ctx.item_id = msg.item_id
-        _, announce = ctx.recv("target")
-        if isinstance(announce, ItemDone):
-            continue  # the target gave the item up before sending signals
-        if not isinstance(announce, TensorAnnounce):
-            raise RoleFailure(f"pruner: expected the signals of item {msg.item_id}, got {type(announce).__name__}")
-        tensors = ctx.tensors.recv_announced(announce)
+            self.stopped = True
+        elif isinstance(msg, JobStart):
+            self.on_job(msg)
+        elif isinstance(msg, TensorAnnounce) and self.job is not None:
+            self.on_signals(msg)
+        elif isinstance(msg, ItemDone):
+            if self.job is not None and msg.item_id == self.job.item_id:
+                self.job = None  # the target gave the item up before sending its signals
+        else:
+            raise RoleFailure(f"pruner: unexpected {type(msg).__name__} from {src}")
+
+    def on_job(self, job: JobStart) -> None:
+        self.job = job
+
+    def on_signals(self, announce: TensorAnnounce) -> None:
+        job, self.job = self.job, None
+        tensors = self.link.recv_tensors(announce)
         signals, layout = unpack(announce.tag, tensors)
+        cfg = self.cfg
         ratio = cfg.applied_ratio
-        with span("prune", item=msg.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
+        with span("prune", item=job.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
             if ratio == 0.0:
                 keep = torch.arange(layout.num_tokens)
             else:
-                keep = strategy.select(signals, layout, ratio, cfg.seed + msg.seed)
+                keep = self.strategy.select(signals, layout, ratio, cfg.seed + job.seed)
         keep = keep.long()
         check_keep(keep, layout, ratio)
-        with span("send", item=msg.item_id, what="keep"):
+        with span("send", item=job.item_id, what="keep"):
             # With the target's token grid, which the draft checks its own against.
             grid = torch.tensor(layout.grid, dtype=torch.long)
-            ctx.tensors.send(ctx.ranks["draft"], [keep, grid], tag=f"keep:{msg.item_id}").wait()
-        ctx.send("target", KeepIndices(msg.item_id, int(keep.numel())))
-        if ctx.out is not None:
-            append_kept(ctx.out, KeptRecord(msg.item_id, cfg.strategy, ratio, keep, layout))
+            self.link.send_tensors("draft", [keep, grid], tag=f"keep:{job.item_id}").wait()
+        self.link.send("target", KeepIndices(job.item_id, int(keep.numel())))
+        if self.out is not None:
+            append_kept(self.out, KeptRecord(job.item_id, cfg.strategy, ratio, keep, layout))
+
+
+def run_pruner(ctx: RoleContext) -> None:
+    link = RankLink(ctx)
+    worker = PrunerWorker(link, ctx.config, ctx.out)
+    while not worker.stopped:
+        src, msg = link.recv("target")
+        ctx.item_id = getattr(msg, "item_id", ctx.item_id)
+        worker.handle(src, msg)
 
 
 def check_keep(keep: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> None:

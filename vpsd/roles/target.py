@@ -10,20 +10,15 @@ through the reference decoders, so every method is measured through the same lau
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.serial import decode_serial
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.prompt import ControlText
-from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, KeepIndices, TensorAnnounce
-from vpsd.pipeline.pruning.strategies import STRATEGIES
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, TensorAnnounce
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.reports.kept_log import KeptRecord, append_kept
@@ -31,26 +26,11 @@ from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleContext, RoleFailure
-from vpsd.roles.signals_wire import pack
+from vpsd.roles.link import RankLink
+from vpsd.roles.starting import WorkItem, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
 
 log = get_logger()
-
-
-@dataclass
-class WorkItem:
-    """One manifest item as the target needs it (the launcher builds these, video already read)."""
-
-    id: str
-    prompt: str
-    max_new_tokens: int
-    frames: np.ndarray  # (T, H, W, 3) uint8, read, scaled and fitted to the context by the launcher
-    # How the draft reads the same frames, and the next item's so it can read that one ahead
-    # (vpsd.video.item.FrameRequest.to_wire; see vpsd.video.prefetch).
-    video: dict = field(default_factory=dict)
-    next_video: dict | None = None
-    extra: dict = field(default_factory=dict)
-    frame_times: np.ndarray | None = None  # (T,) seconds each frame was taken (None: the family's default rate)
 
 
 def decode_item(ctx: RoleContext, target: VideoLMAdapter, draft: VideoLMAdapter | None, item: WorkItem) -> DecodeResult:
@@ -78,22 +58,13 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
     if ctx.window is None:
         ctx.window = dec.window()
     window = ctx.window
-    job = JobStart(
-        job_id=ctx.job_id,
-        item_id=item.id,
-        seed=seed,
-        max_new_tokens=item.max_new_tokens,
-        gamma=window.gamma,
-        extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
-               "prompt_special_tokens": isinstance(item.prompt, ControlText)},
-        eos_token_ids=list(target.eos_token_ids),
-    )
+    job = job_start(ctx.job_id, item, seed, window.gamma, target)
     ctx.send("draft", job)
     ctx.send("pruner", job)
     with span("item", item=item.id, method=ctx.method.name):
         with span("vision", item=item.id):
             emb = target.embed(target.prepare(frames, item.prompt, item.frame_times))
-        pre = _prefill_streaming_signals(ctx, target, emb, item)
+        pre = prefill_streaming_signals(RankLink(ctx), ctx.config.pruning, target, emb, item.id, ctx.timeout_s)
         t1 = time.perf_counter()
         result = _verify_loop(ctx, target, pre, item, dec, window)
         with span("recv_wait", item=item.id, what="keep_report"):
@@ -102,34 +73,6 @@ def _decode_parallel(ctx: RoleContext, target: VideoLMAdapter, frames, item: Wor
     result.decode_s = time.perf_counter() - t1
     result.num_video_tokens = emb.layout.num_tokens
     return result
-
-
-def _prefill_streaming_signals(ctx: RoleContext, target: VideoLMAdapter, emb, item: WorkItem):
-    """Full prefill; the pruner's signals leave as early as they exist, so it and the draft's pruned prefill
-    overlap the rest of this prefill (HIPPO's synchronous draft-target prefill, ParallelVLM's streaming).
-
-    Signals measured by the prefill (attention, hidden states) leave from inside it, right after layer L-1
-    (models/signals.py calls back there; the send is non-blocking and the prefill goes on); a strategy that
-    reads none of them gets its signals before the prefill starts. Returns the PrefillResult.
-    """
-    cfg = ctx.config.pruning
-    base = {"visual_embeds": emb.visual_embeds.float()} if STRATEGIES[cfg.strategy].needs_visual_embeds else {}
-    in_flight = []
-
-    def send(measured: dict[str, torch.Tensor]) -> None:
-        tag, tensors = pack({**base, **measured}, emb.layout)
-        with span("send", item=item.id, what="signals"):
-            in_flight.append(ctx.tensors.send(ctx.ranks["pruner"], tensors, tag=tag))
-
-    attention, hidden = signals_needed(cfg)
-    if not (attention or hidden):
-        send({})
-    with span("prefill", item=item.id, tokens=emb.seq_len):
-        pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()), parallel=True)
-    pre.signals = None  # sent; not needed while decoding
-    for handle in in_flight:
-        handle.wait(ctx.timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
-    return pre
 
 
 def _recv_keep_report(ctx: RoleContext, item_id: str) -> int:

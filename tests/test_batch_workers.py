@@ -1,0 +1,179 @@
+"""Parallel speculative decoding over a batch, worker by worker, in one process: the target, draft and pruner
+workers (roles/batch_target.py, roles/batch_draft.py, roles/pruner.py) speak their msgpack protocol over an
+in-memory link, and a seeded scheduler interleaves them at random: messages delayed, verdicts arriving while
+the draft is several chunks ahead, items joining mid-batch. Whatever the interleaving, every item's output is
+its batch-1 `ar` output (greedy, fp32; the margin-aware checker judges any difference), for pearl, hippo and
+parallelvlm on all three families at B = 2 and 8. The real thing, over torchrun, is tests/test_batch_torchrun.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from tests.conftest import config_path, random_frames, tiny_pair
+from vpsd.config import load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
+from vpsd.pipeline.messages import DraftChunk, Error, VerifyResult, decode
+from vpsd.roles.batch_draft import DraftBatchWorker
+from vpsd.roles.batch_target import TargetBatchWorker
+from vpsd.roles.link import Idle, MemoryHub
+from vpsd.roles.pruner import PrunerWorker
+from vpsd.roles.starting import WorkItem
+
+PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
+
+
+def work_items(n: int, max_new: int = 14) -> list[WorkItem]:
+    return [WorkItem(f"item-{i}", PROMPTS[i % 3], max_new - 2 * (i % 3), random_frames(10 + i, t=4 + 2 * (i % 2)),
+                     video={"item": f"item-{i}"}) for i in range(n)]
+
+
+class FramesInMemory:
+    """The draft's frame source for items that never were files: the same frames the target got."""
+
+    def __init__(self, items: list[WorkItem]) -> None:
+        self.frames = {it.id: it.frames for it in items}
+
+    def take(self, wire):
+        return self.frames[wire["item"]], None, {}
+
+    def ahead(self, wire) -> None:
+        pass
+
+
+class Pipeline:
+    """Target, draft and pruner workers on one in-memory hub, and a scheduler that interleaves them."""
+
+    def __init__(self, family: str, method: str, size: int, todo: list[WorkItem], overrides: dict,
+                 draft_is_target: bool) -> None:
+        strategy = {"pearl": "none", "hippo": "hippo", "parallelvlm": "uv"}[method]
+        self.cfg = load_config(config_path(family), {"pruning.strategy": strategy, "pruning.ratio":
+                                                      0.0 if strategy == "none" else 0.5, **overrides})
+        target, smaller = tiny_pair(family)
+        self.target = target
+        self.hub = MemoryHub(["target", "draft", "pruner"])
+        self.tw = TargetBatchWorker(self.hub.link("target"), target, self.cfg, size)
+        self.dw = DraftBatchWorker(self.hub.link("draft"), target if draft_is_target else smaller, self.cfg,
+                                   FramesInMemory(todo))
+        self.pw = PrunerWorker(self.hub.link("pruner"), self.cfg)
+        self.queue = list(todo)
+        self.results: dict[str, object] = {}
+
+    def _deliver(self, role: str, worker) -> bool:
+        link = self.hub.link(role)
+        if not link.poll():
+            return False
+        worker.handle(*link.recv())
+        return True
+
+    def _target_step(self) -> bool:
+        ran, finished = self.tw.step()
+        for item, res in finished:
+            self.results[item.id] = res
+        return ran or bool(finished)
+
+    def run(self, seed: int, max_turns: int = 50_000) -> dict:
+        rng = random.Random(seed)
+        actions = {
+            "admit": lambda: bool(self.queue) and not self.tw.full and (self.tw.admit(self.queue.pop(0)) or True),
+            "target_msg": lambda: self._deliver("target", self.tw),
+            "target_step": self._target_step,
+            "draft_msg": lambda: self._deliver("draft", self.dw),
+            "draft_step": self.dw.step,
+            "pruner_msg": lambda: self._deliver("pruner", self.pw),
+        }
+        names = list(actions)
+        idle = 0
+        for _ in range(max_turns):
+            if not self.queue and not self.tw.rows:
+                while self._deliver("draft", self.dw) or self._deliver("pruner", self.pw):
+                    pass  # the ItemDone tails
+                return self.results
+            name = rng.choice(names)
+            try:
+                moved = actions[name]()
+            except Idle:
+                moved = False
+            idle = 0 if moved else idle + 1
+            assert idle < 200, f"no worker can move: a deadlock ({name})"
+        raise AssertionError("the pipeline did not finish")
+
+
+CASES = [("pearl", False), ("hippo", True), ("parallelvlm", False)]
+
+
+@pytest.mark.parametrize("size", [2, 8])
+@pytest.mark.parametrize("method,draft_is_target", CASES, ids=[c[0] for c in CASES])
+def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, method, draft_is_target):
+    todo = work_items(9 if size == 8 else 4)
+    refs = {}
+    for seed in (0, 1):
+        pipe = Pipeline(family, method, size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0},
+                        draft_is_target)
+        got = pipe.run(seed)
+        assert set(got) == {it.id for it in todo}
+        assert not pipe.dw.rows and pipe.dw.batch.size == 0 and not pipe.dw.waiting  # every row left the draft
+        tolerance = TIE_TOLERANCE[pipe.target.model.dtype]
+        for it in todo:
+            if it.id not in refs:
+                one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+                refs[it.id] = decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
+            div = first_divergence(pipe.target, it.frames, it.prompt, refs[it.id], got[it.id].token_ids)
+            assert judge(div, tolerance), (it.id, seed, div)
+        if draft_is_target:  # the target drafting for itself on pruned video still agrees, mostly
+            assert sum(r.stats.accepted_tokens for r in got.values()) > 0
+
+
+def test_verdicts_roll_the_draft_back_and_stale_chunks_are_dropped():
+    """A small draft that disagrees: rollbacks happen, chunks drafted before them arrive late and are dropped
+    by epoch, and the outputs are still ar's."""
+    todo = work_items(3, max_new=16)
+    pipe = Pipeline("qwen2_5_vl", "pearl", 3, todo, {"decoding.gamma": 4, "decoding.temperature": 0.0}, False)
+    got = pipe.run(seed=5)
+    assert sum(r.stats.rollbacks for r in got.values()) > 0
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
+
+
+def test_a_draft_error_fails_its_item_alone():
+    """The draft reports it cannot draft one item (an Error naming it): that item fails with the draft's message,
+    its ItemDone frees the draft's row, and every other item finishes as ar decodes it."""
+    todo = work_items(3, max_new=10)
+    pipe = Pipeline("qwen2_5_vl", "pearl", 3, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0}, False)
+    for it in todo:
+        pipe.tw.admit(it)
+    pipe.queue.clear()
+    pipe.tw.handle("draft", Error("draft", 1, "item-1", "its grid differs"))
+    got = pipe.run(seed=2)
+    assert isinstance(got["item-1"], ValueError) and "its grid differs" in str(got["item-1"])
+    assert "item-1" not in pipe.dw.rows and pipe.dw.batch.size == 0
+    for it in (todo[0], todo[2]):
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
+
+
+def test_the_workers_speak_the_wire_protocol():
+    """What crosses the in-memory link is the msgpack the rank transport carries: every queued message decodes
+    to its registered type, chunks name their items, and each verdict answers a chunk of the same item."""
+    todo = work_items(2, max_new=8)
+    pipe = Pipeline("qwen2_5_vl", "pearl", 2, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0}, False)
+    for it in todo:
+        pipe.tw.admit(it)
+    pipe.queue.clear()
+    while pipe._deliver("pruner", pipe.pw) or pipe._deliver("draft", pipe.dw):
+        pass
+    while pipe.dw.step():
+        pass
+    chunks = [m for m in (decode(data) for _, data in pipe.hub.inbox["target"]) if isinstance(m, DraftChunk)]
+    assert {c.item_id for c in chunks} == {"item-0", "item-1"}
+    while pipe._deliver("target", pipe.tw):
+        pass
+    ran, _ = pipe.tw.step()
+    assert ran
+    verdicts = [m for m in (decode(data) for _, data in pipe.hub.inbox["draft"]) if isinstance(m, VerifyResult)]
+    assert {v.item_id for v in verdicts} == {"item-0", "item-1"}
+    assert all(v.start == 0 for v in verdicts)  # both first chunks, verified in one forward

@@ -1,0 +1,239 @@
+"""The draft role with many items in flight: every item's DraftMachine, one batched draft forward per step.
+
+Parallel speculative decoding over a batch (`--batch N` with `batching.pipelined: true`): the draft rank drafts
+for every item at once while the target rank verifies every ready window at once (roles/batch_target.py), so
+the two overlap as they do at batch 1, and each of their forwards carries the whole batch.
+
+Per item, exactly the batch-1 draft role's protocol and meaning (roles/draft.py): a JobStart from the target,
+the video read by the same request (read ahead while the batch drafts), the draft's vision tower, the kept
+indices from the pruner, the pruned prefill (batch 1, then a row of the draft's `BatchedCache`), then chunks out
+and verdicts in, each applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs,
+rollback), until the target's ItemDone. What is batched is only the forward:
+
+  step():  1. every row that may draft proposes its next token from its last logits row (greedy, or sampled
+              from its own random stream, seeded as its batch-1 run seeds it) and sends what is ready;
+           2. ONE forward feeds every row what its cache lacks: the token it just proposed, or after a
+              rollback the target's token (`CacheCursor.sync`, a per-row rollback in the batch);
+           3. each row's last logits row is what its next proposal reads.
+
+Proposing before the forward is the batch-1 order too: a chunk leaves the moment its last token is known,
+and the forward only prepares the next proposal. A row that has drafted `lookahead` tokens past what the
+target confirmed, or reached its item's end, waits (no forward) for its verdicts; the step runs the rows that
+can move. Events arrive through `handle` (one method per message kind) and `step` is the work between them:
+the role's loop (`serve_draft_batch`) and the in-process tests drive the same worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from vpsd.config import RunConfig
+from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.batch import BatchedCache
+from vpsd.models.prompt import ControlText
+from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Message, Shutdown, TensorAnnounce, VerifyResult
+from vpsd.pipeline.sampling import probs_from_logits, sample
+from vpsd.pipeline.state_machine import DraftMachine, Mode
+from vpsd.pipeline.stopping import done
+from vpsd.roles.context import RoleContext
+from vpsd.roles.link import Link, RankLink
+from vpsd.tracing import get_logger, mark, span
+from vpsd.video.errors import VideoError
+from vpsd.video.prefetch import FramePrefetcher
+
+log = get_logger()
+
+
+class FrameSource(Protocol):
+    """Frames by the target's wire request (vpsd.video.prefetch.FramePrefetcher on a rank)."""
+
+    def take(self, wire: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
+
+    def ahead(self, wire: dict[str, Any] | None) -> None: ...
+
+
+@dataclass
+class DraftRow:
+    """One item being drafted for: its machine, its cache's bookkeeping and its random stream."""
+
+    job: JobStart
+    machine: DraftMachine
+    cursor: CacheCursor
+    gen: torch.Generator
+    last: torch.Tensor | None  # logits row for position len(cursor.fed): what the next proposal reads
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q, when sampling
+
+    def stopped(self) -> bool:
+        return done(self.machine.sequence, self.job.max_new_tokens, self.job.eos_token_ids)
+
+    def can_propose(self) -> bool:
+        return (self.last is not None and len(self.cursor.fed) == len(self.machine.sequence)
+                and self.machine.may_draft() and not self.stopped())
+
+
+class DraftBatchWorker:
+    """The draft rank's state over a batch (see the module docstring)."""
+
+    def __init__(self, link: Link, draft: VideoLMAdapter, cfg: RunConfig, videos: FrameSource) -> None:
+        self.link, self.draft, self.cfg, self.videos = link, draft, cfg, videos
+        self.batch = BatchedCache(draft)
+        self.rows: dict[str, DraftRow] = {}
+        self.waiting: dict[str, tuple[JobStart, SequenceEmbeddings | None]] = {}  # vision done, kept set not yet
+        self.step_s = 0.0  # running mean of one batched step: T_q(B), sent with every chunk (pipeline/window.py)
+        self.steps = 0
+        self.stopped = False
+
+    # ---- events -------------------------------------------------------------------------------------
+
+    def handle(self, src: str, msg: Message) -> None:
+        if isinstance(msg, Shutdown):
+            self.stopped = True
+        elif isinstance(msg, JobStart):
+            self.on_job(msg)
+        elif isinstance(msg, TensorAnnounce) and msg.tag.startswith("keep:"):
+            self.on_keep(msg)
+        elif isinstance(msg, VerifyResult):
+            self.on_verdict(msg)
+        elif isinstance(msg, ItemDone):
+            self.on_item_done(msg)
+        elif isinstance(msg, TensorAnnounce):
+            self.link.recv_tensors(msg)  # nothing else is sent to a batched draft; take it off the wire
+            log.warning("unexpected_tensors", tag=msg.tag)
+        else:
+            log.warning("unexpected_message", type=type(msg).__name__, src=src)
+
+    def on_job(self, job: JobStart) -> None:
+        """A new item: read its video (the same request the target read) and run the vision tower now, so the
+        pruned prefill can start the moment the kept indices arrive."""
+        emb = None
+        try:
+            frames, times, _ = self.videos.take(job.extra["video"])
+        except VideoError as e:
+            # The target read the same file; if it could, the draft cannot draft this item: the target fails
+            # it with this message (and its ItemDone ends it here).
+            self.link.send("target", Error("draft", self.link.rank, job.item_id, f"draft could not read the video: {e}"))
+            frames = None
+        self.videos.ahead(job.extra.get("next_video"))
+        if frames is not None:
+            extra = job.extra
+            prompt = ControlText(extra["prompt"]) if extra.get("prompt_special_tokens") else extra["prompt"]
+            with span("vision", item=job.item_id):
+                emb = self.draft.embed(self.draft.prepare(frames, prompt, times))
+        self.waiting[job.item_id] = (job, emb)
+
+    def on_keep(self, announce: TensorAnnounce) -> None:
+        """The pruner's kept indices: the item's pruned prefill becomes a row of the batch."""
+        keep, grid = self.link.recv_tensors(announce)
+        item_id = announce.tag[len("keep:"):]
+        job, emb = self.waiting.pop(item_id, (None, None))
+        if job is None or emb is None:
+            return  # given up already, or no video here (the target was told)
+        try:
+            emb.layout.check_same_grid(tuple(int(v) for v in grid))  # the serial path's check (decoders/sd.py)
+        except ValueError as e:
+            self.link.send("target", Error("draft", self.link.rank, item_id, str(e)))
+            return
+        with span("prefill", item=item_id, kept=int(keep.numel()), draft="pruned_input"):
+            pre = self.draft.prefill(emb, keep=keep)
+        dec = self.cfg.decoding
+        machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
+        gen = torch.Generator().manual_seed(dec.seed + job.seed + 1)  # as the batch-1 draft role seeds it
+        self.rows[item_id] = DraftRow(job, machine, CacheCursor(pre.state.length), gen, pre.logits)
+        self.batch.join(item_id, pre.state)
+
+    def on_verdict(self, v: VerifyResult) -> None:
+        row = self.rows.get(v.item_id)
+        if row is None:
+            return  # the tail of an item that has left
+        machine = row.machine
+        dec = self.cfg.decoding
+        if v.gamma and v.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
+            machine.set_gamma(v.gamma, dec.lookahead_for(v.gamma))
+        if machine.on_verdict(v.epoch, v.committed_len, v.next_token, v.rollback, Mode(v.mode)):
+            mark("rollback", item=v.item_id, epoch=v.epoch, committed=v.committed_len)
+            length, _ = row.cursor.sync(machine.sequence)  # the next step feeds what the cache lacks
+            self.batch.rollback(v.item_id, length)
+            row.last = None  # the target's token replaced the rejected one: the cache lacks it
+
+    def on_item_done(self, msg: ItemDone) -> None:
+        self.waiting.pop(msg.item_id, None)
+        if self.rows.pop(msg.item_id, None) is not None:
+            self.batch.leave(msg.item_id)
+
+    # ---- work ---------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Proposes for every row that can, sends what is ready, and runs one batched forward for every row
+        whose cache lacks tokens of its sequence. False when no row could move (wait for a message)."""
+        temperature = self.cfg.decoding.temperature
+        proposed = 0
+        for item_id, row in self.rows.items():
+            if row.can_propose():
+                pos = len(row.machine.sequence)
+                if temperature == 0.0:
+                    token = int(row.last.argmax())
+                else:
+                    q = probs_from_logits(row.last, temperature)
+                    row.probs[pos] = q
+                    token = sample(q, row.gen)
+                row.machine.record_proposal(token)
+                proposed += 1
+            self._send_ready(item_id, row)
+        feed = {}
+        for item_id, row in self.rows.items():
+            length, pending = row.cursor.sync(row.machine.sequence)
+            if pending and not row.stopped():  # a finished row's last proposal is never fed (as sd.draft_chunk)
+                self.batch.rollback(item_id, length)
+                feed[item_id] = pending
+        if not feed:
+            return proposed > 0
+        t0 = time.perf_counter()
+        with span("draft_step", items=len(feed), rows=sum(len(t) for t in feed.values())):
+            logits = self.batch.step(feed)
+        for item_id, rows in logits.items():
+            row = self.rows[item_id]
+            row.cursor.feed(feed[item_id])
+            row.last = rows[-1]
+        dt = time.perf_counter() - t0
+        self.step_s = dt if self.step_s == 0.0 else 0.8 * self.step_s + 0.2 * dt
+        self.steps += 1
+        return True
+
+    def _send_ready(self, item_id: str, row: DraftRow) -> None:
+        machine = row.machine
+        while (chunk := machine.ready_chunk(flush=row.stopped())) is not None:
+            start, tokens = chunk
+            has_probs = self.cfg.decoding.temperature > 0
+            with span("send", item=item_id, what="chunk", start=start, tokens=len(tokens), epoch=machine.epoch):
+                self.link.send("target", DraftChunk(item_id, machine.epoch, start, tokens, has_probs, self.step_s))
+            if has_probs:
+                q = torch.stack([row.probs.pop(start + i) for i in range(len(tokens))])
+                self.link.send_tensors("target", [q], tag="draft_probs", epoch=machine.epoch).wait()
+
+
+def serve_draft_batch(link: Link, worker: DraftBatchWorker) -> None:
+    """The draft rank's loop: every message that has arrived is handled (verdicts first: a rollback must abort
+    drafting at once), then one step; with nothing to do, wait for the target or the pruner."""
+    while not worker.stopped:
+        while link.poll():
+            worker.handle(*link.recv())
+            if worker.stopped:
+                return
+        if not worker.step():
+            link.wait()
+
+
+def run_draft_batch(ctx: RoleContext, draft: VideoLMAdapter) -> None:
+    """The draft rank of a pipelined batch: the worker over the rank's transport, videos read ahead."""
+    videos = FramePrefetcher()
+    try:
+        link = RankLink(ctx)
+        serve_draft_batch(link, DraftBatchWorker(link, draft, ctx.config, videos))
+    finally:
+        videos.close()

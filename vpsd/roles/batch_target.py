@@ -1,0 +1,240 @@
+"""The target role with many items in flight: every item's TargetMachine, one batched verify per round.
+
+Parallel speculative decoding over a batch (`--batch N` with `batching.pipelined: true`; the draft side is
+roles/batch_draft.py). Per item, exactly the batch-1 target role's protocol and meaning (roles/target.py):
+JobStart to the draft and the pruner, the vision tower, the full prefill streaming the pruner its signals,
+then the item's chunks verified in order by its own `TargetMachine` (stale epochs dropped, the kept row of an
+all-accepted chunk verifying the next chunk's first token, optimistic and conservative modes), each verdict
+sent back at once, and ItemDone when its output is complete. What is batched is only the forward:
+
+  step():  every item with a verifiable chunk contributes its window (and any committed token its cache
+           lacks, `CacheCursor.verify_feed`); ONE forward of the target's `BatchedCache` scores every window
+           (ragged rows, padded with holes); each item's window is verified on its own rows (`verify_chunk`:
+           greedy, or the speculative-sampling rule with the item's own random stream, seeded as its batch-1
+           run seeds it), and its verdict leaves.
+
+An item with no chunk ready is not fed (its row is a hole in that forward) and keeps its kept row. One chunk
+per item per round: a second chunk of the same item starts where the first ends, and is verified next round
+(the draft only runs `lookahead` tokens ahead, so at most one more waits).
+
+The window: one `WindowController` for the batch (pipeline/window.py, Eq. 6 and Theorem 6 per row), fed the
+batch's own costs: T_q is the draft's batched step (sent with every chunk), T_p(k) the batched verify at the
+current batch size. Matching gamma T_q(B) to T_p(B, gamma + 1) is Eq. 6 with both sides measured at B; as B
+moves, the line follows within a few rounds (its history decays).
+
+Events arrive through `handle` (one method per message kind), `admit` takes a new item, and `step` is the
+work between them: the launcher's loop (launch/batch.py) and the in-process tests drive the same worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from vpsd.config import RunConfig
+from vpsd.decoders.result import DecodeResult
+from vpsd.models.base import VideoLMAdapter
+from vpsd.models.batch import BatchedCache
+from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, TensorAnnounce
+from vpsd.pipeline.state_machine import Drop, TargetMachine
+from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.verification import verify_chunk, window_rows
+from vpsd.pipeline.window import WindowController
+from vpsd.roles.context import RoleFailure
+from vpsd.roles.link import Link
+from vpsd.roles.starting import WorkItem, job_start, prefill_streaming_signals
+from vpsd.tracing import get_logger, mark, span
+
+log = get_logger()
+
+
+@dataclass
+class TargetRow:
+    """One item in flight on the target: its machine, its cache's bookkeeping, its stream and statistics."""
+
+    item: WorkItem
+    machine: TargetMachine
+    cursor: CacheCursor
+    kept_row: torch.Tensor | None  # the target's row for position len(committed), when it holds one
+    gen: torch.Generator
+    result: DecodeResult
+    decode_start: float
+    chunks: deque = field(default_factory=deque)  # (DraftChunk, q or None) not yet verified, in arrival order
+    windows: list[int] = field(default_factory=list)  # the window each verified chunk was drafted under
+    first_chunk_wait: float | None = None
+    error: str | None = None  # the draft could not draft it (its Error); the item fails with this
+
+
+class TargetBatchWorker:
+    """The target rank's state over a batch (see the module docstring)."""
+
+    def __init__(self, link: Link, target: VideoLMAdapter, cfg: RunConfig, size: int, job_id: str = "",
+                 timeout_s: float = 60.0) -> None:
+        self.link, self.target, self.cfg, self.size = link, target, cfg, size
+        self.job_id, self.timeout_s = job_id, timeout_s
+        self.window: WindowController = cfg.decoding.window()  # one window for the job (gamma auto learns)
+        self.batch = BatchedCache(target)
+        self.rows: dict[str, TargetRow] = {}
+        self.num_kept: dict[str, int] = {}  # the pruner's reports, by item
+        self.rounds = 0
+        self.batch_sizes: list[int] = []  # items verified per round
+        self.verify_s: list[float] = []
+
+    @property
+    def full(self) -> bool:
+        return len(self.rows) >= self.size
+
+    # ---- events -------------------------------------------------------------------------------------
+
+    def admit(self, item: WorkItem) -> None:
+        """Starts an item: the draft and the pruner are told, then the vision tower and the full prefill run here
+        (the pruner's signals leave from inside it). A ValueError fails the item alone: its ItemDone goes out."""
+        t0 = time.perf_counter()
+        dec = self.cfg.decoding
+        job = job_start(self.job_id, item, int(dec.seed), self.window.gamma, self.target)
+        self.link.send("draft", job)
+        self.link.send("pruner", job)
+        try:
+            with span("vision", item=item.id):
+                emb = self.target.embed(self.target.prepare(item.frames, item.prompt, item.frame_times))
+            pre = prefill_streaming_signals(self.link, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
+        except ValueError as e:
+            self._item_done(item.id, [], {"type": type(e).__name__, "message": str(e)})
+            raise
+        machine = TargetMachine(item.max_new_tokens, frozenset(self.target.eos_token_ids), item_id=item.id)
+        result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=time.perf_counter() - t0,
+                              num_video_tokens=emb.layout.num_tokens)
+        self.rows[item.id] = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
+                                       torch.Generator().manual_seed(int(dec.seed)), result, time.perf_counter())
+        self.batch.join(item.id, pre.state)
+        log.info("item_admitted", item=item.id, in_flight=len(self.rows))
+
+    def handle(self, src: str, msg: Message) -> None:
+        if isinstance(msg, DraftChunk):
+            q = None
+            if msg.has_probs:
+                _, announce = self.link.recv("draft")
+                if not isinstance(announce, TensorAnnounce):
+                    raise RoleFailure(f"target: chunk announced probabilities, got {type(announce).__name__}")
+                q = self.link.recv_tensors(announce)[0]
+            self.on_chunk(msg, q)
+        elif isinstance(msg, KeepIndices):
+            self.num_kept[msg.item_id] = msg.num_kept
+        elif isinstance(msg, Error):
+            self.on_error(msg)
+        else:
+            log.warning("unexpected_message", type=type(msg).__name__, src=src)
+
+    def on_chunk(self, chunk: DraftChunk, q: torch.Tensor | None) -> None:
+        row = self.rows.get(chunk.item_id)
+        if row is not None:  # else the tail of an item that finished
+            row.chunks.append((chunk, q))
+            self.window.observe_draft_step(chunk.draft_step_s)
+
+    def on_error(self, err: Error) -> None:
+        row = self.rows.get(err.item_id)
+        if row is not None:
+            row.error = f"{err.role} (rank {err.rank}): {err.message}"
+
+    # ---- work ---------------------------------------------------------------------------------------
+
+    def step(self) -> tuple[bool, list[tuple[WorkItem, DecodeResult | ValueError]]]:
+        """One round: every item with a verifiable chunk is verified in ONE forward. Returns (whether a forward
+        ran, the items that finished with their results or the error that failed them)."""
+        ready: dict[str, tuple[DraftChunk, torch.Tensor | None, bool]] = {}
+        for item_id, row in self.rows.items():
+            while row.chunks and row.error is None:
+                chunk, q = row.chunks.popleft()
+                decision = row.machine.on_chunk(chunk.epoch, chunk.start, len(chunk.token_ids))
+                if isinstance(decision, Drop):
+                    log.debug("chunk_dropped", item=item_id, reason=decision.reason, epoch=chunk.epoch, start=chunk.start)
+                    continue
+                ready[item_id] = (chunk, q, decision.use_kept_row)
+                break
+        if ready:
+            self._verify(ready)
+        finished = []
+        for item_id in [k for k, r in self.rows.items() if r.machine.done or r.error is not None]:
+            finished.append(self._finish(item_id))
+        return bool(ready), finished
+
+    def _verify(self, ready: dict[str, tuple[DraftChunk, torch.Tensor | None, bool]]) -> None:
+        dec = self.cfg.decoding
+        feed, first = {}, {}
+        for item_id, (chunk, _, use_kept_row) in ready.items():
+            row = self.rows[item_id]
+            if row.first_chunk_wait is None:
+                row.first_chunk_wait = time.perf_counter() - row.decode_start
+                mark("first_chunk", item=item_id, wait_s=row.first_chunk_wait)
+            length, feed[item_id], first[item_id] = row.cursor.verify_feed(row.machine.committed, list(chunk.token_ids))
+            if use_kept_row != (first[item_id] < 0):
+                raise RoleFailure(f"target: the cache of item {item_id} disagrees with its committed tokens")
+            self.batch.rollback(item_id, length)
+        fed = max(len(t) for t in feed.values())
+        self.batch_sizes.append(len(ready))
+        with span("verify", round=self.rounds, items=list(ready), tokens=sum(len(t) for t in feed.values()),
+                  rows=fed, gamma=self.window.gamma) as fields:
+            t0 = time.perf_counter()
+            logits = (self.batch.step_rowwise if dec.exact_verify else self.batch.step)(feed)
+            self.verify_s.append(time.perf_counter() - t0)
+            self.window.observe_verify(fed, self.verify_s[-1])
+            accepted = 0
+            for item_id, (chunk, q, _) in ready.items():
+                accepted += self._commit(self.rows[item_id], list(chunk.token_ids), q, logits[item_id], first[item_id])
+            fields.update(accepted=accepted)
+        self.rounds += 1
+
+    def _commit(self, row: TargetRow, tokens: list[int], q: torch.Tensor | None, logits: torch.Tensor,
+                first: int) -> int:
+        """Verifies one item's window on its rows, commits what its batch-1 run would, sends the verdict."""
+        rows = window_rows(logits, first, row.kept_row)
+        v = verify_chunk(tokens, q, rows, self.cfg.decoding.temperature, row.gen)
+        self.window.observe_round(v.num_accepted, v.num_drafted)
+        row.windows.append(self.window.gamma)
+        before = len(row.machine.committed)
+        verdict = row.machine.on_verified(tokens, v.num_accepted, v.next_token, self.window.pre_verify(),
+                                          self.window.gamma)
+        row.kept_row = None if verdict.rollback else rows[-1]
+        row.result.stats.record(v.num_accepted, v.num_drafted, verdict.committed_len - before)
+        if verdict.rollback:
+            row.result.stats.rollbacks += 1
+        self.link.send("draft", verdict)
+        return v.num_accepted
+
+    def _finish(self, item_id: str) -> tuple[WorkItem, DecodeResult | ValueError]:
+        row = self.rows.pop(item_id)
+        self.batch.leave(item_id)
+        if row.error is not None:
+            self._item_done(item_id, [], {"type": "ValueError", "message": row.error})
+            return row.item, ValueError(row.error)
+        tokens = row.machine.output()
+        self._item_done(item_id, tokens, None)
+        r = row.result
+        r.token_ids = tokens
+        r.decode_s = time.perf_counter() - row.decode_start
+        r.timings["first_chunk_wait"] = row.first_chunk_wait or 0.0
+        r.gamma = sum(row.windows) / len(row.windows) if row.windows else float(self.window.gamma)
+        r.num_kept = self._keep_report(item_id)
+        return row.item, r
+
+    def _keep_report(self, item_id: str) -> int:
+        """The pruner's count for the item; it is sent before the draft can draft, but may still be on the wire."""
+        while item_id not in self.num_kept:
+            src, msg = self.link.recv("pruner")
+            self.handle(src, msg)
+        return self.num_kept.pop(item_id)
+
+    def _item_done(self, item_id: str, tokens: list[int], error: dict | None) -> None:
+        done = ItemDone(item_id, tokens, error)
+        self.link.send("draft", done)
+        self.link.send("pruner", done)
+
+    def report(self) -> dict:
+        """What the batch did, for the run's summary (the keys BatchDecoder.report uses where they mean the same)."""
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return {"size": self.size, "pipelined": True, "rounds": self.rounds, "mean_batch": mean(self.batch_sizes),
+                "mean_gamma": self.window.gamma, "t_p_s": mean(self.verify_s)}

@@ -1,0 +1,73 @@
+"""How the target starts an item, one at a time (roles/target.py) or in a batch (roles/batch_target.py): the
+item as the launcher hands it over, the JobStart the draft and the pruner are told, and the full prefill that
+streams the pruner its signals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vpsd.config import PruningConfig
+from vpsd.models.base import VideoLMAdapter
+from vpsd.models.prompt import ControlText
+from vpsd.models.signals import prefill_for_strategy, signals_needed
+from vpsd.pipeline.messages import JobStart
+from vpsd.pipeline.pruning.strategies import STRATEGIES
+from vpsd.roles.link import Link
+from vpsd.roles.signals_wire import pack
+from vpsd.tracing import span
+
+
+@dataclass
+class WorkItem:
+    """One manifest item as the target needs it (the launcher builds these, video already read)."""
+
+    id: str
+    prompt: str
+    max_new_tokens: int
+    frames: np.ndarray  # (T, H, W, 3) uint8, read, scaled and fitted to the context by the launcher
+    # How the draft reads the same frames, and the next item's so it can read that one ahead
+    # (vpsd.video.item.FrameRequest.to_wire; see vpsd.video.prefetch).
+    video: dict = field(default_factory=dict)
+    next_video: dict | None = None
+    extra: dict = field(default_factory=dict)
+    frame_times: np.ndarray | None = None  # (T,) seconds each frame was taken (None: the family's default rate)
+
+
+def job_start(job_id: str, item: WorkItem, seed: int, gamma: int, target: VideoLMAdapter) -> JobStart:
+    """What the draft and the pruner are told of a new item: how to read its video (and the next one's, to
+    read ahead), its prompt, its budget and the target's EOS set, the window to draft with."""
+    return JobStart(job_id=job_id, item_id=item.id, seed=seed, max_new_tokens=item.max_new_tokens, gamma=gamma,
+                    extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
+                           "prompt_special_tokens": isinstance(item.prompt, ControlText)},
+                    eos_token_ids=list(target.eos_token_ids))
+
+
+def prefill_streaming_signals(link: Link, cfg: PruningConfig, target: VideoLMAdapter, emb, item_id: str,
+                              timeout_s: float):
+    """Full prefill; the pruner's signals leave as early as they exist, so it and the draft's pruned prefill
+    overlap the rest of this prefill (HIPPO's synchronous draft-target prefill, ParallelVLM's streaming).
+
+    Signals measured by the prefill (attention, hidden states) leave from inside it, right after layer L-1
+    (models/signals.py calls back there; the send is non-blocking and the prefill goes on); a strategy that
+    reads none of them gets its signals before the prefill starts. Returns the PrefillResult.
+    """
+    base = {"visual_embeds": emb.visual_embeds.float()} if STRATEGIES[cfg.strategy].needs_visual_embeds else {}
+    in_flight = []
+
+    def send(measured: dict[str, torch.Tensor]) -> None:
+        tag, tensors = pack({**base, **measured}, emb.layout)
+        with span("send", item=item_id, what="signals"):
+            in_flight.append(link.send_tensors("pruner", tensors, tag=tag))
+
+    attention, hidden = signals_needed(cfg)
+    if not (attention or hidden):
+        send({})
+    with span("prefill", item=item_id, tokens=emb.seq_len):
+        pre = prefill_for_strategy(target, emb, cfg, on_ready=lambda signals: send(signals.as_tensors()), parallel=True)
+    pre.signals = None  # sent; not needed while decoding
+    for handle in in_flight:
+        handle.wait(timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
+    return pre
