@@ -42,8 +42,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vpsd.pipeline.batch_window import batch_token_time
+from vpsd.pipeline.theory import parallel_sd_rollback_token_time
 from vpsd.reports.bench import BenchRun, run_one
 from vpsd.reports.summary import read_rows
+
+
+# A method's variants, `--methods hippo:pipelined`: the settings that make them.
+VARIANTS = {"": [], "pipelined": ["--set=batching.pipelined=true"]}
 
 
 @dataclass
@@ -105,12 +110,17 @@ class Row:
 
 
 def predicted_tokens_per_s(batching: dict | None) -> float | None:
-    """App. C over a batch: committed tokens per second of the run's mean round (pipeline/batch_window.py)."""
+    """App. C over a batch: committed tokens per second of the run's mean round, every item of it: Theorem 4's
+    serial round for the batched engine (pipeline/batch_window.py), Theorem 6's for a pipelined batch, where
+    the draft's gamma forwards overlap the target's verify (2 max(gamma T_q, T_p) per round pair, rollbacks
+    counted)."""
     if not batching or not batching.get("t_p_s") or not batching.get("mean_batch"):
         return None
     gamma = round(batching.get("mean_gamma") or 0)
     t_q = batching.get("t_q_s") or 0.0
     tau = batching.get("tau_hat") or 0.0
+    if batching.get("pipelined"):
+        return batching["mean_batch"] / parallel_sd_rollback_token_time(t_q, batching["t_p_s"], gamma, tau)
     return batching["mean_batch"] / batch_token_time(t_q, batching["t_p_s"], gamma, tau)
 
 
@@ -205,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", type=Path, required=True)
     p.add_argument("--out", type=Path, default=Path("runs/throughput"))
     p.add_argument("--batch", required=True, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
-    p.add_argument("--methods", default="ar,sd,hippo", help="comma-separated; ar is always run")
+    p.add_argument("--methods", default="ar,sd,hippo",
+                   help="comma-separated; ar is always run; METHOD:pipelined runs a parallel method over a batch "
+                        "with draft and target on their own ranks (batching.pipelined)")
     p.add_argument("--tile", type=int, default=1, help="repeat the manifest this many times (new ids)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--nproc", type=int, default=3)
@@ -215,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]
     methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
+    unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant in {', '.join(unknown)}; known: {', '.join(v for v in VARIANTS if v)}")
     a.out.mkdir(parents=True, exist_ok=True)
     manifest = tile_manifest(a.manifest, a.tile, a.out)
     torchrun = a.torchrun.split() + ["--nproc-per-node", str(a.nproc)]
@@ -225,12 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for i, (rep, b, m) in enumerate(schedule, 1):
         t = time.time()
-        path = a.out / f"{m}_b{b}" / f"r{rep + 1}"
+        path = a.out / f"{m.replace(':', '-')}_b{b}" / f"r{rep + 1}"
         if a.report_only:
             codes[m, b] = 0
             cells.setdefault((m, b), []).append(read_cell(path))
             continue
-        code = run_one(BenchRun(m, m), a.config, str(manifest), path, torchrun, extra + ["--batch", str(b)])
+        code = run_one(BenchRun(m, m.split(":")[0]), a.config, str(manifest), path, torchrun,
+                       extra + VARIANTS[m.partition(":")[2]] + ["--batch", str(b)])
         codes[m, b] = max(codes.get((m, b), 0), code)
         cells.setdefault((m, b), []).append(read_cell(path))
         print(f"[{i}/{len(schedule)}] {m} B={b} r{rep + 1}  exit {code}  ({time.time() - t:.0f} s)", flush=True)

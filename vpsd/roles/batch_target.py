@@ -42,6 +42,7 @@ from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, TensorAnnounce
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.theory import tau_hat
 from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleFailure
@@ -82,7 +83,10 @@ class TargetBatchWorker:
         self.num_kept: dict[str, int] = {}  # the pruner's reports, by item
         self.rounds = 0
         self.batch_sizes: list[int] = []  # items verified per round
+        self.gammas: list[int] = []  # the window each round was verified under
         self.verify_s: list[float] = []
+        self.accepted = self.rejections = 0  # over every verified window (tau_hat's A and R)
+        self.admit_s = 0.0  # vision + prefill of the items admitted here (the rest of the loop is decoding)
 
     @property
     def full(self) -> bool:
@@ -111,6 +115,7 @@ class TargetBatchWorker:
         self.rows[item.id] = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
                                        torch.Generator().manual_seed(int(dec.seed)), result, time.perf_counter())
         self.batch.join(item.id, pre.state)
+        self.admit_s += time.perf_counter() - t0
         log.info("item_admitted", item=item.id, in_flight=len(self.rows))
 
     def handle(self, src: str, msg: Message) -> None:
@@ -176,6 +181,7 @@ class TargetBatchWorker:
             self.batch.rollback(item_id, length)
         fed = max(len(t) for t in feed.values())
         self.batch_sizes.append(len(ready))
+        self.gammas.append(self.window.gamma)
         with span("verify", round=self.rounds, items=list(ready), tokens=sum(len(t) for t in feed.values()),
                   rows=fed, gamma=self.window.gamma) as fields:
             t0 = time.perf_counter()
@@ -194,6 +200,8 @@ class TargetBatchWorker:
         rows = window_rows(logits, first, row.kept_row)
         v = verify_chunk(tokens, q, rows, self.cfg.decoding.temperature, row.gen)
         self.window.observe_round(v.num_accepted, v.num_drafted)
+        self.accepted += v.num_accepted
+        self.rejections += int(not v.all_accepted)
         row.windows.append(self.window.gamma)
         before = len(row.machine.committed)
         verdict = row.machine.on_verified(tokens, v.num_accepted, v.next_token, self.window.pre_verify(),
@@ -234,7 +242,9 @@ class TargetBatchWorker:
         self.link.send("pruner", done)
 
     def report(self) -> dict:
-        """What the batch did, for the run's summary (the keys BatchDecoder.report uses where they mean the same)."""
+        """What the batch did, for the run's summary and the throughput bench (the keys BatchDecoder.report uses,
+        where they mean the same; `pipelined` tells the bench to predict with Theorem 6, the draft overlapped)."""
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"size": self.size, "pipelined": True, "rounds": self.rounds, "mean_batch": mean(self.batch_sizes),
-                "mean_gamma": self.window.gamma, "t_p_s": mean(self.verify_s)}
+                "mean_gamma": mean(self.gammas), "t_p_s": mean(self.verify_s), "t_q_s": self.window.t_q,
+                "tau_hat": tau_hat(self.accepted, self.rejections), "admit_s": self.admit_s}
