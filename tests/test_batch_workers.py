@@ -54,7 +54,8 @@ class Pipeline:
                                                       0.0 if strategy == "none" else 0.5, **overrides})
         target, smaller = tiny_pair(family)
         self.target = target
-        self.hub = MemoryHub(["target", "draft", "pruner"])
+        self.rng = random.Random(0)
+        self.hub = MemoryHub(["target", "draft", "pruner"], shuffle=self.rng)
         self.tw = TargetBatchWorker(self.hub.link("target"), target, self.cfg, size)
         self.dw = DraftBatchWorker(self.hub.link("draft"), target if draft_is_target else smaller, self.cfg,
                                    FramesInMemory(todo))
@@ -69,6 +70,15 @@ class Pipeline:
         worker.handle(*link.recv())
         return True
 
+    def _admit(self, rng: random.Random) -> None:
+        """On the role's thread (signals streamed from inside the prefill), or prefilled as on the launcher's
+        prefill thread and joined (signals held, then sent): both ways at random."""
+        item = self.queue.pop(0)
+        if rng.random() < 0.5:
+            self.tw.admit(item)
+        else:
+            self.tw.join(self.tw.prefill(item))
+
     def _target_step(self) -> bool:
         ran, finished = self.tw.step()
         for item, res in finished:
@@ -76,9 +86,10 @@ class Pipeline:
         return ran or bool(finished)
 
     def run(self, seed: int, max_turns: int = 50_000) -> dict:
-        rng = random.Random(seed)
+        rng = self.rng
+        rng.seed(seed)
         actions = {
-            "admit": lambda: bool(self.queue) and not self.tw.full and (self.tw.admit(self.queue.pop(0)) or True),
+            "admit": lambda: bool(self.queue) and not self.tw.full and (self._admit(rng) or True),
             "target_msg": lambda: self._deliver("target", self.tw),
             "target_step": self._target_step,
             "draft_msg": lambda: self._deliver("draft", self.dw),

@@ -250,37 +250,51 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
                      reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
     """A parallel method over a batch with the draft on its own rank (`batching.pipelined`): the target's worker
     (roles/batch_target.py) verifies every ready window in one forward while the draft rank drafts every row in
-    one forward. Between rounds a free slot takes the next item (its video read ahead on a thread, its vision
-    and prefill here, the draft's overlapping on its rank); its line is written the moment it finishes. Returns
-    the failures."""
+    one forward. As in `decode_in_batches`, the next items are read and prefilled on a thread pinned to the
+    draft's cores (the draft rank's forwards are short and leave them mostly idle), two more than the free
+    slots, and this thread prefills too while the batch is under half full; a prefilled item joins between
+    rounds (its JobStart and the pruner's signals go out then, and the draft prefills its pruned copy on its
+    rank). Its line is written the moment it finishes. Returns the failures."""
     method = ctx.method.name
+    size = cfg.batching.size
     link = RankLink(ctx)
-    worker = TargetBatchWorker(link, target, cfg, cfg.batching.size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
-    prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
+    worker = TargetBatchWorker(link, target, cfg, size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
+    spare = (cfg.cpu_affinity or {}).get("draft")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(spare,))
     queue = list(todo)
-    if queue:
-        prefetch.ahead(queue[0])
+    ahead: deque[tuple[ManifestItem, Future]] = deque()  # being read and prefilled, in manifest order
     in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
     failed = 0
-    started = time.perf_counter()
-    while queue or worker.rows:
-        if queue and not worker.full:
+
+    def read_and_prefill(it: ManifestItem, nxt: ManifestItem | None):
+        loaded = reader.load(it)
+        work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
+                        reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
+                        frame_times=loaded.times)
+        return worker.prefill(work), loaded
+
+    started, stolen_s = time.perf_counter(), 0.0
+    while queue or ahead or worker.rows:
+        while queue and len(ahead) < size - len(worker.rows) + 2:
             it = queue.pop(0)
-            nxt = queue[0] if queue else None
-            if nxt is not None:
-                prefetch.ahead(nxt)  # read while this one prefills and the batch decodes
+            ahead.append((it, pool.submit(read_and_prefill, it, queue[0] if queue else None)))
+        while ahead and not worker.full and (ahead[0][1].done() or not worker.rows):
+            it, future = ahead.popleft()
             ctx.item_id = it.id
-            row, timings = _row(cfg, method, it), {}
+            row = _row(cfg, method, it)
             try:
-                loaded = prefetch.take(it, timings, item=it.id)
-                timings.update(loaded.timings)
-                worker.admit(WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
-                                      reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
-                                      frame_times=loaded.times))
-                in_flight[it.id] = (row, timings, int(loaded.frames.shape[0]))
+                prefilled, loaded = future.result()
             except (VideoError, ValueError) as e:
                 failed += 1
-                record(_failed_row(row, timings, e))
+                record(_failed_row(row, {}, e))
+                continue
+            worker.join(prefilled)
+            in_flight[it.id] = (row, loaded.timings, int(loaded.frames.shape[0]))
+        if ahead and len(worker.rows) < max(1, size // 2) and not ahead[0][1].done():
+            t_steal = time.perf_counter()  # a thin batch: prefilling here beats waiting
+            _steal_one(ahead, lambda it: read_and_prefill(it, queue[0] if queue else None))
+            stolen_s += time.perf_counter() - t_steal
+            continue
         while link.poll():
             worker.handle(*link.recv())
         ran, finished = worker.step()
@@ -290,14 +304,15 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
                 failed += 1
                 record(_failed_row(row, timings, res))
                 continue
-            stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": cfg.batching.size}
+            stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": size}
             record({**row, "token_ids": res.token_ids, "error": None, "stats": stats,
                     "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
-        if not (ran or finished) and worker.rows and (worker.full or not queue):
-            link.wait()  # nothing to verify and nothing to admit: the draft's next chunk
-    prefetch.close()
-    # Decoding: the loop's time outside the items' vision and prefill, which run on this thread.
-    ctx.report["batching"] = {**worker.report(), "decode_s": time.perf_counter() - started - worker.admit_s}
+        if not (ran or finished) and worker.rows:
+            link.wait()  # nothing to verify: the draft's next chunk
+    pool.shutdown()
+    # Decoding: the loop's time outside what this thread spent admitting (and prefilling, when it stole).
+    decode_s = time.perf_counter() - started - worker.admit_s - stolen_s
+    ctx.report["batching"] = {**worker.report(), "decode_s": decode_s}
     get_logger().info("batching_done", **ctx.report["batching"])
     return failed
 

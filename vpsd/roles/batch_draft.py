@@ -85,6 +85,10 @@ class DraftBatchWorker:
         self.batch = BatchedCache(draft)
         self.rows: dict[str, DraftRow] = {}
         self.waiting: dict[str, tuple[JobStart, SequenceEmbeddings | None]] = {}  # vision done, kept set not yet
+        # Kept sets that arrived before their JobStart: the pruner's messages and the target's travel on separate
+        # connections, ordered each on its own only, so the pruner's answer can overtake the target's JobStart.
+        self.early: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.finished: set[str] = set()  # items ended by the target: a kept set arriving now is dropped
         self.step_s = 0.0  # running mean of one batched step: T_q(B), sent with every chunk (pipeline/window.py)
         self.steps = 0
         self.stopped = False
@@ -126,14 +130,24 @@ class DraftBatchWorker:
             with span("vision", item=job.item_id):
                 emb = self.draft.embed(self.draft.prepare(frames, prompt, times))
         self.waiting[job.item_id] = (job, emb)
+        if job.item_id in self.early:
+            self._join(job.item_id, *self.early.pop(job.item_id))
 
     def on_keep(self, announce: TensorAnnounce) -> None:
         """The pruner's kept indices: the item's pruned prefill becomes a row of the batch."""
         keep, grid = self.link.recv_tensors(announce)
         item_id = announce.tag[len("keep:"):]
-        job, emb = self.waiting.pop(item_id, (None, None))
-        if job is None or emb is None:
-            return  # given up already, or no video here (the target was told)
+        if item_id in self.finished:
+            return
+        if item_id not in self.waiting:
+            self.early[item_id] = (keep, grid)  # its JobStart is still on the wire
+            return
+        self._join(item_id, keep, grid)
+
+    def _join(self, item_id: str, keep: torch.Tensor, grid: torch.Tensor) -> None:
+        job, emb = self.waiting.pop(item_id)
+        if emb is None:
+            return  # no video here (the target was told)
         try:
             emb.layout.check_same_grid(tuple(int(v) for v in grid))  # the serial path's check (decoders/sd.py)
         except ValueError as e:
@@ -163,6 +177,8 @@ class DraftBatchWorker:
 
     def on_item_done(self, msg: ItemDone) -> None:
         self.waiting.pop(msg.item_id, None)
+        self.early.pop(msg.item_id, None)
+        self.finished.add(msg.item_id)
         if self.rows.pop(msg.item_id, None) is not None:
             self.batch.leave(msg.item_id)
 

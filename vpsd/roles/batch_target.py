@@ -36,7 +36,7 @@ import torch
 
 from vpsd.config import RunConfig
 from vpsd.decoders.result import DecodeResult
-from vpsd.models.base import VideoLMAdapter
+from vpsd.models.base import PrefillResult, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, TensorAnnounce
@@ -47,10 +47,21 @@ from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleFailure
 from vpsd.roles.link import Link
-from vpsd.roles.starting import WorkItem, job_start, prefill_streaming_signals
+from vpsd.roles.starting import HeldSignals, WorkItem, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
 
 log = get_logger()
+
+
+@dataclass
+class Prefilled:
+    """An item prefilled off the role's thread (`TargetBatchWorker.prefill`), ready to `join`."""
+
+    item: WorkItem
+    pre: PrefillResult
+    signals: HeldSignals
+    num_video_tokens: int
+    prefill_s: float
 
 
 @dataclass
@@ -95,27 +106,55 @@ class TargetBatchWorker:
     # ---- events -------------------------------------------------------------------------------------
 
     def admit(self, item: WorkItem) -> None:
-        """Starts an item: the draft and the pruner are told, then the vision tower and the full prefill run here
-        (the pruner's signals leave from inside it). A ValueError fails the item alone: its ItemDone goes out."""
+        """Starts an item on this thread: the draft and the pruner are told, then the vision tower and the full
+        prefill run here, the pruner's signals leaving from inside it. A ValueError fails the item alone (its
+        ItemDone goes out)."""
         t0 = time.perf_counter()
-        dec = self.cfg.decoding
-        job = job_start(self.job_id, item, int(dec.seed), self.window.gamma, self.target)
-        self.link.send("draft", job)
-        self.link.send("pruner", job)
+        self._announce(item)
         try:
-            with span("vision", item=item.id):
-                emb = self.target.embed(self.target.prepare(item.frames, item.prompt, item.frame_times))
+            emb = self._embed(item)
             pre = prefill_streaming_signals(self.link, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
         except ValueError as e:
             self._item_done(item.id, [], {"type": type(e).__name__, "message": str(e)})
             raise
-        machine = TargetMachine(item.max_new_tokens, frozenset(self.target.eos_token_ids), item_id=item.id)
-        result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=time.perf_counter() - t0,
-                              num_video_tokens=emb.layout.num_tokens)
-        self.rows[item.id] = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
-                                       torch.Generator().manual_seed(int(dec.seed)), result, time.perf_counter())
-        self.batch.join(item.id, pre.state)
+        self._add_row(item, pre, emb.layout.num_tokens, time.perf_counter() - t0)
         self.admit_s += time.perf_counter() - t0
+
+    def prefill(self, item: WorkItem) -> Prefilled:
+        """The item's vision and full prefill, on any thread (it touches no transport: the signals are held);
+        `join` it on this one. Raises ValueError (or a VideoError) for an item that cannot be decoded: nothing
+        was announced, so nothing needs telling."""
+        t0 = time.perf_counter()
+        emb = self._embed(item)
+        held = HeldSignals()
+        pre = prefill_streaming_signals(held, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
+        return Prefilled(item, pre, held, emb.layout.num_tokens, time.perf_counter() - t0)
+
+    def join(self, p: Prefilled) -> None:
+        """A prefilled item joins: the draft and the pruner are told, the signals go out, its row joins."""
+        t0 = time.perf_counter()
+        self._announce(p.item)
+        p.signals.release(self.link, self.timeout_s)
+        self._add_row(p.item, p.pre, p.num_video_tokens, p.prefill_s)
+        self.admit_s += time.perf_counter() - t0
+
+    def _announce(self, item: WorkItem) -> None:
+        job = job_start(self.job_id, item, int(self.cfg.decoding.seed), self.window.gamma, self.target)
+        self.link.send("draft", job)
+        self.link.send("pruner", job)
+
+    def _embed(self, item: WorkItem):
+        with span("vision", item=item.id):
+            return self.target.embed(self.target.prepare(item.frames, item.prompt, item.frame_times))
+
+    def _add_row(self, item: WorkItem, pre, num_video_tokens: int, prefill_s: float) -> None:
+        machine = TargetMachine(item.max_new_tokens, frozenset(self.target.eos_token_ids), item_id=item.id)
+        result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=prefill_s,
+                              num_video_tokens=num_video_tokens)
+        self.rows[item.id] = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
+                                       torch.Generator().manual_seed(int(self.cfg.decoding.seed)), result,
+                                       time.perf_counter())
+        self.batch.join(item.id, pre.state)
         log.info("item_admitted", item=item.id, in_flight=len(self.rows))
 
     def handle(self, src: str, msg: Message) -> None:

@@ -5,14 +5,17 @@ group: it sends and receives through a `Link`, and a driver loop feeds it the me
 
 - `RankLink`, the job's: ZeroMQ control messages and torch.distributed tensors, through the rank's
   RoleContext, with its liveness rules (a silent peer ends the wait in a RoleFailure naming it).
-- `MemoryLink`, for tests: every role in one process, one FIFO per receiver. Each message still goes through
-  the msgpack wire format (encode on send, decode on receive), and tensors are copied, so a worker under test
-  speaks exactly the protocol it speaks between ranks; only the carrier differs. Single-threaded: a receive
-  with nothing queued raises `Idle`, and the test's scheduler runs another worker instead of blocking.
+- `MemoryLink`, for tests: every role in one process. Each message still goes through the msgpack wire format
+  (encode on send, decode on receive), and tensors are copied, so a worker under test speaks exactly the
+  protocol it speaks between ranks; only the carrier differs. Ordering is what ZeroMQ promises and no more:
+  FIFO per sender, and with a `shuffle` generator a receive from any role takes the next message of a sender
+  picked at random (between ranks, a pruner's answer can overtake the target's JobStart that caused it).
+  Single-threaded: a receive with nothing queued raises `Idle`, and the test's scheduler runs another worker.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from typing import Protocol, Sequence
 
@@ -89,7 +92,8 @@ class _Sent:
 class MemoryHub:
     """The queues of every role in one process; `link(role)` is that role's end."""
 
-    def __init__(self, roles: Sequence[str]) -> None:
+    def __init__(self, roles: Sequence[str], shuffle: random.Random | None = None) -> None:
+        self.shuffle = shuffle
         self.inbox: dict[str, deque[tuple[str, bytes]]] = {r: deque() for r in roles}
         self.tensors: dict[tuple[str, str], deque[list[torch.Tensor]]] = {}
         self.rank = {r: i for i, r in enumerate(roles)}
@@ -116,10 +120,15 @@ class MemoryLink:
         return _Sent()
 
     def _find(self, src: str | None) -> int | None:
+        heads: dict[str, int] = {}  # each sender's oldest message
         for i, (sender, _) in enumerate(self.hub.inbox[self.role]):
-            if src is None or sender == src:
-                return i
-        return None
+            if (src is None or sender == src) and sender not in heads:
+                heads[sender] = i
+        if not heads:
+            return None
+        if self.hub.shuffle is None or src is not None:
+            return min(heads.values())
+        return heads[self.hub.shuffle.choice(sorted(heads))]
 
     def poll(self, src: str | None = None) -> bool:
         return self._find(src) is not None

@@ -71,3 +71,26 @@ def prefill_streaming_signals(link: Link, cfg: PruningConfig, target: VideoLMAda
     for handle in in_flight:
         handle.wait(timeout_s)  # a stopped pruner: PeerTimeout naming it, not gloo's bare timeout
     return pre
+
+
+class HeldSignals:
+    """Stands in for the link while an item prefills on a thread of its own (the transport belongs to the role's
+    thread): the signals are kept, and `release` sends them from the role's thread once the prefill is done. The
+    pruner then starts after the target's whole prefill instead of from inside it; that costs the new item a
+    little latency, never the batch a round."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, list[torch.Tensor]]] = []
+
+    def send_tensors(self, dst: str, tensors, tag: str, epoch: int = 0) -> "HeldSignals":
+        self.held.append((tag, list(tensors)))
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        pass  # nothing is on the wire yet
+
+    def release(self, link: Link, timeout_s: float) -> None:
+        handles = [link.send_tensors("pruner", tensors, tag=tag) for tag, tensors in self.held]
+        for handle in handles:
+            handle.wait(timeout_s)
+        self.held.clear()
