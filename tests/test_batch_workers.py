@@ -188,3 +188,15 @@ def test_the_workers_speak_the_wire_protocol():
     verdicts = [m for m in (decode(data) for _, data in pipe.hub.inbox["draft"]) if isinstance(m, VerifyResult)]
     assert {v.item_id for v in verdicts} == {"item-0", "item-1"}
     assert all(v.start == 0 for v in verdicts)  # both first chunks, verified in one forward
+
+
+def test_a_round_waits_for_stragglers_only_while_that_costs_less_than_a_round():
+    """patience = T_p min(1/2, waiting / ready): leaving a straggler behind costs it a round, waiting costs each
+    ready item the wait."""
+    todo = work_items(1)
+    tw = Pipeline("qwen2_5_vl", "pearl", 2, todo, {"decoding.gamma": 3}, False).tw
+    assert tw.patience_s(3, 1) == 0.0  # nothing measured yet: no waiting
+    tw.verify_s = [0.1, 0.1]
+    assert tw.patience_s(4, 1) == pytest.approx(0.025)
+    assert tw.patience_s(2, 2) == pytest.approx(0.05)  # capped at half a round
+    assert tw.patience_s(0, 3) == 0.0

@@ -297,6 +297,11 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
             continue
         while link.poll():
             worker.handle(*link.recv())
+        ready, rows = worker.readiness()
+        if 0 < ready < rows:  # a round leaves without its stragglers only when waiting would cost more
+            left = worker.patience_s(ready, rows - ready) - (time.perf_counter() - worker.round_end)
+            if left > 0 and link.poll(timeout_s=left):
+                continue
         ran, finished = worker.step()
         for item, res in finished:
             row, timings, num_frames = in_flight.pop(item.id)

@@ -97,6 +97,7 @@ class TargetBatchWorker:
         self.gammas: list[int] = []  # the window each round was verified under
         self.verify_s: list[float] = []
         self.accepted = self.rejections = 0  # over every verified window (tau_hat's A and R)
+        self.round_end = 0.0  # when the last round ended (perf_counter)
         self.admit_s = 0.0  # vision + prefill of the items admitted here (the rest of the loop is decoding)
 
     @property
@@ -186,24 +187,46 @@ class TargetBatchWorker:
 
     # ---- work ---------------------------------------------------------------------------------------
 
+    def _drop_stale(self, item_id: str, row: TargetRow) -> bool:
+        """Drops the chunks at the head of the row's queue that cannot be verified (stale epoch, wrong start);
+        True when a verifiable one is left at the head."""
+        while row.chunks and row.error is None:
+            chunk, _ = row.chunks[0]
+            decision = row.machine.on_chunk(chunk.epoch, chunk.start, len(chunk.token_ids))
+            if not isinstance(decision, Drop):
+                return True
+            row.chunks.popleft()
+            log.debug("chunk_dropped", item=item_id, reason=decision.reason, epoch=chunk.epoch, start=chunk.start)
+        return False
+
+    def readiness(self) -> tuple[int, int]:
+        """(items with a chunk to verify now, items in flight)."""
+        return sum(self._drop_stale(k, r) for k, r in self.rows.items()), len(self.rows)
+
+    def patience_s(self, ready: int, waiting: int) -> float:
+        """How long a round may wait for the items whose chunk has not come yet (after a rollback the draft needs a
+        step or two to answer). Leaving now costs each of them a whole round, T_p; waiting w costs each ready item
+        w: waiting pays while w ready < T_p waiting, capped at half a round. Not in the papers: at batch 1 the
+        target has nothing else to do but wait."""
+        if not self.verify_s or ready == 0:
+            return 0.0
+        t_p = sum(self.verify_s[-8:]) / len(self.verify_s[-8:])
+        return t_p * min(0.5, waiting / ready)
+
     def step(self) -> tuple[bool, list[tuple[WorkItem, DecodeResult | ValueError]]]:
         """One round: every item with a verifiable chunk is verified in ONE forward. Returns (whether a forward
         ran, the items that finished with their results or the error that failed them)."""
         ready: dict[str, tuple[DraftChunk, torch.Tensor | None, bool]] = {}
         for item_id, row in self.rows.items():
-            while row.chunks and row.error is None:
+            if self._drop_stale(item_id, row):
                 chunk, q = row.chunks.popleft()
-                decision = row.machine.on_chunk(chunk.epoch, chunk.start, len(chunk.token_ids))
-                if isinstance(decision, Drop):
-                    log.debug("chunk_dropped", item=item_id, reason=decision.reason, epoch=chunk.epoch, start=chunk.start)
-                    continue
-                ready[item_id] = (chunk, q, decision.use_kept_row)
-                break
+                ready[item_id] = (chunk, q, row.machine.holds_next_row)
         if ready:
             self._verify(ready)
         finished = []
         for item_id in [k for k, r in self.rows.items() if r.machine.done or r.error is not None]:
             finished.append(self._finish(item_id))
+        self.round_end = time.perf_counter()
         return bool(ready), finished
 
     def _verify(self, ready: dict[str, tuple[DraftChunk, torch.Tensor | None, bool]]) -> None:

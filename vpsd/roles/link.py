@@ -40,8 +40,8 @@ class Link(Protocol):
 
     def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> Pending: ...
 
-    def poll(self, src: str | None = None) -> bool:
-        """Whether a message from `src` (any role if None) is ready, without waiting."""
+    def poll(self, src: str | None = None, timeout_s: float = 0.0) -> bool:
+        """Whether a message from `src` (any role if None) is ready, waiting up to `timeout_s` for one."""
 
     def recv(self, src: str | None = None, limit_s: float | None = None) -> tuple[str, Message]:
         """The next message from `src` (any role if None) and its sender's role; waits for it."""
@@ -66,8 +66,8 @@ class RankLink:
     def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> Pending:
         return self.ctx.tensors.send(self.ctx.ranks[dst], tensors, tag=tag, epoch=epoch)
 
-    def poll(self, src: str | None = None) -> bool:
-        return self.ctx.ctrl.poll(0.0, src=None if src is None else self.ctx.ranks[src])
+    def poll(self, src: str | None = None, timeout_s: float = 0.0) -> bool:
+        return self.ctx.ctrl.poll(timeout_s, src=None if src is None else self.ctx.ranks[src])
 
     def recv(self, src: str | None = None, limit_s: float | None = None) -> tuple[str, Message]:
         rank, msg = self.ctx.recv(src, timeout_s=limit_s)
@@ -130,8 +130,8 @@ class MemoryLink:
             return min(heads.values())
         return heads[self.hub.shuffle.choice(sorted(heads))]
 
-    def poll(self, src: str | None = None) -> bool:
-        return self._find(src) is not None
+    def poll(self, src: str | None = None, timeout_s: float = 0.0) -> bool:
+        return self._find(src) is not None  # one thread: nothing can arrive while it waits
 
     def recv(self, src: str | None = None, limit_s: float | None = None) -> tuple[str, Message]:
         i = self._find(src)
