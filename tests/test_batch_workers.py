@@ -200,3 +200,19 @@ def test_a_round_waits_for_stragglers_only_while_that_costs_less_than_a_round():
     assert tw.patience_s(4, 1) == pytest.approx(0.025)
     assert tw.patience_s(2, 2) == pytest.approx(0.05)  # capped at half a round
     assert tw.patience_s(0, 3) == 0.0
+
+
+def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing():
+    """Temperature 1, the target drafting for itself on the whole video: every proposal is accepted (p = q, up to
+    float noise), so an item's tokens are its draft stream's draws, seeded per item. They are the same at B = 2
+    and B = 8 and under different interleavings: nothing another row or the timing does reaches an item's
+    sample."""
+    todo = work_items(5, max_new=10)
+    outs = []
+    for size, seed in ((2, 0), (8, 1), (8, 2)):
+        pipe = Pipeline("qwen2_5_vl", "pearl", size, todo, {"decoding.gamma": 3, "decoding.temperature": 1.0}, True)
+        got = pipe.run(seed)
+        assert all(r.stats.acceptance_rate == 1.0 for r in got.values())
+        outs.append({k: r.token_ids for k, r in got.items()})
+    assert outs[0] == outs[1] == outs[2]
+    assert len({tuple(t) for t in outs[0].values()}) > 1  # the items differ: not one stream shared by all
