@@ -80,7 +80,9 @@ def assert_same_results(out: Path, reference: Path) -> None:
             expected["token_ids"], expected["text"], expected["reference"])
 
 
-def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory):
+@pytest.mark.parametrize("batching", [[], ["--batch", "3", "--set", "batching.pipelined=true"]],
+                         ids=["one-at-a-time", "pipelined-batch"])
+def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory, batching):
     world = world_manifest(str(tmp_path_factory.getbasetemp()), count=2)
     good = load_manifest(world)[0]
     d = tmp_path_factory.mktemp("bad-items")
@@ -111,7 +113,7 @@ def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory):
     assert set(problems) == {2, 3, 6, 7}  # missing, zero bytes, bad JSON, duplicate id
 
     out = d / "out"
-    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}", "--quiet")
+    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}", "--quiet", *batching)
     assert proc.returncode == EXIT_ITEMS_FAILED, proc.stderr[-3000:]
     got = results(out)
     assert set(got) == {"good-0", "good-1", "missing", "zero", "corrupt", "audio", "long", "line:6", "line:7"}
@@ -131,7 +133,7 @@ def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory):
     # Retry the failures with subsampling on: the long item now fits, the broken files still fail,
     # and the file keeps one line per id.
     proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}",
-                        "--set", "video.subsample_to_fit=true", "--retry-failed", "--quiet")
+                        "--set", "video.subsample_to_fit=true", "--retry-failed", "--quiet", *batching)
     assert proc.returncode == EXIT_ITEMS_FAILED, proc.stderr[-3000:]
     ids = [r["id"] for r in lines(out)]
     assert len(ids) == len(set(ids)) == 9
@@ -163,11 +165,14 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
     assert json.loads((out / "summary.json").read_text())["run"]["skipped"] >= 2
 
 
-def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_path_factory, six, uninterrupted):
-    """Continuous batching (3 items in flight; the parallel method's draft on the target's rank): killed with
-    items in flight, rerun, every id exactly once and every output the batch-1 pipeline's."""
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial-batch", "pipelined-batch"])
+def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_path_factory, six, uninterrupted,
+                                                                          pipelined):
+    """Continuous batching (3 items in flight; the parallel method's draft on the target's rank, or pipelined on
+    its own): killed with items in flight, rerun, every id exactly once and every output the batch-1 pipeline's."""
     out = tmp_path_factory.mktemp("killed_batched")
-    proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet", "--batch", "3"), cwd=ROOT,
+    mode = ["--set", f"batching.pipelined={str(pipelined).lower()}"]
+    proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
     try:
         _wait_for(lambda: len(results(out)) >= 1, 180)
@@ -178,7 +183,7 @@ def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_pa
             proc.kill()
     assert proc.returncode != 0
     assert 1 <= len(results(out)) < 6, "the kill came too late to test anything"
-    rerun = run_job(CONFIG, six, out, METHOD, "--quiet", "--batch", "3")
+    rerun = run_job(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert_same_results(out, uninterrupted)
     summary = json.loads((out / "summary.json").read_text())["run"]
