@@ -181,50 +181,103 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
     return failed
 
 
+class PrefillAhead:
+    """The next items, read and prefilled ahead on a thread of their own, in manifest order.
+
+    The thread is pinned to the draft's cores when the config pins roles: in the batched engine they are free,
+    and in a pipelined batch the draft rank's short forwards leave them mostly idle. So a joining item costs the
+    batch its join, not its vision and prefill. Two items more than the free slots are prepared, so a slot that
+    frees is taken at once. While the batch is under half full the decode thread prefills too (`steal_if_thin`):
+    the decode thread drains its batch faster than one thread can prefill when speculation makes decoding cheap
+    (hippo on the scaled default: an item's vision + prefill costs about what its decoding does at B = 8), and a
+    half-empty batch wastes the forwards it runs; then both cores prefill until the batch fills again.
+    `prepare(item, next item)` runs on either thread and must not touch the transport."""
+
+    def __init__(self, todo: list[ManifestItem], size: int, prepare: Callable, cpus: list[int] | None) -> None:
+        self.queue, self.size, self.prepare = list(todo), size, prepare
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(cpus,))
+        self.ahead: deque[tuple[ManifestItem, Future]] = deque()
+        self.stolen_s = 0.0  # time the decode thread spent prefilling
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue or self.ahead)
+
+    def top_up(self, in_flight: int) -> None:
+        while self.queue and len(self.ahead) < self.size - in_flight + 2:
+            it = self.queue.pop(0)
+            self.ahead.append((it, self.pool.submit(self.prepare, it, self.queue[0] if self.queue else None)))
+
+    def next_ready(self, block: bool) -> tuple[ManifestItem, Future] | None:
+        """The next item in order if its prefill is done (or `block`: nothing is decoding, so wait for it)."""
+        if self.ahead and (block or self.ahead[0][1].done()):
+            return self.ahead[0]
+        return None
+
+    def pop(self) -> None:
+        self.ahead.popleft()
+
+    def steal_if_thin(self, in_flight: int) -> bool:
+        """Runs on this thread the last queued prefill that has not started, when the batch is under half full and
+        the next item is not ready; True when it did."""
+        if not self.ahead or in_flight >= max(1, self.size // 2) or self.ahead[0][1].done():
+            return False
+        t0 = time.perf_counter()
+        for i in range(len(self.ahead) - 1, -1, -1):
+            it, future = self.ahead[i]
+            if future.cancel():
+                done: Future = Future()
+                try:
+                    done.set_result(self.prepare(it, self.queue[0] if self.queue else None))
+                except Exception as e:  # noqa: BLE001 - delivered where the pool's would be: future.result()
+                    done.set_exception(e)
+                self.ahead[i] = (it, done)
+                break
+        self.stolen_s += time.perf_counter() - t0
+        return True
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _done_row(row: dict, timings: dict, num_frames: int, res: DecodeResult, size: int, target: VideoLMAdapter) -> dict:
+    stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": size}
+    return {**row, "token_ids": res.token_ids, "error": None, "stats": stats,
+            "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)}
+
+
 def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
                       reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
-    """Up to `batching.size` items in flight (decoders/batched.py). The next items are read and prefilled on a
-    thread of their own, pinned to the draft's cores when the config pins roles (a batched run leaves them
-    free), so a joining item costs the batch its join, not its vision and prefill; two items more than the free
-    slots are prepared ahead, so a slot that frees is taken at once, and while the batch is under half full
-    this thread prefills too (`_steal_one`). An item joins as soon as a slot is free and
-    its KV fits the budget; its line is written the moment it finishes, so a killed job redoes only the items
-    that were in flight. Returns the failures."""
+    """Up to `batching.size` items in flight (decoders/batched.py), the next ones prefilled ahead
+    (`PrefillAhead`). An item joins as soon as a slot is free and its KV fits the budget; its line is written
+    the moment it finishes, so a killed job redoes only the items that were in flight. Returns the failures."""
     method = ctx.method.name
     size = cfg.batching.size
     engine = BatchDecoder(target, draft, cfg.decoding, cfg.pruning if draft is not None else None, size,
                           kv_budget_bytes=cfg.batching.kv_budget_bytes, parallel_signals=ctx.method.parallel)
-    spare = (cfg.cpu_affinity or {}).get("draft")
-    pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(spare,))
-    queue = list(todo)
-    ahead: deque[tuple[ManifestItem, Future]] = deque()  # being read and prefilled, in manifest order
     in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
     failed = 0
 
-    def read_and_prefill(it: ManifestItem) -> tuple[Prefilled, LoadedItem]:
+    def read_and_prefill(it: ManifestItem, nxt: ManifestItem | None) -> tuple[Prefilled, LoadedItem]:
         loaded = reader.load(it)
         item = BatchItem(it.id, loaded.frames, it.prompt, reader.max_new_tokens(it), loaded.times)
         return engine.prefill(item), loaded
 
     def finish(item: BatchItem, res: DecodeResult) -> None:
-        row, timings, num_frames = in_flight.pop(item.id)
-        stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": size}
-        record({**row, "token_ids": res.token_ids, "error": None, "stats": stats,
-                "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
+        record(_done_row(*in_flight.pop(item.id), res, size, target))
 
-    while queue or ahead or engine.slots:
-        while queue and len(ahead) < size - len(engine.slots) + 2:
-            it = queue.pop(0)
-            ahead.append((it, pool.submit(read_and_prefill, it)))
+    ahead = PrefillAhead(todo, size, read_and_prefill, (cfg.cpu_affinity or {}).get("draft"))
+    while ahead.pending or engine.slots:
+        ahead.top_up(len(engine.slots))
         # Join what is ready, in order; block on a prefill only when nothing is decoding.
-        while ahead and not engine.full and (ahead[0][1].done() or not engine.slots):
-            it, future = ahead[0]
+        while not engine.full and (nxt := ahead.next_ready(block=not engine.slots)) is not None:
+            it, future = nxt
             ctx.item_id = it.id
             row = _row(cfg, method, it)
             try:
                 prefilled, loaded = future.result()
             except (VideoError, ValueError) as e:
-                ahead.popleft()
+                ahead.pop()
                 failed += 1
                 record(_failed_row(row, {}, e))
                 continue
@@ -232,15 +285,14 @@ def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, 
             status, res = engine.join(prefilled)
             if status == "wait":
                 break  # its KV does not fit beside the items in flight: after a round (never on an empty batch)
-            ahead.popleft()
+            ahead.pop()
             if status == "done":
                 finish(prefilled.item, res)
-        if ahead and len(engine.slots) < max(1, size // 2) and not ahead[0][1].done():
-            _steal_one(ahead, read_and_prefill)  # a thin batch: prefilling here beats decoding it
-            continue
+        if ahead.steal_if_thin(len(engine.slots)):
+            continue  # a thin batch: prefilling here beats decoding it
         for item, res in engine.round():
             finish(item, res)
-    pool.shutdown()
+    ahead.close()
     ctx.report["batching"] = engine.report()  # into summary.json's run section
     get_logger().info("batching_done", **ctx.report["batching"])
     return failed
@@ -250,19 +302,13 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
                      reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
     """A parallel method over a batch with the draft on its own rank (`batching.pipelined`): the target's worker
     (roles/batch_target.py) verifies every ready window in one forward while the draft rank drafts every row in
-    one forward. As in `decode_in_batches`, the next items are read and prefilled on a thread pinned to the
-    draft's cores (the draft rank's forwards are short and leave them mostly idle), two more than the free
-    slots, and this thread prefills too while the batch is under half full; a prefilled item joins between
-    rounds (its JobStart and the pruner's signals go out then, and the draft prefills its pruned copy on its
-    rank). Its line is written the moment it finishes. Returns the failures."""
+    one forward. The next items are prefilled ahead (`PrefillAhead`); a prefilled item joins between rounds (its
+    JobStart and the pruner's signals go out then, and the draft prefills its pruned copy on its rank). Its line
+    is written the moment it finishes. Returns the failures."""
     method = ctx.method.name
     size = cfg.batching.size
     link = RankLink(ctx)
     worker = TargetBatchWorker(link, target, cfg, size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
-    spare = (cfg.cpu_affinity or {}).get("draft")
-    pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(spare,))
-    queue = list(todo)
-    ahead: deque[tuple[ManifestItem, Future]] = deque()  # being read and prefilled, in manifest order
     in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
     failed = 0
 
@@ -273,13 +319,13 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
                         frame_times=loaded.times)
         return worker.prefill(work), loaded
 
-    started, stolen_s = time.perf_counter(), 0.0
-    while queue or ahead or worker.rows:
-        while queue and len(ahead) < size - len(worker.rows) + 2:
-            it = queue.pop(0)
-            ahead.append((it, pool.submit(read_and_prefill, it, queue[0] if queue else None)))
-        while ahead and not worker.full and (ahead[0][1].done() or not worker.rows):
-            it, future = ahead.popleft()
+    ahead = PrefillAhead(todo, size, read_and_prefill, (cfg.cpu_affinity or {}).get("draft"))
+    started = time.perf_counter()
+    while ahead.pending or worker.rows:
+        ahead.top_up(len(worker.rows))
+        while not worker.full and (nxt := ahead.next_ready(block=not worker.rows)) is not None:
+            it, future = nxt
+            ahead.pop()
             ctx.item_id = it.id
             row = _row(cfg, method, it)
             try:
@@ -290,10 +336,7 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
                 continue
             worker.join(prefilled)
             in_flight[it.id] = (row, loaded.timings, int(loaded.frames.shape[0]))
-        if ahead and len(worker.rows) < max(1, size // 2) and not ahead[0][1].done():
-            t_steal = time.perf_counter()  # a thin batch: prefilling here beats waiting
-            _steal_one(ahead, lambda it: read_and_prefill(it, queue[0] if queue else None))
-            stolen_s += time.perf_counter() - t_steal
+        if ahead.steal_if_thin(len(worker.rows)):
             continue
         while link.poll():
             worker.handle(*link.recv())
@@ -308,36 +351,16 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
             if isinstance(res, ValueError):
                 failed += 1
                 record(_failed_row(row, timings, res))
-                continue
-            stats = {**res.stats_dict(), **timings, "num_frames": num_frames, "batch": size}
-            record({**row, "token_ids": res.token_ids, "error": None, "stats": stats,
-                    "text": target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
+            else:
+                record(_done_row(row, timings, num_frames, res, size, target))
         if not (ran or finished) and worker.rows:
             link.wait()  # nothing to verify: the draft's next chunk
-    pool.shutdown()
-    # Decoding: the loop's time outside what this thread spent admitting (and prefilling, when it stole).
-    decode_s = time.perf_counter() - started - worker.admit_s - stolen_s
+    ahead.close()
+    # Decoding: the loop's time outside what this thread spent admitting and prefilling.
+    decode_s = time.perf_counter() - started - worker.admit_s - ahead.stolen_s
     ctx.report["batching"] = {**worker.report(), "decode_s": decode_s}
     get_logger().info("batching_done", **ctx.report["batching"])
     return failed
-
-
-def _steal_one(ahead: deque, work: Callable) -> None:
-    """Runs on this thread the last queued prefill that has not started (the pool's thread holds the others).
-
-    The decode thread drains its batch faster than one thread can prefill when speculation makes decoding
-    cheap (hippo on the scaled default: an item's vision + prefill costs about what its decoding does at B = 8),
-    and a half-empty batch wastes the forwards it runs; then both cores prefill until the batch fills again."""
-    for i in range(len(ahead) - 1, -1, -1):
-        it, future = ahead[i]
-        if future.cancel():
-            done: Future = Future()
-            try:
-                done.set_result(work(it))
-            except Exception as e:  # noqa: BLE001 - delivered where the pool's would be: future.result()
-                done.set_exception(e)
-            ahead[i] = (it, done)
-            return
 
 
 def _pin_thread(cpus: list[int] | None) -> None:
