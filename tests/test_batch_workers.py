@@ -216,3 +216,28 @@ def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing
         outs.append({k: r.token_ids for k, r in got.items()})
     assert outs[0] == outs[1] == outs[2]
     assert len({tuple(t) for t in outs[0].values()}) > 1  # the items differ: not one stream shared by all
+
+
+def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones():
+    """With tau measured near 0, drafting costs an item T_p(gamma + 1) per token against T_p(1) plain: the next
+    items join as plain rows of the target's batch (one in `explore_every` still drafts), the draft and the pruner
+    never hear of them, and every item still equals its batch-1 ar output."""
+    todo = work_items(9, max_new=12)
+    pipe = Pipeline("qwen2_5_vl", "pearl", 4, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
+    w = pipe.tw.window
+    w.observe_verify(1, 0.010)
+    w.observe_verify(4, 0.016)
+    w.accepted, w.rejections = 0.0, 10.0  # tau_hat 0: what an OOD video does to a pair (README, 4x the video)
+    decisions = [pipe.tw.drafting_pays() for _ in range(16)]
+    assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # explores one in 8
+    w.accepted = 1000.0  # tau_hat ~ 1: drafting pays again
+    assert pipe.tw.drafting_pays()
+    w.accepted = 0.0
+    got = pipe.run(seed=3)
+    assert pipe.tw.plain_items >= 1
+    plain = [k for k, r in got.items() if r.num_kept is None]
+    assert plain and len(plain) < len(todo) or pipe.tw.plain_items == len(todo)
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+    assert not pipe.dw.rows and not pipe.dw.waiting

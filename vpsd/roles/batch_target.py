@@ -28,6 +28,7 @@ work between them: the launcher's loop (launch/batch.py) and the in-process test
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, TensorAnnounce
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
-from vpsd.pipeline.theory import tau_hat
+from vpsd.pipeline.theory import expected_accepted, tau_hat
 from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleFailure
@@ -62,6 +63,7 @@ class Prefilled:
     signals: HeldSignals
     num_video_tokens: int
     prefill_s: float
+    drafted: bool = True  # False: a plain row, decoded by the target alone (`drafting_pays`)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class TargetRow:
     windows: list[int] = field(default_factory=list)  # the window each verified chunk was drafted under
     first_chunk_wait: float | None = None
     error: str | None = None  # the draft could not draft it (its Error); the item fails with this
+    plain: bool = False  # decoded by the target alone, one token a round; the draft and pruner never hear of it
 
 
 class TargetBatchWorker:
@@ -98,6 +101,10 @@ class TargetBatchWorker:
         self.verify_s: list[float] = []
         self.accepted = self.rejections = 0  # over every verified window (tau_hat's A and R)
         self.round_end = 0.0  # when the last round ended (perf_counter)
+        self.plain_items = 0  # items decoded without a draft (drafting did not pay)
+        self.explore_every = 8
+        self._plain_streak = 0
+        self._lock = threading.Lock()
         self.admit_s = 0.0  # vision + prefill of the items admitted here (the rest of the loop is decoding)
 
     @property
@@ -106,11 +113,38 @@ class TargetBatchWorker:
 
     # ---- events -------------------------------------------------------------------------------------
 
+    def drafting_pays(self) -> bool:
+        """Whether the next item should be drafted for, or decoded plain as a row of the target's batch.
+
+        In a pipelined batch the draft's steps overlap the verify (Theorem 6's max(gamma T_q, T_p) is T_p in a
+        target-bound pipeline), so what an item costs the batch per committed token is its rows of the verify:
+        T_p(gamma + 1) / (1 + E[X](tau, gamma)) drafted against T_p(1) plain, with T_p(k) the window's line in
+        the rows an item feeds at the current B and E[X] Lemma 1's. BatchWindow's rule with T_q = 0 and no D
+        (the draft's prefill runs on its own rank). Greedy only (a sampled item always drafts), a fixed window
+        always drafts, and one plain decision in `explore_every` drafts anyway, so tau stays measured."""
+        w = self.window
+        if self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
+            return True
+        t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
+        if t_plain is None or t_window is None:
+            return True
+        with self._lock:  # the prefill thread and the decode thread (when it steals) both ask
+            if t_window / (1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)) < t_plain:
+                self._plain_streak = 0
+                return True
+            self._plain_streak += 1
+            return self._plain_streak % self.explore_every == 0
+
     def admit(self, item: WorkItem) -> None:
         """Starts an item on this thread: the draft and the pruner are told, then the vision tower and the full
         prefill run here, the pruner's signals leaving from inside it. A ValueError fails the item alone (its
         ItemDone goes out)."""
         t0 = time.perf_counter()
+        if not self.drafting_pays():
+            p = self.prefill(item, drafted=False)
+            self.join(p)
+            self.admit_s += p.prefill_s
+            return
         self._announce(item)
         try:
             emb = self._embed(item)
@@ -118,25 +152,32 @@ class TargetBatchWorker:
         except ValueError as e:
             self._item_done(item.id, [], {"type": type(e).__name__, "message": str(e)})
             raise
-        self._add_row(item, pre, emb.layout.num_tokens, time.perf_counter() - t0)
+        self._add_row(item, pre, emb.layout.num_tokens, time.perf_counter() - t0, plain=False)
         self.admit_s += time.perf_counter() - t0
 
-    def prefill(self, item: WorkItem) -> Prefilled:
+    def prefill(self, item: WorkItem, drafted: bool | None = None) -> Prefilled:
         """The item's vision and full prefill, on any thread (it touches no transport: the signals are held);
-        `join` it on this one. Raises ValueError (or a VideoError) for an item that cannot be decoded: nothing
-        was announced, so nothing needs telling."""
+        `join` it on this one. `drafted`: None asks `drafting_pays`. Raises ValueError (or a VideoError) for an
+        item that cannot be decoded: nothing was announced, so nothing needs telling."""
+        drafted = self.drafting_pays() if drafted is None else drafted
         t0 = time.perf_counter()
         emb = self._embed(item)
         held = HeldSignals()
-        pre = prefill_streaming_signals(held, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
-        return Prefilled(item, pre, held, emb.layout.num_tokens, time.perf_counter() - t0)
+        if drafted:
+            pre = prefill_streaming_signals(held, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
+        else:
+            with span("prefill", item=item.id, tokens=emb.seq_len, drafted=False):
+                pre = self.target.prefill(emb)
+        return Prefilled(item, pre, held, emb.layout.num_tokens, time.perf_counter() - t0, drafted)
 
     def join(self, p: Prefilled) -> None:
-        """A prefilled item joins: the draft and the pruner are told, the signals go out, its row joins."""
+        """A prefilled item joins: the draft and the pruner are told, the signals go out, its row joins (a plain
+        row joins alone)."""
         t0 = time.perf_counter()
-        self._announce(p.item)
-        p.signals.release(self.link, self.timeout_s)
-        self._add_row(p.item, p.pre, p.num_video_tokens, p.prefill_s)
+        if p.drafted:
+            self._announce(p.item)
+            p.signals.release(self.link, self.timeout_s)
+        self._add_row(p.item, p.pre, p.num_video_tokens, p.prefill_s, plain=not p.drafted)
         self.admit_s += time.perf_counter() - t0
 
     def _announce(self, item: WorkItem) -> None:
@@ -148,15 +189,20 @@ class TargetBatchWorker:
         with span("vision", item=item.id):
             return self.target.embed(self.target.prepare(item.frames, item.prompt, item.frame_times))
 
-    def _add_row(self, item: WorkItem, pre, num_video_tokens: int, prefill_s: float) -> None:
+    def _add_row(self, item: WorkItem, pre, num_video_tokens: int, prefill_s: float, plain: bool) -> None:
         machine = TargetMachine(item.max_new_tokens, frozenset(self.target.eos_token_ids), item_id=item.id)
         result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=prefill_s,
                               num_video_tokens=num_video_tokens)
-        self.rows[item.id] = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
-                                       torch.Generator().manual_seed(int(self.cfg.decoding.seed)), result,
-                                       time.perf_counter())
+        row = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
+                        torch.Generator().manual_seed(int(self.cfg.decoding.seed)), result, time.perf_counter(),
+                        plain=plain)
+        if plain:  # its first token, as ar draws it from the prefill (greedy: plain rows are never sampled)
+            machine.committed.append(int(pre.logits.argmax()))
+            result.stats.record(0, 0)
+            self.plain_items += 1
+        self.rows[item.id] = row
         self.batch.join(item.id, pre.state)
-        log.info("item_admitted", item=item.id, in_flight=len(self.rows))
+        log.info("item_admitted", item=item.id, in_flight=len(self.rows), drafted=not plain)
 
     def handle(self, src: str, msg: Message) -> None:
         if isinstance(msg, DraftChunk):
@@ -200,8 +246,8 @@ class TargetBatchWorker:
         return False
 
     def readiness(self) -> tuple[int, int]:
-        """(items with a chunk to verify now, items in flight)."""
-        return sum(self._drop_stale(k, r) for k, r in self.rows.items()), len(self.rows)
+        """(items with something to verify now, items in flight); a plain row always has its next token."""
+        return sum(r.plain or self._drop_stale(k, r) for k, r in self.rows.items()), len(self.rows)
 
     def patience_s(self, ready: int, waiting: int) -> float:
         """How long a round may wait for the items whose chunk has not come yet (after a rollback the draft needs a
@@ -216,9 +262,11 @@ class TargetBatchWorker:
     def step(self) -> tuple[bool, list[tuple[WorkItem, DecodeResult | ValueError]]]:
         """One round: every item with a verifiable chunk is verified in ONE forward. Returns (whether a forward
         ran, the items that finished with their results or the error that failed them)."""
-        ready: dict[str, tuple[DraftChunk, torch.Tensor | None, bool]] = {}
+        ready: dict[str, tuple[DraftChunk | None, torch.Tensor | None, bool]] = {}
         for item_id, row in self.rows.items():
-            if self._drop_stale(item_id, row):
+            if row.plain and not row.machine.done:
+                ready[item_id] = (None, None, False)
+            elif self._drop_stale(item_id, row):
                 chunk, q = row.chunks.popleft()
                 ready[item_id] = (chunk, q, row.machine.holds_next_row)
         if ready:
@@ -229,11 +277,15 @@ class TargetBatchWorker:
         self.round_end = time.perf_counter()
         return bool(ready), finished
 
-    def _verify(self, ready: dict[str, tuple[DraftChunk, torch.Tensor | None, bool]]) -> None:
+    def _verify(self, ready: dict[str, tuple[DraftChunk | None, torch.Tensor | None, bool]]) -> None:
         dec = self.cfg.decoding
         feed, first = {}, {}
         for item_id, (chunk, _, use_kept_row) in ready.items():
             row = self.rows[item_id]
+            if chunk is None:  # a plain row: the token it committed last round, as ar feeds it
+                length, feed[item_id], first[item_id] = row.cursor.verify_feed(row.machine.committed, [])
+                self.batch.rollback(item_id, length)
+                continue
             if row.first_chunk_wait is None:
                 row.first_chunk_wait = time.perf_counter() - row.decode_start
                 mark("first_chunk", item=item_id, wait_s=row.first_chunk_wait)
@@ -243,16 +295,22 @@ class TargetBatchWorker:
             self.batch.rollback(item_id, length)
         fed = max(len(t) for t in feed.values())
         self.batch_sizes.append(len(ready))
-        self.gammas.append(self.window.gamma)
+        gamma = self.window.gamma if any(chunk is not None for chunk, _, _ in ready.values()) else 0
+        self.gammas.append(gamma)  # 0: a round of plain rows only
         with span("verify", round=self.rounds, items=list(ready), tokens=sum(len(t) for t in feed.values()),
-                  rows=fed, gamma=self.window.gamma) as fields:
+                  rows=fed, gamma=gamma) as fields:
             t0 = time.perf_counter()
             logits = (self.batch.step_rowwise if dec.exact_verify else self.batch.step)(feed)
             self.verify_s.append(time.perf_counter() - t0)
             self.window.observe_verify(fed, self.verify_s[-1])
             accepted = 0
             for item_id, (chunk, q, _) in ready.items():
-                accepted += self._commit(self.rows[item_id], list(chunk.token_ids), q, logits[item_id], first[item_id])
+                row = self.rows[item_id]
+                if chunk is None:
+                    row.machine.committed.append(int(logits[item_id][-1].argmax()))
+                    row.result.stats.record(0, 0)
+                    continue
+                accepted += self._commit(row, list(chunk.token_ids), q, logits[item_id], first[item_id])
             fields.update(accepted=accepted)
         self.rounds += 1
 
@@ -282,10 +340,12 @@ class TargetBatchWorker:
             self._item_done(item_id, [], {"type": "ValueError", "message": row.error})
             return row.item, ValueError(row.error)
         tokens = row.machine.output()
-        self._item_done(item_id, tokens, None)
         r = row.result
         r.token_ids = tokens
         r.decode_s = time.perf_counter() - row.decode_start
+        if row.plain:
+            return row.item, r  # no draft, no kept set, nobody else to tell
+        self._item_done(item_id, tokens, None)
         r.timings["first_chunk_wait"] = row.first_chunk_wait or 0.0
         r.gamma = sum(row.windows) / len(row.windows) if row.windows else float(self.window.gamma)
         r.num_kept = self._keep_report(item_id)
@@ -309,4 +369,5 @@ class TargetBatchWorker:
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"size": self.size, "pipelined": True, "rounds": self.rounds, "mean_batch": mean(self.batch_sizes),
                 "mean_gamma": mean(self.gammas), "t_p_s": mean(self.verify_s), "t_q_s": self.window.t_q,
-                "tau_hat": tau_hat(self.accepted, self.rejections), "admit_s": self.admit_s}
+                "tau_hat": tau_hat(self.accepted, self.rejections), "admit_s": self.admit_s,
+                "plain_items": self.plain_items}
