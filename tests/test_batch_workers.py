@@ -219,8 +219,8 @@ def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing
 
 
 def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones():
-    """With tau measured near 0, drafting costs an item T_p(gamma + 1) per token against T_p(1) plain: the next
-    items join as plain rows of the target's batch (one in `explore_every` still drafts), the draft and the pruner
+    """With tau measured near 0, a round with drafted rows costs T_p(gamma + 1) for barely more than the one token
+    a plain round commits for T_p(1): the next items join as plain rows of the target's batch (one in `explore_every` still drafts), the draft and the pruner
     never hear of them, and every item still equals its batch-1 ar output."""
     todo = work_items(9, max_new=12)
     pipe = Pipeline("qwen2_5_vl", "pearl", 4, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
@@ -232,7 +232,9 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
     assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # explores one in 8
     w.accepted = 1000.0  # tau_hat ~ 1: drafting pays again
     assert pipe.tw.drafting_pays()
-    w.accepted = 0.0
+    pipe.tw.drafted_rate = 1.1  # but finished items measured 1.1 tokens a round: the measurement wins
+    assert not pipe.tw.drafting_pays()
+    w.accepted, pipe.tw.drafted_rate = 0.0, None
     got = pipe.run(seed=3)
     assert pipe.tw.plain_items >= 1
     plain = [k for k, r in got.items() if r.num_kept is None]

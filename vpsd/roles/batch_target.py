@@ -82,6 +82,7 @@ class TargetRow:
     first_chunk_wait: float | None = None
     error: str | None = None  # the draft could not draft it (its Error); the item fails with this
     plain: bool = False  # decoded by the target alone, one token a round; the draft and pruner never hear of it
+    joined_round: int = 0  # the worker's round count when it joined
 
 
 class TargetBatchWorker:
@@ -104,6 +105,7 @@ class TargetBatchWorker:
         self.plain_items = 0  # items decoded without a draft (drafting did not pay)
         self.explore_every = 8
         self._plain_streak = 0
+        self.drafted_rate: float | None = None  # tokens a drafted item commits per round in flight (running mean)
         self._lock = threading.Lock()
         self.admit_s = 0.0  # vision + prefill of the items admitted here (the rest of the loop is decoding)
 
@@ -116,20 +118,23 @@ class TargetBatchWorker:
     def drafting_pays(self) -> bool:
         """Whether the next item should be drafted for, or decoded plain as a row of the target's batch.
 
-        In a pipelined batch the draft's steps overlap the verify (Theorem 6's max(gamma T_q, T_p) is T_p in a
-        target-bound pipeline), so what an item costs the batch per committed token is its rows of the verify:
-        T_p(gamma + 1) / (1 + E[X](tau, gamma)) drafted against T_p(1) plain, with T_p(k) the window's line in
-        the rows an item feeds at the current B and E[X] Lemma 1's. BatchWindow's rule with T_q = 0 and no D
-        (the draft's prefill runs on its own rank). Greedy only (a sampled item always drafts), a fixed window
-        always drafts, and one plain decision in `explore_every` drafts anyway, so tau stays measured."""
+        A plain row commits one token every round. A drafted row commits `drafted_rate` tokens per round it is in
+        flight, measured over the items that finished (rollbacks, stale chunks and rounds it missed waiting for
+        its draft included; before any finished, 1 + E[X](tau, gamma), Lemma 1's). Rows are padded to the
+        longest, so a round with drafted rows costs T_p(gamma + 1) and one of plain rows T_p(1), T_p(k) the
+        window's line at the current B. Drafting pays while T_p(gamma + 1) / drafted_rate < T_p(1). The draft's
+        steps overlap the verify and its prefill runs on its own rank, so neither is counted (BatchWindow's rule,
+        which counts both, is for the serial batch). Greedy only (a sampled item always drafts), a fixed window
+        always drafts, and one plain decision in `explore_every` drafts anyway, so the rate stays measured."""
         w = self.window
         if self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
             return True
         t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
         if t_plain is None or t_window is None:
             return True
+        rate = self.drafted_rate or 1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)
         with self._lock:  # the prefill thread and the decode thread (when it steals) both ask
-            if t_window / (1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)) < t_plain:
+            if t_window / rate < t_plain:
                 self._plain_streak = 0
                 return True
             self._plain_streak += 1
@@ -195,7 +200,7 @@ class TargetBatchWorker:
                               num_video_tokens=num_video_tokens)
         row = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
                         torch.Generator().manual_seed(int(self.cfg.decoding.seed)), result, time.perf_counter(),
-                        plain=plain)
+                        plain=plain, joined_round=self.rounds)
         if plain:  # its first token, as ar draws it from the prefill (greedy: plain rows are never sampled)
             machine.committed.append(int(pre.logits.argmax()))
             result.stats.record(0, 0)
@@ -346,6 +351,10 @@ class TargetBatchWorker:
         if row.plain:
             return row.item, r  # no draft, no kept set, nobody else to tell
         self._item_done(item_id, tokens, None)
+        rounds = self.rounds - row.joined_round
+        if rounds > 0:
+            rate = len(row.machine.committed) / rounds
+            self.drafted_rate = rate if self.drafted_rate is None else 0.8 * self.drafted_rate + 0.2 * rate
         r.timings["first_chunk_wait"] = row.first_chunk_wait or 0.0
         r.gamma = sum(row.windows) / len(row.windows) if row.windows else float(self.window.gamma)
         r.num_kept = self._keep_report(item_id)
@@ -370,4 +379,4 @@ class TargetBatchWorker:
         return {"size": self.size, "pipelined": True, "rounds": self.rounds, "mean_batch": mean(self.batch_sizes),
                 "mean_gamma": mean(self.gammas), "t_p_s": mean(self.verify_s), "t_q_s": self.window.t_q,
                 "tau_hat": tau_hat(self.accepted, self.rejections), "admit_s": self.admit_s,
-                "plain_items": self.plain_items}
+                "plain_items": self.plain_items, "drafted_rate": self.drafted_rate}
