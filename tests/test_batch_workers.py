@@ -139,12 +139,46 @@ def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, me
 
 
 def test_verdicts_roll_the_draft_back_and_stale_chunks_are_dropped():
-    """A small draft that disagrees: rollbacks happen, chunks drafted before them arrive late and are dropped
-    by epoch, and the outputs are still ar's."""
-    todo = work_items(3, max_new=16)
-    pipe = Pipeline("qwen2_5_vl", "pearl", 3, todo, {"decoding.gamma": 4, "decoding.temperature": 0.0}, False)
+    """A draft that mostly agrees: rollbacks happen; after each, the draft sends its first token alone
+    (conservative mode, pre-verify) while it drafts on; chunks drafted before a rollback arrive late and are
+    dropped by epoch; a fully accepted chunk puts the item back in optimistic mode. The outputs are still ar's."""
+    todo = work_items(4, max_new=24)
+    # The target drafting for itself on HIPPO-pruned video: it agrees mostly, not always.
+    pipe = Pipeline("qwen2_5_vl", "hippo", 4, todo, {"decoding.gamma": 4, "decoding.temperature": 0.0}, True)
+    verdicts, chunks, dropped = [], [], []
+    handle_draft, handle_target = pipe.dw.handle, pipe.tw.handle
+
+    def draft_sees(src, msg):
+        if isinstance(msg, VerifyResult):
+            verdicts.append(msg)
+        handle_draft(src, msg)
+
+    def target_sees(src, msg):
+        if isinstance(msg, DraftChunk):
+            chunks.append(msg)
+        handle_target(src, msg)
+
+    pipe.dw.handle, pipe.tw.handle = draft_sees, target_sees
+    drop_stale = pipe.tw._drop_stale
+
+    def counting(item_id, row):
+        before = len(row.chunks)
+        left = drop_stale(item_id, row)
+        dropped.extend([item_id] * (before - len(row.chunks)))
+        return left
+
+    pipe.tw._drop_stale = counting
     got = pipe.run(seed=5)
     assert sum(r.stats.rollbacks for r in got.values()) > 0
+    rollbacks = [v for v in verdicts if v.rollback]
+    assert rollbacks and all(v.mode == "conservative" for v in rollbacks)  # a fixed window: the papers' pre-verify
+    assert any(v.mode == "optimistic" and not v.rollback for v in verdicts)
+    # After a rollback to committed length n at epoch e, the draft's first chunk of that epoch is one token.
+    for v in rollbacks:
+        first = next((c for c in chunks if c.item_id == v.item_id and c.epoch == v.epoch), None)
+        if first is not None:
+            assert (first.start, len(first.token_ids)) == (v.committed_len, 1)
+    assert dropped  # chunks of an old epoch reached the target after its rollback
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
         assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids

@@ -27,8 +27,7 @@ so the batch, not the overlap, is the larger term; the pipelined roles over a ba
 An item whose draft prefill (the draft's vision, the pruning, its pruned prefill) would cost more than drafting
 saves it over its decoding is decoded plain, as a row without a draft in the same batch
 (`BatchWindow.speculation_pays`; greedy only, so that a sampled item's tokens never depend on timing).
-Timing on a GPU would need a synchronize before each clock read; this engine runs where the roles' serial
-methods run (CPU in CI).
+Forward times are read after the device has finished (models/timing.py), so they hold on a GPU too.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.theory import tau_hat
 from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.tracing import get_logger, span
+from vpsd.models.timing import settled_clock
 
 log = get_logger()
 
@@ -276,7 +276,7 @@ class BatchDecoder:
                     tokens[key].append(token)
                     if len(tokens[key]) < windows[key]:  # the last proposal is never fed (sd.draft_chunk)
                         feed[key] = [token]
-        self.draft_step_s.append((time.perf_counter() - t0) / max(steps, 1))
+        self.draft_step_s.append((settled_clock(self.draft.device) - t0) / max(steps, 1))
         self.window.observe_draft_step(len(active), self.draft_step_s[-1])
         return tokens, {key: torch.stack(p) for key, p in probs.items() if p}
 
@@ -291,7 +291,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         step = self.target_batch.step_rowwise if self.cfg.exact_verify else self.target_batch.step
         logits = step(feed)
-        self.verify_s.append(time.perf_counter() - t0)
+        self.verify_s.append(settled_clock(self.target.device) - t0)
         self.window.observe_verify(len(feed), fed, self.verify_s[-1])
         return {key: window_rows(logits[key], first[key]) for key in feed}, fed
 

@@ -46,6 +46,7 @@ from vpsd.roles.link import Link, RankLink
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
 from vpsd.video.prefetch import FramePrefetcher
+from vpsd.models.timing import settled_clock
 
 log = get_logger()
 
@@ -216,7 +217,7 @@ class DraftBatchWorker:
             row = self.rows[item_id]
             row.cursor.feed(feed[item_id])
             row.last = rows[-1]
-        dt = time.perf_counter() - t0
+        dt = settled_clock(self.draft.device) - t0
         self.step_s = dt if self.step_s == 0.0 else 0.8 * self.step_s + 0.2 * dt
         self.steps += 1
         return True

@@ -50,6 +50,7 @@ from vpsd.roles.context import RoleFailure
 from vpsd.roles.link import Link
 from vpsd.roles.starting import HeldSignals, WorkItem, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
+from vpsd.models.timing import settled_clock
 
 log = get_logger()
 
@@ -306,7 +307,7 @@ class TargetBatchWorker:
                   rows=fed, gamma=gamma) as fields:
             t0 = time.perf_counter()
             logits = (self.batch.step_rowwise if dec.exact_verify else self.batch.step)(feed)
-            self.verify_s.append(time.perf_counter() - t0)
+            self.verify_s.append(settled_clock(self.target.device) - t0)
             self.window.observe_verify(fed, self.verify_s[-1])
             accepted = 0
             for item_id, (chunk, q, _) in ready.items():

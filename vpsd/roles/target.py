@@ -29,6 +29,7 @@ from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.link import RankLink
 from vpsd.roles.starting import WorkItem, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
+from vpsd.models.timing import settled_clock
 
 log = get_logger()
 
@@ -139,7 +140,7 @@ def _verify_loop(ctx: RoleContext, target: VideoLMAdapter, pre, item: WorkItem, 
             target.rollback(pre.state, length)
             rows = window_rows(target.step(pre.state, torch.tensor(feed), rowwise=dec.exact_verify), first, kept_row)
             fed = len(feed)
-            window.observe_verify(fed, time.perf_counter() - t_fwd)
+            window.observe_verify(fed, settled_clock(target.device) - t_fwd)
             v = verify_chunk(tokens, q, rows, dec.temperature, gen)
             window.observe_round(v.num_accepted, v.num_drafted)
             before = len(machine.committed)
