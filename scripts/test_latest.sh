@@ -36,7 +36,7 @@ subset=(
     "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[llava_onevision-specvlm-default]"
     "tests/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-std]"
     "tests/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-tabed]"
-    tests/test_batch_decode.py
+    tests/test_batch_decode.py tests/test_batch_workers.py
 )
 if [ "${1:-}" = "--all" ]; then subset=(tests); fi
 status=0
