@@ -61,6 +61,8 @@ class Pipeline:
                                    FramesInMemory(todo))
         self.pw = PrunerWorker(self.hub.link("pruner"), self.cfg)
         self.queue = list(todo)
+        self.deferred: dict = {}  # prefilled items waiting for KV room
+        self.peak_kv = 0
         self.results: dict[str, object] = {}
 
     def _deliver(self, role: str, worker) -> bool:
@@ -70,14 +72,25 @@ class Pipeline:
         worker.handle(*link.recv())
         return True
 
-    def _admit(self, rng: random.Random) -> None:
+    def _admit(self, rng: random.Random) -> bool:
         """On the role's thread (signals streamed from inside the prefill), or prefilled as on the launcher's
-        prefill thread and joined (signals held, then sent): both ways at random."""
-        item = self.queue.pop(0)
-        if rng.random() < 0.5:
-            self.tw.admit(item)
+        prefill thread and joined (signals held, then sent): both ways at random. An item whose KV does not fit
+        waits (prefilled, if it was) for a round to free some."""
+        item = self.queue[0]
+        if item.id in self.deferred:
+            joined = self.tw.join(self.deferred[item.id])
+        elif rng.random() < 0.5:
+            joined = self.tw.admit(item)
         else:
-            self.tw.join(self.tw.prefill(item))
+            p = self.tw.prefill(item)
+            joined = self.tw.join(p)
+            if not joined:
+                self.deferred[item.id] = p
+        if joined:
+            self.queue.pop(0)
+            self.deferred.pop(item.id, None)
+            self.peak_kv = max(self.peak_kv, self.tw.reserved_bytes())
+        return joined
 
     def _target_step(self) -> bool:
         ran, finished = self.tw.step()
@@ -89,7 +102,7 @@ class Pipeline:
         rng = self.rng
         rng.seed(seed)
         actions = {
-            "admit": lambda: bool(self.queue) and not self.tw.full and (self._admit(rng) or True),
+            "admit": lambda: bool(self.queue) and not self.tw.full and self._admit(rng),
             "target_msg": lambda: self._deliver("target", self.tw),
             "target_step": self._target_step,
             "draft_msg": lambda: self._deliver("draft", self.dw),
@@ -277,3 +290,26 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
         assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
     assert not pipe.dw.rows and not pipe.dw.waiting
+
+
+def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
+    """`batching.kv_budget_mib`: with room for two items at most, never more than two are in flight (prefilled
+    items wait for a round to free room), all finish as ar decodes them, and an item over the budget alone fails
+    with that error before anything is announced."""
+    todo = work_items(5, max_new=10)
+    target, _ = tiny_pair("qwen2_5_vl")
+    probe = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3}, False).tw
+    needs = [probe.kv_bytes(it, target.prepare(it.frames, it.prompt).seq_len) for it in todo]
+    budget = max(needs) + min(needs) + 1
+    pipe = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0,
+                                                    "batching.kv_budget_mib": budget / 2**20}, False)
+    got = pipe.run(seed=4)
+    assert 0 < pipe.peak_kv <= budget and set(got) == {it.id for it in todo}
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(target, it.frames, it.prompt, one).token_ids
+    tight = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3,
+                                                      "batching.kv_budget_mib": (min(needs) - 1) / 2**20}, False)
+    with pytest.raises(ValueError, match="over the budget"):
+        tight.tw.prefill(todo[0])
+    assert not tight.hub.inbox["draft"] and not tight.hub.inbox["pruner"]

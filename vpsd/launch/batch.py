@@ -325,16 +325,18 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
         ahead.top_up(len(worker.rows))
         while not worker.full and (nxt := ahead.next_ready(block=not worker.rows)) is not None:
             it, future = nxt
-            ahead.pop()
             ctx.item_id = it.id
             row = _row(cfg, method, it)
             try:
                 prefilled, loaded = future.result()
             except (VideoError, ValueError) as e:
+                ahead.pop()
                 failed += 1
                 record(_failed_row(row, {}, e))
                 continue
-            worker.join(prefilled)
+            if not worker.join(prefilled):
+                break  # its KV does not fit beside the items in flight: after a round (never on an empty batch)
+            ahead.pop()
             in_flight[it.id] = (row, loaded.timings, int(loaded.frames.shape[0]))
         if ahead.steal_if_thin(len(worker.rows)):
             continue

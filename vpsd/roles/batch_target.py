@@ -22,8 +22,13 @@ batch's own costs: T_q is the draft's batched step (sent with every chunk), T_p(
 current batch size. Matching gamma T_q(B) to T_p(B, gamma + 1) is Eq. 6 with both sides measured at B; as B
 moves, the line follows within a few rounds (its history decays).
 
-Events arrive through `handle` (one method per message kind), `admit` takes a new item, and `step` is the
-work between them: the launcher's loop (launch/batch.py) and the in-process tests drive the same worker.
+A round waits for items whose chunk has not come yet (after a rollback the draft answers a few ms late) while
+that costs less than leaving them a round behind (`patience_s`). Where drafting does not pay, an item is
+decoded plain, as a row of this batch the draft never hears of (`drafting_pays`).
+
+Events arrive through `handle` (one method per message kind), items arrive through `admit` (on this thread) or
+`prefill` (any thread) then `join`, and `step` is the work between them: the launcher's loop (launch/batch.py)
+and the in-process tests drive the same worker.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vpsd.config import RunConfig
+from vpsd.decoders.batched import kv_bytes_per_token
 from vpsd.decoders.result import DecodeResult
 from vpsd.models.base import PrefillResult, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
@@ -65,6 +71,7 @@ class Prefilled:
     num_video_tokens: int
     prefill_s: float
     drafted: bool = True  # False: a plain row, decoded by the target alone (`drafting_pays`)
+    kv_bytes: int = 0  # what admission reserves for it
 
 
 @dataclass
@@ -84,6 +91,7 @@ class TargetRow:
     error: str | None = None  # the draft could not draft it (its Error); the item fails with this
     plain: bool = False  # decoded by the target alone, one token a round; the draft and pruner never hear of it
     joined_round: int = 0  # the worker's round count when it joined
+    kv_bytes: int = 0
 
 
 class TargetBatchWorker:
@@ -92,6 +100,8 @@ class TargetBatchWorker:
     def __init__(self, link: Link, target: VideoLMAdapter, cfg: RunConfig, size: int, job_id: str = "",
                  timeout_s: float = 60.0) -> None:
         self.link, self.target, self.cfg, self.size = link, target, cfg, size
+        # `batching.kv_budget_mib` counts the target's KV here: the draft's lives on its own rank.
+        self.kv_budget_bytes = cfg.batching.kv_budget_bytes
         self.job_id, self.timeout_s = job_id, timeout_s
         self.window: WindowController = cfg.decoding.window()  # one window for the job (gamma auto learns)
         self.batch = BatchedCache(target)
@@ -113,6 +123,18 @@ class TargetBatchWorker:
     @property
     def full(self) -> bool:
         return len(self.rows) >= self.size
+
+    def kv_bytes(self, item: WorkItem, prompt_tokens: int) -> int:
+        """The target's KV an item can grow to: prefill + answer + one window (+ its first token), in bytes."""
+        tokens = prompt_tokens + item.max_new_tokens + self.cfg.decoding.gamma_max + 1
+        return tokens * kv_bytes_per_token(self.target)
+
+    def reserved_bytes(self) -> int:
+        return sum(r.kv_bytes for r in self.rows.values())
+
+    def fits(self, p: Prefilled) -> bool:
+        """Whether a prefilled item's KV fits beside the items in flight (always on an empty batch)."""
+        return self.kv_budget_bytes is None or not self.rows or self.reserved_bytes() + p.kv_bytes <= self.kv_budget_bytes
 
     # ---- events -------------------------------------------------------------------------------------
 
@@ -141,16 +163,18 @@ class TargetBatchWorker:
             self._plain_streak += 1
             return self._plain_streak % self.explore_every == 0
 
-    def admit(self, item: WorkItem) -> None:
+    def admit(self, item: WorkItem) -> bool:
         """Starts an item on this thread: the draft and the pruner are told, then the vision tower and the full
-        prefill run here, the pruner's signals leaving from inside it. A ValueError fails the item alone (its
-        ItemDone goes out)."""
+        prefill run here, the pruner's signals leaving from inside it. False, and nothing happens, while its KV
+        does not fit beside the items in flight. A ValueError fails the item alone (its ItemDone goes out)."""
         t0 = time.perf_counter()
         if not self.drafting_pays():
             p = self.prefill(item, drafted=False)
-            self.join(p)
             self.admit_s += p.prefill_s
-            return
+            return self.join(p)
+        need = self._check_budget(item, self.target.prepare(item.frames, item.prompt, item.frame_times).seq_len)
+        if self.kv_budget_bytes is not None and self.rows and self.reserved_bytes() + need > self.kv_budget_bytes:
+            return False
         self._announce(item)
         try:
             emb = self._embed(item)
@@ -158,8 +182,9 @@ class TargetBatchWorker:
         except ValueError as e:
             self._item_done(item.id, [], {"type": type(e).__name__, "message": str(e)})
             raise
-        self._add_row(item, pre, emb.layout.num_tokens, time.perf_counter() - t0, plain=False)
+        self._add_row(item, pre, emb.layout.num_tokens, time.perf_counter() - t0, plain=False, kv_bytes=need)
         self.admit_s += time.perf_counter() - t0
+        return True
 
     def prefill(self, item: WorkItem, drafted: bool | None = None) -> Prefilled:
         """The item's vision and full prefill, on any thread (it touches no transport: the signals are held);
@@ -168,23 +193,38 @@ class TargetBatchWorker:
         drafted = self.drafting_pays() if drafted is None else drafted
         t0 = time.perf_counter()
         emb = self._embed(item)
+        need = self._check_budget(item, emb.seq_len)
         held = HeldSignals()
         if drafted:
             pre = prefill_streaming_signals(held, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
         else:
             with span("prefill", item=item.id, tokens=emb.seq_len, drafted=False):
                 pre = self.target.prefill(emb)
-        return Prefilled(item, pre, held, emb.layout.num_tokens, time.perf_counter() - t0, drafted)
+        return Prefilled(item, pre, held, emb.layout.num_tokens, time.perf_counter() - t0, drafted, need)
 
-    def join(self, p: Prefilled) -> None:
+    def join(self, p: Prefilled) -> bool:
         """A prefilled item joins: the draft and the pruner are told, the signals go out, its row joins (a plain
-        row joins alone)."""
+        row joins alone). False, and nothing happens, while its KV does not fit beside the items in flight (join
+        it again after a round)."""
+        if not self.fits(p):
+            log.info("item_deferred", item=p.item.id, need_mib=p.kv_bytes / 2**20,
+                     reserved_mib=self.reserved_bytes() / 2**20, budget_mib=self.kv_budget_bytes / 2**20)
+            return False
         t0 = time.perf_counter()
         if p.drafted:
             self._announce(p.item)
             p.signals.release(self.link, self.timeout_s)
-        self._add_row(p.item, p.pre, p.num_video_tokens, p.prefill_s, plain=not p.drafted)
+        self._add_row(p.item, p.pre, p.num_video_tokens, p.prefill_s, plain=not p.drafted, kv_bytes=p.kv_bytes)
         self.admit_s += time.perf_counter() - t0
+        return True
+
+    def _check_budget(self, item: WorkItem, prompt_tokens: int) -> int:
+        """The item's KV need; ValueError (it fails alone) when it would not fit even in an empty batch."""
+        need = self.kv_bytes(item, prompt_tokens)
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise ValueError(f"item needs {need / 2**20:.1f} MiB of KV cache, over the budget of "
+                             f"{self.kv_budget_bytes / 2**20:.1f} MiB (batching.kv_budget_mib)")
+        return need
 
     def _announce(self, item: WorkItem) -> None:
         job = job_start(self.job_id, item, int(self.cfg.decoding.seed), self.window.gamma, self.target)
@@ -195,20 +235,23 @@ class TargetBatchWorker:
         with span("vision", item=item.id):
             return self.target.embed(self.target.prepare(item.frames, item.prompt, item.frame_times))
 
-    def _add_row(self, item: WorkItem, pre, num_video_tokens: int, prefill_s: float, plain: bool) -> None:
+    def _add_row(self, item: WorkItem, pre, num_video_tokens: int, prefill_s: float, plain: bool,
+                 kv_bytes: int = 0) -> None:
         machine = TargetMachine(item.max_new_tokens, frozenset(self.target.eos_token_ids), item_id=item.id)
         result = DecodeResult(token_ids=[], stats=AcceptanceStats(), prefill_s=prefill_s,
                               num_video_tokens=num_video_tokens)
         row = TargetRow(item, machine, CacheCursor(pre.state.length), pre.logits,
                         torch.Generator().manual_seed(int(self.cfg.decoding.seed)), result, time.perf_counter(),
-                        plain=plain, joined_round=self.rounds)
+                        plain=plain, joined_round=self.rounds, kv_bytes=kv_bytes)
         if plain:  # its first token, as ar draws it from the prefill (greedy: plain rows are never sampled)
             machine.committed.append(int(pre.logits.argmax()))
             result.stats.record(0, 0)
             self.plain_items += 1
         self.rows[item.id] = row
         self.batch.join(item.id, pre.state)
-        log.info("item_admitted", item=item.id, in_flight=len(self.rows), drafted=not plain)
+        log.info("item_admitted", item=item.id, in_flight=len(self.rows), drafted=not plain,
+                 need_mib=kv_bytes / 2**20, reserved_mib=self.reserved_bytes() / 2**20,
+                 budget_mib=None if self.kv_budget_bytes is None else self.kv_budget_bytes / 2**20)
 
     def handle(self, src: str, msg: Message) -> None:
         if isinstance(msg, DraftChunk):
