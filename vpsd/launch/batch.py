@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -107,6 +107,12 @@ class ItemReader:
     def max_new_tokens(self, item: ManifestItem) -> int:
         return item.max_new_tokens or self.cfg.decoding.max_new_tokens
 
+    def work_item(self, item: ManifestItem, loaded: LoadedItem, nxt: ManifestItem | None) -> WorkItem:
+        """The item as the target's roles take it: its frames, and how the draft reads them and the next item's."""
+        return WorkItem(item.id, item.prompt, self.max_new_tokens(item), loaded.frames, loaded.video,
+                        self.request(nxt).to_wire(nxt.id) if nxt is not None else None, item.extra,
+                        frame_times=loaded.times)
+
     def load(self, item: ManifestItem) -> LoadedItem:
         timings: dict[str, float] = {}
         request = self.request(item)
@@ -167,10 +173,7 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
         try:
             loaded = prefetch.take(it, timings, item=it.id)
             timings.update(loaded.timings)
-            work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
-                            reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
-                            frame_times=loaded.times)
-            res = decode_item(ctx, target, draft, work)
+            res = decode_item(ctx, target, draft, reader.work_item(it, loaded, nxt))
             row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
                        stats={**res.stats_dict(), **timings, "num_frames": int(loaded.frames.shape[0])}, error=None)
         except (VideoError, ValueError) as e:
@@ -209,11 +212,18 @@ class PrefillAhead:
             it = self.queue.pop(0)
             self.ahead.append((it, self.pool.submit(self.prepare, it, self.queue[0] if self.queue else None)))
 
-    def next_ready(self, block: bool) -> tuple[ManifestItem, Future] | None:
-        """The next item in order if its prefill is done (or `block`: nothing is decoding, so wait for it)."""
-        if self.ahead and (block or self.ahead[0][1].done()):
-            return self.ahead[0]
-        return None
+    def next_ready(self, block: bool) -> tuple[ManifestItem, Any] | None:
+        """The next item in order and what `prepare` returned, if its prefill is done (or `block`: nothing is
+        decoding, so wait for it). An item that failed (VideoError, ValueError) comes with its error instead, and
+        is taken off the queue; a prepared one stays first until `pop`."""
+        if not (self.ahead and (block or self.ahead[0][1].done())):
+            return None
+        it, future = self.ahead[0]
+        try:
+            return it, future.result()
+        except (VideoError, ValueError) as e:
+            self.pop()
+            return it, e
 
     def pop(self) -> None:
         self.ahead.popleft()
@@ -272,16 +282,14 @@ def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, 
         ahead.top_up(len(engine.slots))
         # Join what is ready, in order; block on a prefill only when nothing is decoding.
         while not engine.full and (nxt := ahead.next_ready(block=not engine.slots)) is not None:
-            it, future = nxt
+            it, got = nxt
             ctx.item_id = it.id
             row = _row(cfg, method, it)
-            try:
-                prefilled, loaded = future.result()
-            except (VideoError, ValueError) as e:
-                ahead.pop()
+            if isinstance(got, Exception):
                 failed += 1
-                record(_failed_row(row, {}, e))
+                record(_failed_row(row, {}, got))
                 continue
+            prefilled, loaded = got
             in_flight[it.id] = (row, loaded.timings, int(loaded.frames.shape[0]))
             status, res = engine.join(prefilled)
             if status == "wait":
@@ -315,26 +323,21 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
 
     def read_and_prefill(it: ManifestItem, nxt: ManifestItem | None):
         loaded = reader.load(it)
-        work = WorkItem(it.id, it.prompt, reader.max_new_tokens(it), loaded.frames, loaded.video,
-                        reader.request(nxt).to_wire(nxt.id) if nxt is not None else None, it.extra,
-                        frame_times=loaded.times)
-        return worker.prefill(work), loaded
+        return worker.prefill(reader.work_item(it, loaded, nxt)), loaded
 
     ahead = PrefillAhead(todo, size, read_and_prefill, (cfg.cpu_affinity or {}).get("draft"))
     started = time.perf_counter()
     while ahead.pending or worker.rows:
         ahead.top_up(len(worker.rows))
         while not worker.full and (nxt := ahead.next_ready(block=not worker.rows)) is not None:
-            it, future = nxt
+            it, got = nxt
             ctx.item_id = it.id
             row = _row(cfg, method, it)
-            try:
-                prefilled, loaded = future.result()
-            except (VideoError, ValueError) as e:
-                ahead.pop()
+            if isinstance(got, Exception):
                 failed += 1
-                record(_failed_row(row, {}, e))
+                record(_failed_row(row, {}, got))
                 continue
+            prefilled, loaded = got
             if not worker.join(prefilled):
                 break  # its KV does not fit beside the items in flight: after a round (never on an empty batch)
             ahead.pop()

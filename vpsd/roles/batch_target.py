@@ -132,9 +132,9 @@ class TargetBatchWorker:
     def reserved_bytes(self) -> int:
         return sum(r.kv_bytes for r in self.rows.values())
 
-    def fits(self, p: Prefilled) -> bool:
-        """Whether a prefilled item's KV fits beside the items in flight (always on an empty batch)."""
-        return self.kv_budget_bytes is None or not self.rows or self.reserved_bytes() + p.kv_bytes <= self.kv_budget_bytes
+    def fits(self, need: int) -> bool:
+        """Whether `need` bytes of KV fit beside the items in flight (always on an empty batch)."""
+        return self.kv_budget_bytes is None or not self.rows or self.reserved_bytes() + need <= self.kv_budget_bytes
 
     # ---- events -------------------------------------------------------------------------------------
 
@@ -172,12 +172,13 @@ class TargetBatchWorker:
             p = self.prefill(item, drafted=False)
             self.admit_s += p.prefill_s
             return self.join(p)
-        need = self._check_budget(item, self.target.prepare(item.frames, item.prompt, item.frame_times).seq_len)
-        if self.kv_budget_bytes is not None and self.rows and self.reserved_bytes() + need > self.kv_budget_bytes:
+        inputs = self.target.prepare(item.frames, item.prompt, item.frame_times)
+        need = self._check_budget(item, inputs.seq_len)
+        if not self.fits(need):
             return False
         self._announce(item)
         try:
-            emb = self._embed(item)
+            emb = self._embed(item, inputs)
             pre = prefill_streaming_signals(self.link, self.cfg.pruning, self.target, emb, item.id, self.timeout_s)
         except ValueError as e:
             self._item_done(item.id, [], {"type": type(e).__name__, "message": str(e)})
@@ -206,7 +207,7 @@ class TargetBatchWorker:
         """A prefilled item joins: the draft and the pruner are told, the signals go out, its row joins (a plain
         row joins alone). False, and nothing happens, while its KV does not fit beside the items in flight (join
         it again after a round)."""
-        if not self.fits(p):
+        if not self.fits(p.kv_bytes):
             log.info("item_deferred", item=p.item.id, need_mib=p.kv_bytes / 2**20,
                      reserved_mib=self.reserved_bytes() / 2**20, budget_mib=self.kv_budget_bytes / 2**20)
             return False
@@ -231,9 +232,12 @@ class TargetBatchWorker:
         self.link.send("draft", job)
         self.link.send("pruner", job)
 
-    def _embed(self, item: WorkItem):
+    def _embed(self, item: WorkItem, inputs=None):
+        """The item's embeddings (`inputs`: its prepared inputs, when already made)."""
         with span("vision", item=item.id):
-            return self.target.embed(self.target.prepare(item.frames, item.prompt, item.frame_times))
+            if inputs is None:
+                inputs = self.target.prepare(item.frames, item.prompt, item.frame_times)
+            return self.target.embed(inputs)
 
     def _add_row(self, item: WorkItem, pre, num_video_tokens: int, prefill_s: float, plain: bool,
                  kv_bytes: int = 0) -> None:
