@@ -92,12 +92,20 @@ def test_main_writes_png_and_prints_summary(tmp_path, capsys):
 # --- a real run ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.torchrun
 # Self-speculation on pruned video: a draft that accepts some tokens and rejects others, so both paths run.
+# A batch's verify spans carry one entry per row (`items`, and lists in its order): the same rounds, read back per
+# item. The pipelined batch commits as the parallel target does, the serial batch as batch-1 sd does.
+PEARL = ["--gamma", "3", "--pruning", "temporal", "--ratio", "0.9", "--set", "draft=self"]
+SD = ["--pruning", "uniform", "--ratio", "0.5", "--set", "draft=self"]
+
+
+@pytest.mark.torchrun
 @pytest.mark.parametrize("method,extra", [
-    ("pearl", ["--gamma", "3", "--pruning", "temporal", "--ratio", "0.9", "--set", "draft=self"]),
-    ("sd", ["--pruning", "uniform", "--ratio", "0.5", "--set", "draft=self"]),
-])
+    ("pearl", PEARL),
+    ("sd", SD),
+    ("pearl", PEARL + ["--batch", "3", "--set", "batching.pipelined=true"]),
+    ("sd", SD + ["--batch", "3"]),
+], ids=["pearl", "sd", "pearl-pipelined-batch", "sd-batch"])
 def test_trace_rounds_add_up_to_the_committed_tokens(tmp_path_factory, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp(f"acceptance-{method}")

@@ -20,6 +20,7 @@ from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.entry import restart_problem
 from vpsd.launch.manifest import check_manifest, load_manifest
+from vpsd.reports import timeline
 from vpsd.reports.summary import EXIT_ITEMS_FAILED
 from vpsd.video.item import cap_frames, load_item_frames
 
@@ -205,7 +206,16 @@ def test_a_pipelined_batch_overlaps_draft_and_target_and_equals_batch1(tmp_path_
     verify = [s for s in spans(out, "rank0_target") if s["name"] == "verify"]
     assert max(len(s["items"]) for s in verify) > 1
     drafted = [s for s in spans(out, "rank1_draft") if s["name"] == "draft_step"]
-    assert max(s["items"] for s in drafted) > 1
+    assert max(len(s["items"]) for s in drafted) > 1
+    # The timeline reads it back: each item was carried only while it was in flight, and the default plot of a
+    # batched run is the whole batch.
+    tracks = {t.item: t for t in timeline.item_tracks(timeline.load_spans(out))}
+    assert set(tracks) == set(results(out))
+    for t in tracks.values():
+        verifies = [s for s in t.carried_by if s.name == "verify"]
+        assert verifies and t.joined is not None and t.left is not None
+        assert all(t.joined <= s.t0 and s.t1 <= t.left for s in verifies)
+    assert timeline.main([str(out)]) == 0 and (out / "timeline.png").stat().st_size > 10_000
 
 
 def test_a_rerun_with_other_settings_is_refused_and_changes_nothing(six, uninterrupted):

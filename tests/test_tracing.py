@@ -323,6 +323,72 @@ def test_chrome_trace_has_one_lane_per_role_and_every_span(run_dir):
     assert rollback["ph"] == "i" and rollback["ts"] == 1.75e6 and rollback["args"]["epoch"] == 1
 
 
+def event_line(role, rank, event, at, **fields):
+    """An info event as structlog writes it (no t0: its time is `t`)."""
+    return json.dumps({"event": event, "level": "info", "role": role, "rank": rank, "t": T + at, **fields})
+
+
+@pytest.fixture
+def batch_dir(tmp_path) -> Path:
+    """A batched run's traces: items a and b in flight together; verify rounds carry [a], [a, b], [b]."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    target = [
+        span_line("target", 0, "prefill", 0.0, 0.5, item="a"),
+        event_line("target", 0, "item_admitted", 0.5, item="a", in_flight=1),
+        span_line("target", 0, "verify", 0.5, 0.25, round=0, items=["a"], rows=5),
+        span_line("target", 0, "prefill", 0.75, 0.25, item="b"),
+        event_line("target", 0, "item_admitted", 1.0, item="b", in_flight=2),
+        span_line("target", 0, "verify", 1.0, 0.25, round=1, items=["a", "b"], rows=5),
+        event_line("target", 0, "item_done", 1.25, item="a", tokens=8, error=None),
+        span_line("target", 0, "verify", 1.25, 0.25, round=2, items=["b"], rows=5),
+        span_line("target", 0, "send", 1.5, 0.25),  # of no item, carried by no forward
+        event_line("target", 0, "item_done", 1.75, item="b", tokens=8, error=None),
+    ]
+    draft = [
+        span_line("draft", 1, "draft_step", 0.5, 0.125, items=["a"], rows=1),
+        span_line("draft", 1, "draft_step", 1.0, 0.125, items=["a", "b"], rows=2),
+        mark_line("draft", 1, "rollback", 1.125, item="b", epoch=1),
+    ]
+    (traces / "rank0_target.jsonl").write_text("\n".join(target) + "\n")
+    (traces / "rank1_draft.jsonl").write_text("\n".join(draft) + "\n")
+    return tmp_path
+
+
+def test_item_tracks_show_which_rows_each_batched_forward_carried(batch_dir):
+    spans = load_spans(batch_dir)
+    lifecycle = [(s.name, s.item, s.t0 - T) for s in spans if s.name in timeline.LIFECYCLE]
+    assert lifecycle == [("item_admitted", "a", 0.5), ("item_admitted", "b", 1.0), ("item_done", "a", 1.25),
+                         ("item_done", "b", 1.75)]
+    assert all(s.kind == "mark" and s.dur == 0.0 for s in spans if s.name in timeline.LIFECYCLE)
+    a, b = timeline.item_tracks(spans)
+    assert (a.item, a.joined - T, a.left - T) == ("a", 0.5, 1.25)
+    assert (b.item, b.joined - T, b.left - T) == ("b", 1.0, 1.75)
+    assert [(s.name, s.round) for s in a.carried_by] == [("verify", 0), ("draft_step", None), ("verify", 1),
+                                                          ("draft_step", None)]
+    assert [(s.name, s.round) for s in b.carried_by] == [("verify", 1), ("draft_step", None), ("verify", 2)]
+    assert [s.name for s in a.own] == ["prefill"] and [s.name for s in b.marks] == ["rollback"]
+    # One item's view keeps the forwards that carried it and leaves out the ones that did not.
+    rounds = [s.round for s in timeline.item_spans(spans, "a") if s.name == "verify"]
+    assert rounds == [0, 1]
+    assert "send" not in {s.name for s in timeline.item_spans(spans, "a")}  # after a's time
+    assert "send" in {s.name for s in timeline.item_spans(spans, "b")}
+
+
+def test_a_batched_run_is_plotted_whole(batch_dir, capsys):
+    spans = load_spans(batch_dir)
+    out = timeline.plot_batch_timeline(spans, batch_dir / "b.png")
+    # two role lanes and two item lanes
+    width, height = png_size(out)
+    assert width == 1440 and abs(height - 120 * (1.4 + 0.6 * 2 + 0.22 * 2)) <= 1
+    assert timeline.main([str(batch_dir)]) == 0  # the default plot of a batched run
+    assert png_size(batch_dir / "timeline.png") == png_size(out)
+    assert timeline.main([str(batch_dir), "--item", "b"]) == 0  # one item's view, on request
+    width, height = png_size(batch_dir / "timeline.png")
+    assert width == 1440 and abs(height - 120 * (1.2 + 0.7 * 2)) <= 1
+    capsys.readouterr()
+
+
 def test_spans_written_directly_match_structlog_lines_and_follow_reconfiguration(tmp_path):
     """Spans and marks skip structlog's chain when writing to a trace file (vpsd.tracing's fast path):
     the same keys in the same order as the chain writes; captured like any event under capture_logs."""

@@ -224,8 +224,10 @@ class BatchDecoder:
         with span("verify", round=self.rounds, items=[str(k) for k in self.slots], gamma=gamma,
                   tokens=sum(len(d) for d in drafts.values()) + batch) as fields:
             rows, fed = self._verify_forward(drafts)
-            accepted = {key: self._commit(key, rows[key], drafts.get(key, []), probs.get(key)) for key in self.slots}
-            fields.update(accepted=sum(accepted.values()), rows=fed)
+            # Per row, in the order of `items`: drafted, accepted and committed tokens (reports/acceptance.py).
+            outcome = [self._commit(key, rows[key], drafts.get(key, []), probs.get(key)) for key in self.slots]
+            fields.update(rows=fed, **{name: list(col) for name, col in
+                                       zip(("drafted", "accepted", "committed"), zip(*outcome))})
         self.rounds += 1
         out = []
         for key in [k for k, s in self.slots.items() if done(s.committed, s.item.max_new_tokens, self.eos)]:
@@ -258,7 +260,7 @@ class BatchDecoder:
         probs: dict[Hashable, list[torch.Tensor]] = {key: [] for key in active}
         steps = 0
         t0 = time.perf_counter()
-        with span("draft", items=len(active), gamma=max(windows.values())):
+        with span("draft", items=list(active), gamma=max(windows.values())):
             while feed:
                 logits = self.draft_batch.step(feed)
                 steps += 1
@@ -295,23 +297,26 @@ class BatchDecoder:
         self.window.observe_verify(len(feed), fed, self.verify_s[-1])
         return {key: window_rows(logits[key], first[key]) for key in feed}, fed
 
-    def _commit(self, key: Hashable, rows: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> int:
-        """What the item's batch-1 decoder commits from these rows; returns its accepted draft tokens."""
+    def _commit(self, key: Hashable, rows: torch.Tensor, drafts: list[int], q: torch.Tensor | None
+                ) -> tuple[int, int, int]:
+        """What the item's batch-1 decoder commits from these rows; returns its (drafted, accepted, committed)
+        tokens."""
         slot = self.slots[key]
         if slot.draft_cursor is None:  # ar: the next token, drawn as decode_ar draws it
             slot.committed.append(next_token(rows[-1], self.cfg.temperature, slot.verify_gen))
             slot.stats.record(0, 0)
-            return 0
+            return 0, 0, 1
         v = verify_chunk(drafts, q, rows, self.cfg.temperature, slot.verify_gen)
         slot.stats.record(v.num_accepted, v.num_drafted)
         slot.stats.rollbacks += int(not v.all_accepted)
-        slot.committed += v.emitted(drafts)
+        emitted = v.emitted(drafts)
+        slot.committed += emitted
         if drafts:
             self.window.observe_round(v.num_accepted, v.num_drafted)
             slot.windows.append(len(drafts))
             self.accepted += v.num_accepted
             self.rejections += int(not v.all_accepted)
-        return v.num_accepted
+        return v.num_drafted, v.num_accepted, len(emitted)
 
     def _result(self, slot: Slot) -> DecodeResult:
         r = slot.result

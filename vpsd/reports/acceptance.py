@@ -5,7 +5,9 @@ Each carries `drafted` (draft tokens verified) and `accepted` (how many of them 
 the parallel target's also carry `mode` (the mode the round was verified in: "optimistic", or
 "conservative" for the lone first token after a rollback). Serial methods (sd, specvlm, std) log their
 verify spans without an item: such a span belongs to the item whose `item` span on the same rank
-encloses it. Spans without `accepted` (traces of an older vpsd) are skipped.
+encloses it. A batched round (`--batch N`) carries several items' rows: its `items` lists them, and
+`drafted`, `accepted`, `committed` (and, pipelined, `mode` and `start`) are lists in the same order, one
+round per row. Spans without `accepted` (traces of an older vpsd) are skipped.
 
 - `load_rounds(run_dir)` -> {item id: [Round, ...]} in verification order.
 - `summarize(rounds)` -> Summary: rounds, MAT (the papers' tau, as `pipeline.stats`: accepted + 1 per
@@ -31,10 +33,12 @@ from typing import Sequence
 
 import structlog
 
-from vpsd.reports.timeline import Span, load_spans
+from vpsd.reports.timeline import Span, carried, load_spans
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.tracing import configure_tracing
 
+# A batched verify span's per-row fields, each a list in the order of its `items`.
+ROW_FIELDS = ("drafted", "accepted", "committed", "mode", "start")
 CONSERVATIVE = "conservative"  # pipeline.state_machine.Mode.CONSERVATIVE's value, as the trace holds it
 
 
@@ -90,22 +94,24 @@ def rounds_from_spans(spans: Sequence[Span]) -> dict[str, list[Round]]:
         key=lambda s: s.t0,
     )
     out: dict[str, list[Round]] = {}
+
+    def add(item: str, fields: dict) -> None:
+        rounds = out.setdefault(item, [])
+        rounds.append(Round(item=item, index=len(rounds), drafted=int(fields["drafted"]),
+                            accepted=int(fields["accepted"]), mode=fields.get("mode"), start=fields.get("start"),
+                            committed=fields.get("committed")))
+
     for s in verify:
+        items = carried(s)
+        if items:  # a batched round: one round per row it carried
+            if isinstance(s.fields["accepted"], list):  # (an older vpsd logged only the sum)
+                for i, item in enumerate(items):
+                    add(item, {k: v[i] for k, v in s.fields.items() if k in ROW_FIELDS and isinstance(v, list)})
+            continue
         item = s.item if s.item is not None else _enclosing_item(s, frames)
         if item is None:
             continue  # a verify span outside every item: nothing to attribute it to
-        rounds = out.setdefault(item, [])
-        rounds.append(
-            Round(
-                item=item,
-                index=len(rounds),
-                drafted=int(s.fields["drafted"]),
-                accepted=int(s.fields["accepted"]),
-                mode=s.fields.get("mode"),
-                start=s.fields.get("start"),
-                committed=s.fields.get("committed"),
-            )
-        )
+        add(item, s.fields)
     return out
 
 

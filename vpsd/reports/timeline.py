@@ -1,4 +1,4 @@
-"""Read a run's per-rank traces back: a Gantt timeline of one item and a latency breakdown table.
+"""Read a run's per-rank traces back: a Gantt timeline (of one item, or of a batch) and a latency breakdown table.
 
 Input: `RUN_DIR/traces/*.jsonl` as written by `vpsd.tracing` (span and mark events; every other event is
 ignored). A line that is not a JSON object, or a span/mark without a numeric `t0` (and `dur`), is skipped
@@ -9,8 +9,14 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
 - `plot_timeline(spans, out_png, item=None, window=None)`: one lane per (role, rank), target, draft,
   pruner first, labelled "role (rank r)"; a colour per span name with a legend; nested spans drawn thinner
   on top of their parent; marks as vertical ticks. x is ms from the item's first span; `window` (ms, ms)
-  zooms. Spans of other items are left out; spans without an item are kept where they overlap it.
+  zooms. Spans of other items are left out; spans without an item are kept where they overlap it, and a
+  batched forward (a span whose `items` field lists the items it carried) only where it carried this item.
   Default item: the one that starts first.
+- `plot_batch_timeline(spans, out_png, window=None)`: a batched run (`--batch N`) as a whole: the role lanes
+  with every span, then one lane per item: when it was in flight (from `item_admitted` to `item_done`, events
+  the launcher logs and read back here as marks), its own spans (video read, vision, prefill, on any rank) and
+  every batched forward that carried its row (verify rounds, draft steps), so which rows each verify carried is
+  read down a column. The default plot of a batched run.
 - `breakdown(spans)` over the whole run, per (role, rank):
     * one `span` row per span name: total s, count, mean ms, share of the role's busy time
       (share None for `item`, `recv_wait` and `video_wait`, which are not work; nested spans are counted both in their
@@ -22,7 +28,7 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
       `waiting` = recv_wait time inside the wall time and outside busy time, the part of idle spent
       blocked on a peer. Shares of totals are of wall time.
 - `python -m vpsd.reports.timeline RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/timeline.png (or
-  --out), RUN_DIR/breakdown.txt and RUN_DIR/trace.json (Chrome trace events for Perfetto, one lane per role:
+  --out: the batch plot for a batched run, else the first item's; --item: that item's), RUN_DIR/breakdown.txt and RUN_DIR/trace.json (Chrome trace events for Perfetto, one lane per role:
   reports/chrome_trace.py), and prints the table.
 """
 
@@ -49,6 +55,9 @@ KNOWN_NAMES = (
     "send", "recv_wait", "rollback", "mode_switch", "item", "preprocess", "video_wait",
 )
 _RESERVED = ("event", "level", "role", "rank", "t", "name", "t0", "dur", "item", "round")
+# Events (not spans) logged when an item joins a batch and when its result is written: read back as marks of
+# those names, so that a plot shows when each item was in flight.
+LIFECYCLE = ("item_admitted", "item_done")
 
 Interval = tuple[float, float]
 
@@ -128,7 +137,10 @@ def _parse_line(line: str, role: str, rank: int) -> Span | None | bool:
     if not isinstance(obj, dict):
         return False
     kind = obj.get("event")
-    if kind not in ("span", "mark"):
+    if kind in LIFECYCLE:
+        obj = {**obj, "name": kind, "t0": obj.get("t")}
+        kind = "mark"
+    elif kind not in ("span", "mark"):
         return None
     t0 = obj.get("t0")
     dur = obj.get("dur") if kind == "span" else 0.0
@@ -167,15 +179,59 @@ def first_item(spans: Sequence[Span]) -> str | None:
     return min(with_item, key=lambda s: s.t0).item if with_item else None
 
 
+def carried(s: Span) -> tuple[str, ...]:
+    """The items a batched forward carried (its `items` list); () for a span of one item or of none."""
+    items = s.fields.get("items")
+    return tuple(str(i) for i in items) if isinstance(items, list) else ()
+
+
 def item_spans(spans: Sequence[Span], item: str | None) -> list[Span]:
-    """Spans of `item`, plus item-less spans overlapping its time; all spans when item is None."""
+    """Spans of `item` (batched forwards that carried it included), plus spans of no item overlapping its time;
+    all spans when item is None."""
     if item is None:
         return list(spans)
     own = [s for s in spans if s.item == item]
     if not own:
         raise ValueError(f"no span of item {item!r} in the trace")
     lo, hi = min(s.t0 for s in own), max(s.t1 for s in own)
-    return [s for s in spans if s.item == item or (s.item is None and s.t0 <= hi and s.t1 >= lo)]
+    return [s for s in spans if s.item == item or item in carried(s)
+            or (s.item is None and not carried(s) and s.t0 <= hi and s.t1 >= lo)]
+
+
+@dataclass
+class ItemTrack:
+    """One item of a batched run as its trace shows it."""
+
+    item: str
+    joined: float | None = None  # item_admitted: its row joined the batch
+    left: float | None = None  # item_done: its result was written
+    own: list[Span] = field(default_factory=list)  # spans naming it (video read, vision, prefill), any rank
+    carried_by: list[Span] = field(default_factory=list)  # batched forwards that carried its row
+    marks: list[Span] = field(default_factory=list)  # rollbacks, first chunk, ...
+
+    @property
+    def start(self) -> float:
+        return min([s.t0 for s in self.own + self.carried_by] + ([self.joined] if self.joined else []))
+
+
+def item_tracks(spans: Sequence[Span]) -> list[ItemTrack]:
+    """Every item's track, in the order items started (their first span)."""
+    tracks: dict[str, ItemTrack] = {}
+    for s in spans:
+        if s.kind == "mark" and s.item is not None:
+            t = tracks.setdefault(s.item, ItemTrack(s.item))
+            if s.name == "item_admitted":
+                t.joined = s.t0
+            elif s.name == "item_done":
+                t.left = s.t0
+            else:
+                t.marks.append(s)
+        elif s.kind == "span":
+            if s.item is not None:
+                tracks.setdefault(s.item, ItemTrack(s.item)).own.append(s)
+            for item in carried(s):
+                tracks.setdefault(item, ItemTrack(item)).carried_by.append(s)
+    return sorted((t for t in tracks.values() if t.own or t.carried_by), key=lambda t: t.start)
 
 
 # --- timeline ----------------------------------------------------------------------------------------
@@ -191,8 +247,6 @@ def plot_timeline(
     # The Agg canvas directly, no pyplot: no global figure state, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     chosen = item if item is not None else first_item(spans)
     shown = item_spans(spans, chosen)
@@ -208,31 +262,95 @@ def plot_timeline(
     used_spans: dict[str, None] = {}
     used_marks: dict[str, None] = {}
     for y, key in enumerate(lane_keys):
-        lane = [s for s in shown if (s.role, s.rank) == key]
-        bars = [s for s in lane if s.kind == "span"]
-        for s, depth in zip(bars, _depths(bars)):
-            # An item span frames the lane; each nesting level is drawn thinner on top of its parent.
-            height = 0.8 * 0.7**depth
-            ax.barh(
-                y, s.dur * 1e3, left=(s.t0 - origin) * 1e3, height=height,
-                color=colours[s.name], alpha=1.0 if s.name == "item" else 0.9,
-                edgecolor="black", linewidth=0.3, zorder=2 + depth,
-            )
-            used_spans[s.name] = None
-        for m in (s for s in lane if s.kind == "mark"):
-            x = (m.t0 - origin) * 1e3
-            ax.vlines(x, y - 0.48, y + 0.48, colors=colours[m.name], linewidths=1.5, zorder=50)
-            used_marks[m.name] = None
+        _draw_lane(ax, y, [s for s in shown if (s.role, s.rank) == key], origin, colours, used_spans, used_marks)
     ax.set_yticks(range(len(lane_keys)), [f"{role} (rank {rank})" for role, rank in lane_keys])
     ax.set_ylim(len(lane_keys) - 0.5, -0.5)  # target on top
     ax.set_xlabel("time (ms) from the item's first span")
     ax.set_title(f"item {chosen}" if chosen is not None else "run")
+    return _finish(fig, ax, colours, used_spans, used_marks, window, out_png)
+
+
+def plot_batch_timeline(
+    spans: Sequence[Span],
+    out_png: Path,
+    window: tuple[float, float] | None = None,
+    max_items: int = 64,
+) -> Path:
+    """A batched run as a whole to `out_png`: the role lanes, then a lane per item (its first `max_items`):
+    in flight (pale), its own spans, the batched forwards that carried its row, its marks. Returns the path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    tracks = item_tracks(spans)
+    if not tracks:
+        raise ValueError("no item in the trace")
+    shown = tracks[:max_items]
+    lane_keys = lanes(spans)
+    origin = min(s.t0 for s in spans)
+    colours = _colours(s.name for s in spans)
+    fig = Figure(figsize=(12, 1.4 + 0.6 * len(lane_keys) + 0.22 * len(shown)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    used_spans: dict[str, None] = {}
+    used_marks: dict[str, None] = {}
+    for y, key in enumerate(lane_keys):
+        lane = [s for s in spans if (s.role, s.rank) == key and s.name not in LIFECYCLE]
+        _draw_lane(ax, y, lane, origin, colours, used_spans, used_marks)
+    in_flight = (0.93, 0.93, 0.93)
+    for y, t in enumerate(shown, start=len(lane_keys)):
+        if t.joined is not None:  # the row's life in the batch, behind everything else on the lane
+            end = t.left if t.left is not None else max(s.t1 for s in t.carried_by or t.own)
+            ax.barh(y, (end - t.joined) * 1e3, left=(t.joined - origin) * 1e3, height=0.9, color=in_flight,
+                    edgecolor="none", zorder=1)
+        _draw_lane(ax, y, sorted(t.own + t.carried_by + t.marks, key=lambda s: (s.t0, -s.dur)), origin, colours,
+                   used_spans, used_marks, flat=True)
+    ax.axhline(len(lane_keys) - 0.5, color="black", linewidth=0.8)
+    labels = [f"{role} (rank {rank})" for role, rank in lane_keys] + [t.item for t in shown]
+    ax.set_yticks(range(len(labels)), labels, fontsize="small")
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+    ax.set_xlabel("time (ms) from the run's first span")
+    rounds = [s for s in spans if s.kind == "span" and s.name == "verify" and carried(s)]
+    per_round = sum(len(carried(s)) for s in rounds) / len(rounds) if rounds else 0.0
+    more = f" (the first {len(shown)} of {len(tracks)} items shown)" if len(shown) < len(tracks) else ""
+    ax.set_title(f"batch: {len(tracks)} items, {len(rounds)} verify rounds carrying {per_round:.1f} items "
+                 f"on average{more}")
+    extra = [Patch(color=in_flight, label="in flight (item lanes)")]
+    return _finish(fig, ax, colours, used_spans, used_marks, window, out_png, extra)
+
+
+def _draw_lane(ax, y: float, lane: Sequence[Span], origin: float, colours: dict, used_spans: dict,
+               used_marks: dict, flat: bool = False) -> None:
+    """One lane's spans as bars (each nesting level thinner on top of its parent; `flat`: all one height) and
+    its marks as ticks."""
+    bars = [s for s in lane if s.kind == "span"]
+    for s, depth in zip(bars, [0] * len(bars) if flat else _depths(bars)):
+        # An item span frames the lane; each nesting level is drawn thinner on top of its parent.
+        height = 0.6 if flat else 0.8 * 0.7**depth
+        ax.barh(
+            y, s.dur * 1e3, left=(s.t0 - origin) * 1e3, height=height,
+            color=colours[s.name], alpha=1.0 if s.name == "item" else 0.9,
+            edgecolor="black", linewidth=0.3, zorder=2 + depth,
+        )
+        used_spans[s.name] = None
+    for m in (s for s in lane if s.kind == "mark"):
+        x = (m.t0 - origin) * 1e3
+        ax.vlines(x, y - 0.48, y + 0.48, colors=colours[m.name], linewidths=1.5, zorder=50)
+        used_marks[m.name] = None
+
+
+def _finish(fig, ax, colours: dict, used_spans: dict, used_marks: dict, window: tuple[float, float] | None,
+            out_png: Path, extra: list | None = None) -> Path:
+    """Zoom, grid, legend, layout; writes the PNG."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     if window is not None:
         ax.set_xlim(*window)
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=colours[n], label=n) for n in used_spans]
     handles += [Line2D([], [], color=colours[n], linewidth=1.5, label=f"{n} (mark)") for n in used_marks]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax.legend(handles=handles + (extra or []), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=120)
@@ -376,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m vpsd.reports.timeline", description=__doc__.splitlines()[0]
     )
     parser.add_argument("run_dir", type=Path, help="run directory holding traces/*.jsonl")
-    parser.add_argument("--item", help="item id to plot (default: the first item of the run)")
+    parser.add_argument("--item", help="item id to plot (default: the whole batch of a batched run, else the "
+                                       "first item of the run)")
     parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/timeline.png)")
     args = parser.parse_args(argv)
     if not structlog.is_configured():
@@ -388,7 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no spans under {args.run_dir / 'traces'}", file=sys.stderr)
         return 1
     try:
-        png = plot_timeline(spans, args.out or args.run_dir / "timeline.png", item=args.item)
+        out = args.out or args.run_dir / "timeline.png"
+        if args.item is None and any(carried(s) for s in spans):
+            png = plot_batch_timeline(spans, out)
+        else:
+            png = plot_timeline(spans, out, item=args.item)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -211,7 +211,7 @@ class DraftBatchWorker:
         if not feed:
             return proposed > 0
         t0 = time.perf_counter()
-        with span("draft_step", items=len(feed), rows=sum(len(t) for t in feed.values())):
+        with span("draft_step", items=list(feed), rows=sum(len(t) for t in feed.values())):
             logits = self.batch.step(feed)
         for item_id, rows in logits.items():
             row = self.rows[item_id]

@@ -356,20 +356,25 @@ class TargetBatchWorker:
             logits = (self.batch.step_rowwise if dec.exact_verify else self.batch.step)(feed)
             self.verify_s.append(settled_clock(self.target.device) - t0)
             self.window.observe_verify(fed, self.verify_s[-1])
-            accepted = 0
+            outcome = []  # per row, in the order of `items`: what reports/acceptance.py reads
             for item_id, (chunk, q, _) in ready.items():
                 row = self.rows[item_id]
                 if chunk is None:
                     row.machine.committed.append(int(logits[item_id][-1].argmax()))
                     row.result.stats.record(0, 0)
+                    outcome.append((0, 0, 1, None, None))
                     continue
-                accepted += self._commit(row, list(chunk.token_ids), q, logits[item_id], first[item_id])
-            fields.update(accepted=accepted)
+                outcome.append(self._commit(row, chunk, q, logits[item_id], first[item_id]))
+            fields.update({name: list(col) for name, col in
+                           zip(("drafted", "accepted", "committed", "mode", "start"), zip(*outcome))})
         self.rounds += 1
 
-    def _commit(self, row: TargetRow, tokens: list[int], q: torch.Tensor | None, logits: torch.Tensor,
-                first: int) -> int:
-        """Verifies one item's window on its rows, commits what its batch-1 run would, sends the verdict."""
+    def _commit(self, row: TargetRow, chunk: DraftChunk, q: torch.Tensor | None, logits: torch.Tensor,
+                first: int) -> tuple[int, int, int, str, int]:
+        """Verifies one item's window on its rows, commits what its batch-1 run would, sends the verdict. Returns
+        (drafted, accepted, committed, the mode it was verified in, where the chunk started)."""
+        tokens = list(chunk.token_ids)
+        mode = row.machine.mode.value
         rows = window_rows(logits, first, row.kept_row)
         v = verify_chunk(tokens, q, rows, self.cfg.decoding.temperature, row.gen)
         self.window.observe_round(v.num_accepted, v.num_drafted)
@@ -384,7 +389,7 @@ class TargetBatchWorker:
         if verdict.rollback:
             row.result.stats.rollbacks += 1
         self.link.send("draft", verdict)
-        return v.num_accepted
+        return v.num_drafted, v.num_accepted, verdict.committed_len - before, mode, chunk.start
 
     def _finish(self, item_id: str) -> tuple[WorkItem, DecodeResult | ValueError]:
         row = self.rows.pop(item_id)
