@@ -19,7 +19,10 @@ from vpsd.pipeline import messages as m
 from vpsd.pipeline.messages import MessageError, decode, encode
 
 EXAMPLES: list[m.Message] = [
-    m.JobStart("job-1", "item-7", 1234, 64, 5, {"ratio": 0.7, "tags": ["a", "b"], "n": None}, [2, 151645]),
+    m.JobStart("job-1", "item-7", 1234, 64, 5, [2, 151645], {"path": "a.mp4", "tags": ["a", "b"], "n": None},
+               None, "Describe the video.", False),
+    m.JobStart("job-1", "item-8", 1234, 64, 5, [2], {"path": "b.mp4", "fps": 0.5}, {"path": "c.mp4"},
+               "<|im_start|>x", True),
     m.TensorAnnounce("draft_probs", [[5, 151936], []], ["float32", "int64"], 1, 3),
     m.TensorAnnounce("kept", [[480]], ["int64"], 2, 0, ["cuda"]),
     m.DraftChunk("item-7", 3, 120, [11, 22, 33, 44, 55], True),
@@ -216,8 +219,9 @@ def test_error_messages_are_specific():
         m.DraftChunk("i", 0, 0, [1, 2], 1),  # type: ignore[arg-type]
         m.Heartbeat("t", 2**63, 0.0),
         m.KeepIndices(b"i", 3),  # type: ignore[arg-type]
-        m.JobStart("j", "i", 0, 1, 1, {1: 2}, [2]),
-        m.JobStart("j", "i", 0, 1, 1, {"obj": object()}, [2]),
+        m.JobStart("j", "i", 0, 1, 1, [2], {1: 2}, None, "p", False),
+        m.JobStart("j", "i", 0, 1, 1, [2], {"obj": object()}, None, "p", False),
+        m.JobStart("j", "i", 0, 1, 1, [2], {}, None, "p", "yes"),  # type: ignore[arg-type]
     ],
 )
 def test_encode_rejects_invalid_fields(msg):

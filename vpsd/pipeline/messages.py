@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Mapping, TypeVar
 import msgpack
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-# Free-form `dict` fields (JobStart.extra) may nest, but not without bound: a hostile peer must not
+# Free-form `dict` fields (JobStart.video) may nest, but not without bound: a hostile peer must not
 # be able to exhaust the validator's recursion.
 _MAX_DEPTH = 32
 _RESERVED = frozenset({"type", "v"})
@@ -227,17 +227,23 @@ class JobStart(Message):
 
     v2: `eos_token_ids`, the target's: the draft stops drafting on these, not on its own checkpoint's
     set (a draft whose generation config names other ids would otherwise draft past the target's end).
-    v3: no `mode` (every item starts optimistic; the verdicts carry the mode from then on)."""
+    v3: no `mode` (every item starts optimistic; the verdicts carry the mode from then on).
+    v4: typed fields for what travelled in a free-form `extra` dict (the video requests and the prompt)."""
 
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
 
     job_id: str
     item_id: str
     seed: int
     max_new_tokens: int
     gamma: int  # draft tokens per chunk
-    extra: dict
     eos_token_ids: list[int]
+    # How to read the item's video exactly as the target did (vpsd.video.item.FrameRequest.to_wire), and the
+    # next item's, so that a role can read it ahead (vpsd.video.prefetch); None after the last item.
+    video: dict
+    next_video: dict | None
+    prompt: str
+    prompt_special_tokens: bool  # the prompt is control text: its special tokens are tokens (models/prompt.py)
 
 
 @message

@@ -35,7 +35,6 @@ import torch
 from vpsd.config import RunConfig
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
-from vpsd.models.prompt import ControlText
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Message, Shutdown, TensorAnnounce, VerifyResult
 from vpsd.pipeline.sampling import probs_from_logits, sample
@@ -43,6 +42,7 @@ from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
 from vpsd.roles.context import RoleContext
 from vpsd.roles.link import Link, RankLink
+from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
 from vpsd.video.prefetch import FramePrefetcher
@@ -118,18 +118,16 @@ class DraftBatchWorker:
         pruned prefill can start the moment the kept indices arrive."""
         emb = None
         try:
-            frames, times, _ = self.videos.take(job.extra["video"])
+            frames, times, _ = self.videos.take(job.video)
         except VideoError as e:
             # The target read the same file; if it could, the draft cannot draft this item: the target fails
             # it with this message (and its ItemDone ends it here).
             self.link.send("target", Error("draft", self.link.rank, job.item_id, f"draft could not read the video: {e}"))
             frames = None
-        self.videos.ahead(job.extra.get("next_video"))
+        self.videos.ahead(job.next_video)
         if frames is not None:
-            extra = job.extra
-            prompt = ControlText(extra["prompt"]) if extra.get("prompt_special_tokens") else extra["prompt"]
             with span("vision", item=job.item_id):
-                emb = self.draft.embed(self.draft.prepare(frames, prompt, times))
+                emb = self.draft.embed(self.draft.prepare(frames, job_prompt(job), times))
         self.waiting[job.item_id] = (job, emb)
         if job.item_id in self.early:
             self._join(job.item_id, *self.early.pop(job.item_id))

@@ -15,7 +15,6 @@ import time
 import torch
 
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.prompt import ControlText
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
@@ -23,6 +22,7 @@ from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.drafters import SingleDrafter, TabedDrafter
+from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
 from vpsd.video.prefetch import FramePrefetcher
@@ -62,17 +62,15 @@ def _wait_keep(ctx: RoleContext, item_id: str) -> tuple[torch.Tensor, tuple[int,
 
 def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: FramePrefetcher) -> None:
     cfg = ctx.config
-    extra = job.extra
     emb = None
     try:
-        frames, times, _ = videos.take(extra["video"])  # the target's frames: same request, same cap
+        frames, times, _ = videos.take(job.video)  # the target's frames: same request, same cap
     except VideoError:
         frames = None  # the target read the same file and reports any error; wait for its ItemDone
-    videos.ahead(extra.get("next_video"))  # read the next item's video while this one is drafted
+    videos.ahead(job.next_video)  # read the next item's video while this one is drafted
     if frames is not None:
         with span("vision", item=job.item_id):
-            prompt = ControlText(extra["prompt"]) if extra.get("prompt_special_tokens") else extra["prompt"]
-            emb = draft.embed(draft.prepare(frames, prompt, times))
+            emb = draft.embed(draft.prepare(frames, job_prompt(job), times))
     got = _wait_keep(ctx, job.item_id)
     if got is None or emb is None:
         _drain_until_done(ctx, job.item_id)

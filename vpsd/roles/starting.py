@@ -40,9 +40,13 @@ def job_start(job_id: str, item: WorkItem, seed: int, gamma: int, target: VideoL
     """What the draft and the pruner are told of a new item: how to read its video (and the next one's, to
     read ahead), its prompt, its budget and the target's EOS set, the window to draft with."""
     return JobStart(job_id=job_id, item_id=item.id, seed=seed, max_new_tokens=item.max_new_tokens, gamma=gamma,
-                    extra={"video": item.video, "next_video": item.next_video, "prompt": item.prompt,
-                           "prompt_special_tokens": isinstance(item.prompt, ControlText)},
-                    eos_token_ids=list(target.eos_token_ids))
+                    eos_token_ids=list(target.eos_token_ids), video=item.video, next_video=item.next_video,
+                    prompt=str(item.prompt), prompt_special_tokens=isinstance(item.prompt, ControlText))
+
+
+def job_prompt(job: JobStart) -> str:
+    """The item's prompt as the target read it: control text stays control text."""
+    return ControlText(job.prompt) if job.prompt_special_tokens else job.prompt
 
 
 def prefill_streaming_signals(link: Link, cfg: PruningConfig, target: VideoLMAdapter, emb, item_id: str,
