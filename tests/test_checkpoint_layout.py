@@ -8,7 +8,6 @@ frames is that image repeated over the temporal patch, tests/test_qwen_video_pro
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

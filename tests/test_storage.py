@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-import structlog
 
 import vpsd.storage
 from vpsd.launch.results import ResultsFile

@@ -19,10 +19,7 @@ identity rate and every differing item with its position and margin.
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch

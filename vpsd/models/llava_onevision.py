@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
 from vpsd.models.prompt import PROMPT_SLOT, encode_chat
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.video import normalized_frames, resize_frames
+
+if TYPE_CHECKING:  # the config class is imported where it is built
+    from transformers import LlavaOnevisionConfig
 
 # Every llava-hf OneVision checkpoint normalises with SigLIP's statistics (its processors were converted from
 # google/siglip-so400m-patch14-384, as was LLaVA-NeXT's own SigLipImageProcessor). The transformers class default

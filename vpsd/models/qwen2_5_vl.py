@@ -7,7 +7,7 @@ paired by the temporal patch (2). Positions come from the model's own `get_rope_
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -16,6 +16,9 @@ from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
 from vpsd.models.prompt import PROMPT_SLOT, encode_chat
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
 from vpsd.pipeline.layout import VideoTokenLayout
+
+if TYPE_CHECKING:  # the config class is imported where it is built
+    from transformers import Qwen2_5_VLConfig
 
 VIDEO_TYPE_ID = 2  # mm_token_type_ids: text 0, image 1, video 2
 QWEN_VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"  # what Qwen's chat templates render for a video

@@ -19,15 +19,18 @@ What differs from Qwen2.5-VL (see qwen2_5_vl.py for what is shared):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
-from vpsd.models.prompt import PROMPT_SLOT, encode_chat
+from vpsd.models.prompt import PROMPT_SLOT
 from vpsd.models.qwen2_5_vl import QwenAdapterMixin, qwen_token_ids
 from vpsd.models.qwen_video import QwenVisionSpec
+
+if TYPE_CHECKING:  # the config class is imported where it is built
+    from transformers import Qwen3VLConfig
 
 DEFAULT_FPS = 2.0  # Qwen3VLVideoProcessor's sampling rate; sets the timestamps when none are given
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)  # Qwen3VLVideoProcessor's image_mean and image_std
