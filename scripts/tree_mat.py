@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vpsd.config import DecodingConfig, load_config, parse_overrides  # noqa: E402
+from vpsd.config import load_config, parse_overrides  # noqa: E402
 from vpsd.decoders.serial import decode_serial  # noqa: E402
 from vpsd.launch.manifest import load_manifest  # noqa: E402
 from vpsd.models.registry import load_adapter, load_draft  # noqa: E402
