@@ -93,6 +93,38 @@ def test_batched_rows_score_as_batch1_steps_through_joins_rollbacks_leaves_and_c
         torch.testing.assert_close(values[None], single[key].cache.layers[0].values, atol=1e-5, rtol=0)
 
 
+def test_a_row_alone_is_stepped_by_the_batch1_forward_bit_for_bit(family):
+    """One item in flight (the batch-1 pipeline) or a batch drained to one row: the row has no holes (a rollback
+    crops it, a row left alone is compacted) and steps through `VideoLMAdapter.step` itself, so its logits and
+    cache equal the batch-1 decode's exactly, not within float noise."""
+    target, _ = tiny_pair(family)
+    embs = [target.embed(target.prepare(random_frames(i, t=4), PROMPTS[i])) for i in range(2)]
+    single = target.prefill(embs[0]).state
+    batch = BatchedCache(target)
+    batch.join("a", target.prefill(embs[0]).state)
+
+    def same(tokens: list[int]) -> None:
+        got = batch.step({"a": tokens})["a"]
+        assert torch.equal(got, target.step(single, torch.tensor(tokens)))
+        assert batch.width == batch.length("a") == single.length
+
+    same([5, 6, 7])
+    batch.rollback("a", batch.length("a") - 2)  # a crop, as at batch 1
+    target.rollback(single, single.length - 2)
+    same([8])
+    batch.join("b", target.prefill(embs[1]).state)  # a second row: the batched path, holes and all
+    batch.step({"a": [9], "b": [1, 2]})
+    target.step(single, torch.tensor([9]))
+    batch.rollback("a", batch.length("a") - 1)
+    target.rollback(single, single.length - 1)
+    batch.leave("b")  # alone again: compacted, back on the batch-1 forward (its cache now holds entries the
+    assert batch.width == batch.length("a") == single.length  # batched forward wrote: equal within float noise)
+    torch.testing.assert_close(batch.step({"a": [10, 11]})["a"], target.step(single, torch.tensor([10, 11])),
+                               atol=1e-5, rtol=0)
+    keys, values = batch.entries("a", 0)
+    torch.testing.assert_close(keys[None], single.cache.layers[0].keys, atol=1e-5, rtol=0)
+
+
 # ---- lossless -----------------------------------------------------------------------------------------
 
 CASES = [  # (draft, strategy, ratio): None = ar

@@ -15,6 +15,9 @@ own length, rotary offset and rollback, so the cache is a table with holes rathe
   after the prefill, as `VideoLMAdapter.step` does). One forward; row r's logits are its first len(tokens[r]).
 - rollback: row r forgets its entries past a length by turning those columns into holes (no copy).
 - compact: when holes waste more than a quarter of the width, every row's entries are gathered to the left.
+- one row: a batch of one item is kept without holes (a rollback crops, a row left alone is compacted) and is
+  stepped by `VideoLMAdapter.step` itself, so one item in flight runs exactly the batch-1 forwards, bit for bit
+  (the pipelined roles at `--batch 1` are the batch-1 pipeline, not an approximation of it).
 
 A hole is masked out of every attention (the 2-D mask the language model turns into its causal mask), so
 each row computes what its batch-1 decode computes, up to the float order of a wider reduction and of a
@@ -101,7 +104,18 @@ class BatchedCache:
         for layer in self.cache.layers:
             layer.keys = layer.keys[rest.to(layer.keys.device)]
             layer.values = layer.values[rest.to(layer.values.device)]
-        self.compact_if_wasteful()
+        if self.size == 1:
+            self._compact()  # a row alone has no holes (see `_alone`)
+        else:
+            self.compact_if_wasteful()
+
+    def _alone(self) -> bool:
+        """One row and no holes: the cache is exactly that item's batch-1 cache."""
+        return self.size == 1 and self.width == self.lengths[0]
+
+    def _state(self) -> DecodeState:
+        """The one row as a batch-1 DecodeState, sharing this cache (only while `_alone`)."""
+        return DecodeState(cache=self.cache, position_offset=self.offsets[0], prefill_len=self.prefill_lens[0])
 
     # ---- decoding -----------------------------------------------------------------------------------
 
@@ -116,6 +130,12 @@ class BatchedCache:
         k = max(counts, default=0)
         if k == 0:
             return {}
+        if self._alone():  # the batch-1 forward itself
+            key = self.keys[0]
+            logits = self.adapter.step(self._state(), torch.tensor(tokens[key], dtype=torch.long))
+            self.valid = torch.ones(1, self.width + k, dtype=torch.bool)
+            self.lengths[0] += k
+            return {key: logits}
         self.compact_if_wasteful()
         device = self.adapter.device
         ids = torch.full((self.size, k), PAD_TOKEN, dtype=torch.long)
@@ -154,7 +174,11 @@ class BatchedCache:
         if not self.prefill_lens[r] <= length <= self.lengths[r]:
             raise ValueError(f"cannot roll item {key!r} back from {self.lengths[r]} to {length} "
                              f"(prefill {self.prefill_lens[r]})")
-        if length < self.lengths[r]:
+        if length < self.lengths[r] and self._alone():  # the batch-1 rollback: a crop, no hole
+            self.adapter.rollback(self._state(), length)
+            self.valid = self.valid[:, :length]
+            self.lengths[r] = length
+        elif length < self.lengths[r]:
             cols = torch.nonzero(self.valid[r]).squeeze(1)
             self.valid[r, cols[length:]] = False
             self.lengths[r] = length
@@ -164,6 +188,14 @@ class BatchedCache:
         """Gathers every row's entries to the left once holes take more than a quarter of the width."""
         width = max(self.lengths, default=0)
         if self.cache is None or self.width - width <= max(16, self.width // 4):
+            return
+        self._compact()
+
+    @torch.inference_mode()
+    def _compact(self) -> None:
+        """Gathers every row's entries to the left (a copy: each entry keeps its value)."""
+        width = max(self.lengths, default=0)
+        if self.cache is None or self.width == width and bool(self.valid.all()):
             return
         order = torch.zeros(self.size, width, dtype=torch.long)  # row r's entries first, then any column
         for r in range(self.size):

@@ -1,180 +1,254 @@
-"""The draft role: pruned prefill, then drafting ahead of the target and obeying its verdicts.
+"""The draft role with many items in flight: every item's DraftMachine, one batched draft forward per step.
 
-Per item: JobStart (target) -> take the video (read ahead while the previous item was drafted, see
-vpsd.video.prefetch), run the draft's vision tower -> kept indices (pruner)
--> pruned prefill -> loop: apply every verdict that has arrived (rollback at once: that is the
-abort of conservative mode), send ready chunks, propose one more token if the DraftMachine allows,
-else block for the next verdict. Stops at ItemDone.
-What it drafts with (one pruned prefix, or TABED's ensemble of views) is a drafter (roles/drafters.py).
+Parallel speculative decoding over a batch (`--batch N` with `batching.pipelined: true`): the draft rank drafts
+for every item at once while the target rank verifies every ready window at once (roles/batch_target.py), so
+the two overlap as they do at batch 1, and each of their forwards carries the whole batch.
+
+Per item, exactly the batch-1 draft role's protocol and meaning (roles/draft.py): a JobStart from the target,
+the video read by the same request (read ahead while the batch drafts), the draft's vision tower, the kept
+indices from the pruner, the pruned prefill (batch 1, then a row of the draft's `BatchedCache`), then chunks out
+and verdicts in, each applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs,
+rollback), until the target's ItemDone. What is batched is only the forward:
+
+  step():  1. every row that may draft proposes its next token from its last logits row (greedy, or sampled
+              from its own random stream, seeded as its batch-1 run seeds it) and sends what is ready;
+           2. ONE forward feeds every row what its cache lacks: the token it just proposed, or after a
+              rollback the target's token (`CacheCursor.sync`, a per-row rollback in the batch);
+           3. each row's last logits row is what its next proposal reads.
+
+Proposing before the forward is the batch-1 order too: a chunk leaves the moment its last token is known,
+and the forward only prepares the next proposal. A row that has drafted `lookahead` tokens past what the
+target confirmed, or reached its item's end, waits (no forward) for its verdicts; the step runs the rows that
+can move. Events arrive through `handle` (one method per message kind) and `step` is the work between them:
+the role's loop (`serve_draft_batch`) and the in-process tests drive the same worker.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from vpsd.models.base import VideoLMAdapter
-from vpsd.pipeline.ensemble import verdicts_carry_target_probs
+from vpsd.config import RunConfig
+from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Shutdown, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Message, Shutdown, TensorAnnounce, VerifyResult
+from vpsd.pipeline.sampling import probs_from_logits, sample
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
-from vpsd.roles.context import RoleContext, RoleFailure
-from vpsd.roles.drafters import SingleDrafter, TabedDrafter
+from vpsd.roles.context import RoleContext
+from vpsd.roles.link import Link, RankLink
 from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
 from vpsd.video.prefetch import FramePrefetcher
+from vpsd.models.timing import settled_clock
 
 log = get_logger()
 
 
-def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
-    videos = FramePrefetcher()  # reads the next item's video while this one is drafted
-    try:
-        while True:
-            _, msg = ctx.recv("target")
-            if isinstance(msg, Shutdown):
+class FrameSource(Protocol):
+    """Frames by the target's wire request (vpsd.video.prefetch.FramePrefetcher on a rank)."""
+
+    def take(self, wire: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
+
+    def ahead(self, wire: dict[str, Any] | None) -> None: ...
+
+
+@dataclass
+class DraftRow:
+    """One item being drafted for: its machine, its cache's bookkeeping and its random stream."""
+
+    job: JobStart
+    machine: DraftMachine
+    cursor: CacheCursor
+    gen: torch.Generator
+    last: torch.Tensor | None  # logits row for position len(cursor.fed): what the next proposal reads
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q, when sampling
+
+    def stopped(self) -> bool:
+        return done(self.machine.sequence, self.job.max_new_tokens, self.job.eos_token_ids)
+
+    def can_propose(self) -> bool:
+        return (self.last is not None and len(self.cursor.fed) == len(self.machine.sequence)
+                and self.machine.may_draft() and not self.stopped())
+
+
+class DraftBatchWorker:
+    """The draft rank's state over a batch (see the module docstring)."""
+
+    def __init__(self, link: Link, draft: VideoLMAdapter, cfg: RunConfig, videos: FrameSource) -> None:
+        self.link, self.draft, self.cfg, self.videos = link, draft, cfg, videos
+        self.batch = BatchedCache(draft)
+        self.rows: dict[str, DraftRow] = {}
+        self.waiting: dict[str, tuple[JobStart, SequenceEmbeddings | None]] = {}  # vision done, kept set not yet
+        # Kept sets that arrived before their JobStart: the pruner's messages and the target's travel on separate
+        # connections, ordered each on its own only, so the pruner's answer can overtake the target's JobStart.
+        self.early: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.finished: set[str] = set()  # items ended by the target: a kept set arriving now is dropped
+        self.step_s = 0.0  # running mean of one batched step: T_q(B), sent with every chunk (pipeline/window.py)
+        self.steps = 0
+        self.stopped = False
+
+    # ---- events -------------------------------------------------------------------------------------
+
+    def handle(self, src: str, msg: Message) -> None:
+        if isinstance(msg, Shutdown):
+            self.stopped = True
+        elif isinstance(msg, JobStart):
+            self.on_job(msg)
+        elif isinstance(msg, TensorAnnounce) and msg.tag.startswith("keep:"):
+            self.on_keep(msg)
+        elif isinstance(msg, VerifyResult):
+            self.on_verdict(msg)
+        elif isinstance(msg, ItemDone):
+            self.on_item_done(msg)
+        elif isinstance(msg, TensorAnnounce):
+            self.link.recv_tensors(msg)  # nothing else is sent to a batched draft; take it off the wire
+            log.warning("unexpected_tensors", tag=msg.tag)
+        else:
+            log.warning("unexpected_message", type=type(msg).__name__, src=src)
+
+    def on_job(self, job: JobStart) -> None:
+        """A new item: read its video (the same request the target read) and run the vision tower now, so the
+        pruned prefill can start the moment the kept indices arrive."""
+        emb = None
+        try:
+            frames, times, _ = self.videos.take(job.video)
+        except VideoError as e:
+            # The target read the same file; if it could, the draft cannot draft this item: the target fails
+            # it with this message (and its ItemDone ends it here).
+            self.link.send("target", Error("draft", self.link.rank, job.item_id, f"draft could not read the video: {e}"))
+            frames = None
+        self.videos.ahead(job.next_video)
+        if frames is not None:
+            with span("vision", item=job.item_id):
+                emb = self.draft.embed(self.draft.prepare(frames, job_prompt(job), times))
+        self.waiting[job.item_id] = (job, emb)
+        if job.item_id in self.early:
+            self._join(job.item_id, *self.early.pop(job.item_id))
+
+    def on_keep(self, announce: TensorAnnounce) -> None:
+        """The pruner's kept indices: the item's pruned prefill becomes a row of the batch."""
+        keep, grid = self.link.recv_tensors(announce)
+        item_id = announce.tag[len("keep:"):]
+        if item_id in self.finished:
+            return
+        if item_id not in self.waiting:
+            self.early[item_id] = (keep, grid)  # its JobStart is still on the wire
+            return
+        self._join(item_id, keep, grid)
+
+    def _join(self, item_id: str, keep: torch.Tensor, grid: torch.Tensor) -> None:
+        job, emb = self.waiting.pop(item_id)
+        if emb is None:
+            return  # no video here (the target was told)
+        try:
+            emb.layout.check_same_grid(tuple(int(v) for v in grid))  # the serial path's check (decoders/sd.py)
+        except ValueError as e:
+            self.link.send("target", Error("draft", self.link.rank, item_id, str(e)))
+            return
+        with span("prefill", item=item_id, kept=int(keep.numel()), draft="pruned_input"):
+            pre = self.draft.prefill(emb, keep=keep)
+        dec = self.cfg.decoding
+        machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
+        gen = torch.Generator().manual_seed(dec.seed + job.seed + 1)  # as the batch-1 draft role seeds it
+        self.rows[item_id] = DraftRow(job, machine, CacheCursor(pre.state.length), gen, pre.logits)
+        self.batch.join(item_id, pre.state)
+
+    def on_verdict(self, v: VerifyResult) -> None:
+        row = self.rows.get(v.item_id)
+        if row is None:
+            return  # the tail of an item that has left
+        machine = row.machine
+        dec = self.cfg.decoding
+        if v.gamma and v.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
+            machine.set_gamma(v.gamma, dec.lookahead_for(v.gamma))
+        if machine.on_verdict(v.epoch, v.committed_len, v.next_token, v.rollback, Mode(v.mode)):
+            mark("rollback", item=v.item_id, epoch=v.epoch, committed=v.committed_len)
+            length, _ = row.cursor.sync(machine.sequence)  # the next step feeds what the cache lacks
+            self.batch.rollback(v.item_id, length)
+            row.last = None  # the target's token replaced the rejected one: the cache lacks it
+
+    def on_item_done(self, msg: ItemDone) -> None:
+        self.waiting.pop(msg.item_id, None)
+        self.early.pop(msg.item_id, None)
+        self.finished.add(msg.item_id)
+        if self.rows.pop(msg.item_id, None) is not None:
+            self.batch.leave(msg.item_id)
+
+    # ---- work ---------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Proposes for every row that can, sends what is ready, and runs one batched forward for every row
+        whose cache lacks tokens of its sequence. False when no row could move (wait for a message)."""
+        temperature = self.cfg.decoding.temperature
+        proposed = 0
+        for item_id, row in self.rows.items():
+            if row.can_propose():
+                pos = len(row.machine.sequence)
+                if temperature == 0.0:
+                    token = int(row.last.argmax())
+                else:
+                    q = probs_from_logits(row.last, temperature)
+                    row.probs[pos] = q
+                    token = sample(q, row.gen)
+                row.machine.record_proposal(token)
+                proposed += 1
+            self._send_ready(item_id, row)
+        feed = {}
+        for item_id, row in self.rows.items():
+            length, pending = row.cursor.sync(row.machine.sequence)
+            if pending and not row.stopped():  # a finished row's last proposal is never fed (as sd.draft_chunk)
+                self.batch.rollback(item_id, length)
+                feed[item_id] = pending
+        if not feed:
+            return proposed > 0
+        t0 = time.perf_counter()
+        with span("draft_step", items=list(feed), rows=sum(len(t) for t in feed.values())):
+            logits = self.batch.step(feed)
+        for item_id, rows in logits.items():
+            row = self.rows[item_id]
+            row.cursor.feed(feed[item_id])
+            row.last = rows[-1]
+        dt = settled_clock(self.draft.device) - t0
+        self.step_s = dt if self.step_s == 0.0 else 0.8 * self.step_s + 0.2 * dt
+        self.steps += 1
+        return True
+
+    def _send_ready(self, item_id: str, row: DraftRow) -> None:
+        machine = row.machine
+        while (chunk := machine.ready_chunk(flush=row.stopped())) is not None:
+            start, tokens = chunk
+            has_probs = self.cfg.decoding.temperature > 0
+            with span("send", item=item_id, what="chunk", start=start, tokens=len(tokens), epoch=machine.epoch):
+                self.link.send("target", DraftChunk(item_id, machine.epoch, start, tokens, has_probs, self.step_s))
+            if has_probs:
+                q = torch.stack([row.probs.pop(start + i) for i in range(len(tokens))])
+                self.link.send_tensors("target", [q], tag="draft_probs", epoch=machine.epoch).wait()
+
+
+def serve_draft_batch(link: Link, worker: DraftBatchWorker) -> None:
+    """The draft rank's loop: every message that has arrived is handled (verdicts first: a rollback must abort
+    drafting at once), then one step; with nothing to do, wait for the target or the pruner."""
+    while not worker.stopped:
+        while link.poll():
+            worker.handle(*link.recv())
+            if worker.stopped:
                 return
-            if isinstance(msg, (ItemDone, VerifyResult, DraftChunk)):
-                continue  # leftovers of a finished item
-            if not isinstance(msg, JobStart):
-                raise RoleFailure(f"draft: unexpected {type(msg).__name__} between items")
-            ctx.item_id = msg.item_id
-            _draft_item(ctx, draft, msg, videos)
+        if not worker.step():
+            link.wait()
+
+
+def run_draft_batch(ctx: RoleContext, draft: VideoLMAdapter) -> None:
+    """The draft rank of a pipelined batch: the worker over the rank's transport, videos read ahead."""
+    videos = FramePrefetcher()
+    try:
+        link = RankLink(ctx)
+        serve_draft_batch(link, DraftBatchWorker(link, draft, ctx.config, videos))
     finally:
         videos.close()
-
-
-def _wait_keep(ctx: RoleContext, item_id: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """(kept indices, the target's token grid) from the pruner; None when the target gave the item up first."""
-    while True:
-        src, msg = ctx.recv(awaiting="pruner")  # the target may still say ItemDone; the pruner must not fall silent
-        if isinstance(msg, TensorAnnounce) and msg.tag == f"keep:{item_id}":
-            keep, grid = ctx.tensors.recv_announced(msg)
-            return keep, tuple(int(v) for v in grid)
-        if isinstance(msg, ItemDone) and msg.item_id == item_id:
-            return None
-        if isinstance(msg, Shutdown):
-            raise RoleFailure("draft: shutdown while waiting for kept indices")
-
-
-def _draft_item(ctx: RoleContext, draft: VideoLMAdapter, job: JobStart, videos: FramePrefetcher) -> None:
-    cfg = ctx.config
-    emb = None
-    try:
-        frames, times, _ = videos.take(job.video)  # the target's frames: same request, same cap
-    except VideoError:
-        frames = None  # the target read the same file and reports any error; wait for its ItemDone
-    videos.ahead(job.next_video)  # read the next item's video while this one is drafted
-    if frames is not None:
-        with span("vision", item=job.item_id):
-            emb = draft.embed(draft.prepare(frames, job_prompt(job), times))
-    got = _wait_keep(ctx, job.item_id)
-    if got is None or emb is None:
-        _drain_until_done(ctx, job.item_id)
-        return
-    keep, target_grid = got
-    try:
-        emb.layout.check_same_grid(target_grid)  # the serial path's check (decoders/sd.py)
-    except ValueError as e:
-        # The target fails the item with this message and tells us (ItemDone); the job goes on.
-        ctx.send("target", Error("draft", ctx.rank, job.item_id, str(e)))
-        _drain_until_done(ctx, job.item_id)
-        return
-    method = ctx.method
-    tabed = cfg.tabed_settings
-    with span("prefill", item=job.item_id, kept=int(keep.numel()), draft=method.draft):
-        if method.draft == "views":
-            drafter = TabedDrafter(draft, emb, keep, tabed, job.gamma)
-        else:
-            drafter = SingleDrafter(draft, emb, keep)
-    temperature = cfg.decoding.temperature
-    with_target_probs = verdicts_carry_target_probs(method.draft, tabed, temperature)
-    gen = torch.Generator().manual_seed(cfg.decoding.seed + job.seed + 1)
-    dec = cfg.decoding
-    machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
-    step_s = 0.0  # running mean of one draft step (propose + forward): T_q for the target's window (Eq. 6)
-    cursor = CacheCursor(drafter.length)
-    eos = set(job.eos_token_ids)  # the target's: it decides where the output ends
-    probs: dict[int, torch.Tensor] = {}  # position -> q row, only when sampling
-
-    def stopped() -> bool:
-        return done(machine.sequence, job.max_new_tokens, eos)
-
-    def send_ready() -> None:
-        while (chunk := machine.ready_chunk(flush=stopped())) is not None:
-            start, tokens = chunk
-            has_probs = temperature > 0
-            with span("send", item=job.item_id, what="chunk", start=start, tokens=len(tokens), epoch=machine.epoch):
-                ctx.send("target", DraftChunk(job.item_id, machine.epoch, start, tokens, has_probs, step_s))
-            if has_probs:
-                q = torch.stack([probs[start + i] for i in range(len(tokens))])
-                ctx.tensors.send(ctx.ranks["target"], [q], tag="draft_probs", epoch=machine.epoch).wait()
-
-    while True:
-        # 1. Verdicts first: a rollback must abort drafting at once.
-        while ctx.ctrl.poll(0.0, src=ctx.ranks["target"]):
-            _, msg = ctx.recv("target")
-            if isinstance(msg, ItemDone) and msg.item_id == job.item_id:
-                if isinstance(drafter, TabedDrafter):  # w* of every block: how the views were weighed
-                    log.info("tabed_weights", item=job.item_id, views=list(drafter.cfg.views), blocks=drafter.weight_log)
-                return
-            if isinstance(msg, Shutdown):
-                raise RoleFailure("draft: shutdown in the middle of an item")
-            if isinstance(msg, VerifyResult) and msg.item_id == job.item_id:
-                target_probs = _recv_target_probs(ctx) if with_target_probs else None
-                if msg.epoch >= machine.epoch:  # verified positions: the accepted ones and the rejected one
-                    labels = machine.sequence[msg.start : msg.start + msg.num_accepted]
-                    drafter.observe(msg.start, labels + ([msg.next_token] if msg.rollback else []), target_probs)
-                if msg.gamma and msg.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
-                    machine.set_gamma(msg.gamma, dec.lookahead_for(msg.gamma))
-                    if isinstance(drafter, TabedDrafter):  # its drafting blocks are windows too
-                        drafter.gamma = msg.gamma
-                if machine.on_verdict(msg.epoch, msg.committed_len, msg.next_token, msg.rollback, Mode(msg.mode)):
-                    mark("rollback", item=job.item_id, epoch=msg.epoch, committed=msg.committed_len)
-                    drafter.forget_from(msg.committed_len - 1)
-                    with span("rollback", item=job.item_id, epoch=msg.epoch):
-                        length, pending = cursor.sync(machine.sequence)
-                        drafter.rollback(length)
-                        drafter.feed(pending)
-                        cursor.feed(pending)
-        # 2. Everything ready goes out.
-        send_ready()
-        # 3. Draft one more token, or wait for the target.
-        if machine.may_draft() and not stopped():
-            pos = len(machine.sequence)
-            t_step = time.perf_counter()
-            with span("draft_step", item=job.item_id, pos=pos, epoch=machine.epoch):
-                token, q = drafter.propose(pos, temperature, gen)
-                if q is not None:
-                    probs[pos] = q
-                machine.record_proposal(token)
-                # The token is known before the forward that feeds it: send the chunk it completes now, so the
-                # target verifies while we feed (the feed only prepares the NEXT proposal; sending after it
-                # kept a waiting target idle one more draft step per round).
-                send_ready()
-                drafter.feed([token])
-                cursor.feed([token])
-            dt = time.perf_counter() - t_step
-            step_s = dt if step_s == 0.0 else 0.8 * step_s + 0.2 * dt
-        else:
-            with span("recv_wait", item=job.item_id):
-                ctx.wait("target")  # RoleFailure naming the target if it falls silent
-
-
-def _recv_target_probs(ctx: RoleContext) -> torch.Tensor:
-    """The target's p rows that follow a VerifyResult (TABED's soft labels, see pipeline/ensemble.py)."""
-    _, announce = ctx.recv("target")
-    if not isinstance(announce, TensorAnnounce) or announce.tag != "target_probs":
-        raise RoleFailure(f"draft: a verdict announced the target's probabilities, got {type(announce).__name__}")
-    with span("recv", item=ctx.item_id, what="target_probs", shape=announce.shapes[0]):
-        return ctx.tensors.recv_announced(announce)[0]
-
-
-def _drain_until_done(ctx: RoleContext, item_id: str) -> None:
-    while True:
-        _, msg = ctx.recv("target")
-        if isinstance(msg, ItemDone) and msg.item_id == item_id:
-            return
