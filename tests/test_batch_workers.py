@@ -1,9 +1,11 @@
 """Parallel speculative decoding over a batch, worker by worker, in one process: the target, draft and pruner
-workers (roles/batch_target.py, roles/batch_draft.py, roles/pruner.py) speak their msgpack protocol over an
+workers (roles/target.py, roles/draft.py, roles/pruner.py) speak their msgpack protocol over an
 in-memory link, and a seeded scheduler interleaves them at random: messages delayed, verdicts arriving while
 the draft is several chunks ahead, items joining mid-batch. Whatever the interleaving, every item's output is
 its batch-1 `ar` output (greedy, fp32; the margin-aware checker judges any difference), for pearl, hippo and
-parallelvlm on all three families at B = 2 and 8. The real thing, over torchrun, is tests/test_batch_torchrun.py."""
+parallelvlm on all three families at B = 2 and 8, and at B = 1 (the batch-1 pipeline is these workers with one
+item in flight) for those and TABED. The real thing, over torchrun, is tests/test_batch_torchrun.py and
+tests/test_pipeline_torchrun.py."""
 
 from __future__ import annotations
 
@@ -11,14 +13,17 @@ import dataclasses
 import random
 
 import pytest
+from structlog.testing import capture_logs
 
 from tests.conftest import config_path, random_frames, tiny_pair
 from vpsd.config import load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
+from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.messages import DraftChunk, Error, VerifyResult, decode
-from vpsd.roles.batch_draft import DraftBatchWorker
-from vpsd.roles.batch_target import TargetBatchWorker
+from vpsd.pipeline.methods import get_method
+from vpsd.roles.draft import DraftWorker
+from vpsd.roles.target import TargetWorker
 from vpsd.roles.link import Idle, MemoryHub
 from vpsd.roles.pruner import PrunerWorker
 from vpsd.roles.starting import WorkItem
@@ -49,16 +54,18 @@ class Pipeline:
 
     def __init__(self, family: str, method: str, size: int, todo: list[WorkItem], overrides: dict,
                  draft_is_target: bool) -> None:
-        strategy = {"pearl": "none", "hippo": "hippo", "parallelvlm": "uv"}[method]
+        m = get_method(method)
+        strategy = m.default_strategy
         self.cfg = load_config(config_path(family), {"pruning.strategy": strategy, "pruning.ratio":
                                                       0.0 if strategy == "none" else 0.5, **overrides})
         target, smaller = tiny_pair(family)
         self.target = target
         self.rng = random.Random(0)
         self.hub = MemoryHub(["target", "draft", "pruner"], shuffle=self.rng)
-        self.tw = TargetBatchWorker(self.hub.link("target"), target, self.cfg, size)
-        self.dw = DraftBatchWorker(self.hub.link("draft"), target if draft_is_target else smaller, self.cfg,
-                                   FramesInMemory(todo))
+        probs = verdicts_carry_target_probs(m.draft, self.cfg.tabed_settings, self.cfg.decoding.temperature)
+        self.tw = TargetWorker(self.hub.link("target"), target, self.cfg, size, target_probs=probs)
+        self.dw = DraftWorker(self.hub.link("draft"), target if draft_is_target else smaller, self.cfg,
+                              FramesInMemory(todo), drafts_from=m.draft)
         self.pw = PrunerWorker(self.hub.link("pruner"), self.cfg)
         self.queue = list(todo)
         self.deferred: dict = {}  # prefilled items waiting for KV room
@@ -149,6 +156,48 @@ def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, me
             assert judge(div, tolerance), (it.id, seed, div)
         if draft_is_target:  # the target drafting for itself on pruned video still agrees, mostly
             assert sum(r.stats.accepted_tokens for r in got.values()) > 0
+
+
+ONE = [("pearl", False), ("hippo", True), ("parallelvlm", False), ("tabed", False)]
+
+
+@pytest.mark.parametrize("method,draft_is_target", ONE, ids=[c[0] for c in ONE])
+def test_one_item_in_flight_is_the_batch1_pipeline(family, method, draft_is_target):
+    """`--batch 1` runs these same workers with one item in flight (launch/batch.py admits it on the role's
+    thread): every item equals its `ar` output token for token, for every parallel method, TABED's views
+    included, on all three families."""
+    todo = work_items(3)
+    pipe = Pipeline(family, method, 1, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0}, draft_is_target)
+    got = pipe.run(seed=7)
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+        assert got[it.id].num_kept is not None  # every item drafted: at batch 1 nothing falls back to plain
+    assert not pipe.dw.rows and not pipe.dw.waiting
+
+
+def test_tabed_items_draft_from_their_views_in_a_batch_and_sample_from_their_own_streams():
+    """TABED in the draft worker: each item drafts from its own ensemble of views beside the others' rows.
+    Greedy at B = 3: every item equals ar. Sampled with KL soft labels (the target ships p after every verdict):
+    an item's tokens are the same alone and in a batch of 3 under another interleaving, and the weights of
+    every block were logged as a distribution over the views."""
+    todo = work_items(4, max_new=10)
+    pipe = Pipeline("qwen2_5_vl", "tabed", 3, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0}, False)
+    got = pipe.run(seed=8)
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+    outs = []
+    for size, seed in ((1, 0), (3, 1)):
+        pipe = Pipeline("qwen2_5_vl", "tabed", size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.8}, True)
+        assert pipe.tw.target_probs and pipe.dw.target_probs
+        with capture_logs() as logs:
+            got = pipe.run(seed)
+        outs.append({k: r.token_ids for k, r in got.items()})
+        weights = [e for e in logs if e["event"] == "tabed_weights"]
+        assert len(weights) == len(todo)
+        assert all(abs(sum(w) - 1.0) < 1e-3 for e in weights for w in e["blocks"])
+    assert outs[0] == outs[1]
 
 
 def test_verdicts_roll_the_draft_back_and_stale_chunks_are_dropped():

@@ -87,7 +87,10 @@ def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
     assert "rank0_target.jsonl" in traces
     if "auto" in extra:  # the window each round ran with is in the traces and, averaged, in the results
         verify = [s for s in load_spans(out) if s.name == "verify" and s.kind == "span"]
-        assert verify and all(2 <= s.fields["gamma"] <= 6 and s.fields["drafted"] <= 6 for s in verify)
+        # (the roles' verify spans carry one entry per row in lists, a serial decoder's one number)
+        drafted = [d for s in verify for d in (s.fields["drafted"] if isinstance(s.fields["drafted"], list)
+                                                else [s.fields["drafted"]])]
+        assert verify and all(2 <= s.fields["gamma"] <= 6 for s in verify) and max(drafted) <= 6
         assert all(2 <= r["stats"]["gamma"] <= 6 for r in got.values())
     if method == "pearl":
         assert traces == ["rank0_target.jsonl", "rank1_draft.jsonl", "rank2_pruner.jsonl"]

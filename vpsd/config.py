@@ -158,7 +158,7 @@ class BatchingConfig:
     kv_budget_mib: float | None = None
     # A parallel method over a batch: false (the default) runs draft and target in turns on the target's rank
     # (decoders/batched.py), leaving the draft's core to prefill the next items; true runs them at the same
-    # time on their own ranks (roles/batch_target.py, roles/batch_draft.py), each forward carrying the batch.
+    # time on their own ranks (roles/target.py, roles/draft.py), each forward carrying the batch.
     # Which is faster depends on where the draft runs: see the README's "Many items in flight".
     pipelined: bool = False
 

@@ -24,6 +24,7 @@ Contract (the README's "Batch jobs" section says it for users):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ import numpy as np
 from vpsd.config import RunConfig
 from vpsd.decoders.batched import BatchDecoder, BatchItem, Prefilled
 from vpsd.decoders.result import DecodeResult
+from vpsd.decoders.serial import decode_serial
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
 from vpsd.launch.progress import Progress, wants_bar
@@ -49,13 +51,14 @@ from vpsd.reports.summary import summarize
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
 from vpsd.models.registry import load_adapter, load_draft
+from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.messages import Shutdown
-from vpsd.roles.batch_target import TargetBatchWorker
+from vpsd.reports.kept_log import KeptRecord, append_kept
+from vpsd.roles.target import TargetWorker
 from vpsd.roles.context import RoleContext
 from vpsd.roles.link import RankLink
 from vpsd.roles.starting import WorkItem
-from vpsd.roles.target import decode_item, finish_item
-from vpsd.tracing import get_logger
+from vpsd.tracing import get_logger, span
 from vpsd.video.errors import VideoError
 from vpsd.video.fit import fit_to_context
 from vpsd.video.item import FrameRequest, cap_frames, load_frames, timed
@@ -157,8 +160,16 @@ def _failed_row(row: dict, timings: dict, e: Exception) -> dict:
 
 def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
                          reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
-    """Each item through the method's own decoder (the roles for a parallel method); returns the failures."""
-    method = ctx.method.name
+    """Each item in turn: a serial method through its reference decoder, a parallel one through the roles (the
+    target's worker with one item in flight, roles/target.py, the same worker a pipelined batch runs).
+    Returns the failures."""
+    method = ctx.method
+    link = RankLink(ctx)
+    worker = None
+    if method.parallel:
+        worker = TargetWorker(link, target, cfg, 1, job_id=ctx.job_id, timeout_s=ctx.timeout_s,
+                                   target_probs=verdicts_carry_target_probs(method.draft, cfg.tabed_settings,
+                                                                            cfg.decoding.temperature))
     prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
     if todo:
         prefetch.ahead(todo[0])
@@ -168,21 +179,57 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
         nxt = todo[i + 1] if i + 1 < len(todo) else None
         if nxt is not None:
             prefetch.ahead(nxt)  # read while this item decodes
-        row = _row(cfg, method, it)
+        row = _row(cfg, method.name, it)
         timings: dict[str, float] = {}
         try:
             loaded = prefetch.take(it, timings, item=it.id)
             timings.update(loaded.timings)
-            res = decode_item(ctx, target, draft, reader.work_item(it, loaded, nxt))
+            item = reader.work_item(it, loaded, nxt)
+            with span("item", item=it.id, method=method.name):
+                if worker is not None:
+                    res = _decode_in_roles(worker, link, item)
+                else:
+                    res = _decode_serial(ctx, cfg, target, draft, item)
             row.update(token_ids=res.token_ids, text=target.tokenizer.decode(res.token_ids, skip_special_tokens=True),
                        stats={**res.stats_dict(), **timings, "num_frames": int(loaded.frames.shape[0])}, error=None)
         except (VideoError, ValueError) as e:
             failed += 1
             row = _failed_row(row, timings, e)
-        finish_item(ctx, it.id, row["token_ids"], row["error"])
         record(row)
     prefetch.close()
     return failed
+
+
+def _decode_in_roles(worker: TargetWorker, link: RankLink, item: WorkItem) -> DecodeResult:
+    """One item through the roles: admitted on this thread, so its prefill streams the pruner its signals from
+    inside (the pruning and the draft's pruned prefill overlap it: HIPPO's synchronous prefill), then verified
+    round by round until it is done. A ValueError fails the item alone (the worker has told the roles)."""
+    worker.admit(item)  # an empty batch always has room
+    while True:
+        while link.poll():
+            worker.handle(*link.recv())
+        ran, finished = worker.step()
+        for _, res in finished:
+            if isinstance(res, Exception):
+                raise res
+            return res
+        if not ran:
+            with span("recv_wait", item=item.id):
+                link.wait()  # the draft's next chunk (or the pruner's report)
+
+
+def _decode_serial(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
+                   item: WorkItem) -> DecodeResult:
+    """A serial method (`ar`, `sd`, the trees, `std`) on this rank alone, through its reference decoder."""
+    dec = dataclasses.replace(cfg.decoding, max_new_tokens=item.max_new_tokens)
+    result = decode_serial(ctx.method, target, draft, item.frames, item.prompt, dec, cfg.pruning, item.frame_times)
+    if ctx.method.uses_draft:
+        result.gamma = float(dec.serial_gamma())
+    if result.kept is not None and ctx.out is not None:
+        # The pruner rank logs a parallel run's kept tokens; a serial run chose them here.
+        append_kept(ctx.out, KeptRecord(item.id, cfg.pruning.strategy, cfg.pruning.applied_ratio, result.kept,
+                                        result.layout))
+    return result
 
 
 class PrefillAhead:
@@ -310,14 +357,14 @@ def decode_in_batches(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, 
 def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, draft: VideoLMAdapter | None,
                      reader: ItemReader, todo: list[ManifestItem], record: Record) -> int:
     """A parallel method over a batch with the draft on its own rank (`batching.pipelined`): the target's worker
-    (roles/batch_target.py) verifies every ready window in one forward while the draft rank drafts every row in
+    (roles/target.py) verifies every ready window in one forward while the draft rank drafts every row in
     one forward. The next items are prefilled ahead (`PrefillAhead`); a prefilled item joins between rounds (its
     JobStart and the pruner's signals go out then, and the draft prefills its pruned copy on its rank). Its line
     is written the moment it finishes. Returns the failures."""
     method = ctx.method.name
     size = cfg.batching.size
     link = RankLink(ctx)
-    worker = TargetBatchWorker(link, target, cfg, size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
+    worker = TargetWorker(link, target, cfg, size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
     in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
     failed = 0
 

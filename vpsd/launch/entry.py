@@ -30,7 +30,6 @@ from vpsd.launch.preflight import checkpoint_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import BATCHABLE, get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
-from vpsd.roles.batch_draft import run_draft_batch
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
 from vpsd.storage import FULL, DiskFull
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         elif role == "draft":
             device_cfg = cfg.draft or cfg.target
             adapter = load_adapter(cfg.family, device_cfg)
-            (run_draft_batch if cfg.batching.size > 1 else run_draft)(ctx, adapter)
+            run_draft(ctx, adapter)
         else:
             run_pruner(ctx)
     except (RoleFailure, PeerTimeout) as e:

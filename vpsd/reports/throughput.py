@@ -4,7 +4,7 @@
 
 Each cell (method, B) is a real torchrun job of `vpsd.launch.entry --batch B` (B = 1: the method's own path, the
 roles for a parallel method; B > 1: continuous batching, decoders/batched.py; a method written METHOD:pipelined
-runs with `batching.pipelined`, draft and target overlapping on their own ranks, roles/batch_target.py). `--tile K` repeats the manifest K
+runs with `batching.pipelined`, draft and target overlapping on their own ranks, roles/target.py). `--tile K` repeats the manifest K
 times (new ids, the same videos) so a batch of 16 has items to keep it full. Timing is measured side by side:
 the whole grid runs `--repeats` times in rounds, each round every B, each B `ar` first; a cell reports the median
 over its repeats, and the spread of the `ar` runs at each B is printed as that B's timing noise.

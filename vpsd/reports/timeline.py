@@ -16,7 +16,7 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
   with every span, then one lane per item: when it was in flight (from `item_admitted` to `item_done`, events
   the launcher logs and read back here as marks), its own spans (video read, vision, prefill, on any rank) and
   every batched forward that carried its row (verify rounds, draft steps), so which rows each verify carried is
-  read down a column. The default plot of a batched run.
+  read down a column. The default plot of a run whose forwards carried several items at once.
 - `breakdown(spans)` over the whole run, per (role, rank):
     * one `span` row per span name: total s, count, mean ms, share of the role's busy time
       (share None for `item`, `recv_wait` and `video_wait`, which are not work; nested spans are counted both in their
@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         out = args.out or args.run_dir / "timeline.png"
-        if args.item is None and any(carried(s) for s in spans):
+        if args.item is None and any(len(carried(s)) > 1 for s in spans):  # a batch: several items at once
             png = plot_batch_timeline(spans, out)
         else:
             png = plot_timeline(spans, out, item=args.item)

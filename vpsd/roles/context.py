@@ -17,7 +17,6 @@ from pathlib import Path
 from vpsd.config import RunConfig
 from vpsd.pipeline.messages import Message
 from vpsd.pipeline.methods import Method
-from vpsd.pipeline.window import WindowController
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.tensors import TensorChannel
 
@@ -38,11 +37,7 @@ class RoleContext:
     job_id: str = ""
     out: Path | None = None  # the run directory (kept-token log), when the job has one
     item_id: str = ""  # the item in flight, for error messages
-    # What the role carries from item to item: the target's window (gamma auto learns across items), its
-    # sends still on the wire, and what the job's summary reports of this rank (the batch's accounting).
-    window: WindowController | None = None
-    pending_sends: list = field(default_factory=list)
-    report: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)  # what the job's summary reports of this rank (a batch's accounting)
 
     def wait(self, src_role: str | None = None, limit_s: float | None = None, awaiting: str | None = None) -> None:
         """Block until a message from `src_role` (any peer if None) is ready.

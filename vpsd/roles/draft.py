@@ -1,14 +1,13 @@
-"""The draft role with many items in flight: every item's DraftMachine, one batched draft forward per step.
+"""The draft role: pruned prefill, then drafting ahead of the target and obeying its verdicts; one item in flight
+or many, every row in one forward per step.
 
-Parallel speculative decoding over a batch (`--batch N` with `batching.pipelined: true`): the draft rank drafts
-for every item at once while the target rank verifies every ready window at once (roles/batch_target.py), so
-the two overlap as they do at batch 1, and each of their forwards carries the whole batch.
-
-Per item, exactly the batch-1 draft role's protocol and meaning (roles/draft.py): a JobStart from the target,
-the video read by the same request (read ahead while the batch drafts), the draft's vision tower, the kept
-indices from the pruner, the pruned prefill (batch 1, then a row of the draft's `BatchedCache`), then chunks out
-and verdicts in, each applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs,
-rollback), until the target's ItemDone. What is batched is only the forward:
+The draft rank drafts while the target rank verifies (roles/target.py), so the two overlap; with `--batch N` and
+`batching.pipelined: true` each of their forwards carries every item in flight. Per item: a JobStart from the
+target, the video read by the same request (read ahead while the previous items are drafted), the draft's vision
+tower, the kept indices from the pruner, the pruned prefill (batch 1, then a row of the draft's `BatchedCache`;
+a TABED item drafts from its own ensemble of views instead, roles/drafters.py), then chunks out and verdicts in,
+each applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs, rollback), until the
+target's ItemDone. What is batched is only the forward:
 
   step():  1. every row that may draft proposes its next token from its last logits row (greedy, or sampled
               from its own random stream, seeded as its batch-1 run seeds it) and sends what is ready;
@@ -20,7 +19,8 @@ Proposing before the forward is the batch-1 order too: a chunk leaves the moment
 and the forward only prepares the next proposal. A row that has drafted `lookahead` tokens past what the
 target confirmed, or reached its item's end, waits (no forward) for its verdicts; the step runs the rows that
 can move. Events arrive through `handle` (one method per message kind) and `step` is the work between them:
-the role's loop (`serve_draft_batch`) and the in-process tests drive the same worker.
+the role's loop (`serve_draft`) and the in-process tests drive the same worker. A batch of one row is stepped by
+the batch-1 forward itself (models/batch.py).
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ from vpsd.config import RunConfig
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Message, Shutdown, TensorAnnounce, VerifyResult
 from vpsd.pipeline.sampling import probs_from_logits, sample
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
-from vpsd.roles.context import RoleContext
+from vpsd.roles.context import RoleContext, RoleFailure
+from vpsd.roles.drafters import TabedDrafter
 from vpsd.roles.link import Link, RankLink
 from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
@@ -61,7 +63,8 @@ class FrameSource(Protocol):
 
 @dataclass
 class DraftRow:
-    """One item being drafted for: its machine, its cache's bookkeeping and its random stream."""
+    """One item being drafted for: its machine, its cache's bookkeeping and its random stream. A TABED item
+    drafts from its own batch of views (`views`, roles/drafters.py) instead of a row of the shared cache."""
 
     job: JobStart
     machine: DraftMachine
@@ -69,20 +72,25 @@ class DraftRow:
     gen: torch.Generator
     last: torch.Tensor | None  # logits row for position len(cursor.fed): what the next proposal reads
     probs: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q, when sampling
+    views: TabedDrafter | None = None
 
     def stopped(self) -> bool:
         return done(self.machine.sequence, self.job.max_new_tokens, self.job.eos_token_ids)
 
     def can_propose(self) -> bool:
-        return (self.last is not None and len(self.cursor.fed) == len(self.machine.sequence)
+        return ((self.last is not None or self.views is not None) and len(self.cursor.fed) == len(self.machine.sequence)
                 and self.machine.may_draft() and not self.stopped())
 
 
-class DraftBatchWorker:
+class DraftWorker:
     """The draft rank's state over a batch (see the module docstring)."""
 
-    def __init__(self, link: Link, draft: VideoLMAdapter, cfg: RunConfig, videos: FrameSource) -> None:
+    def __init__(self, link: Link, draft: VideoLMAdapter, cfg: RunConfig, videos: FrameSource,
+                 drafts_from: str = "pruned_input") -> None:
         self.link, self.draft, self.cfg, self.videos = link, draft, cfg, videos
+        self.tabed = drafts_from == "views"  # TABED: each item drafts from an ensemble of views (Method.draft)
+        # ...and, when its distance needs them, the target's p rows follow every verdict (pipeline/ensemble.py).
+        self.target_probs = verdicts_carry_target_probs(drafts_from, cfg.tabed_settings, cfg.decoding.temperature)
         self.batch = BatchedCache(draft)
         self.rows: dict[str, DraftRow] = {}
         self.waiting: dict[str, tuple[JobStart, SequenceEmbeddings | None]] = {}  # vision done, kept set not yet
@@ -152,33 +160,57 @@ class DraftBatchWorker:
         except ValueError as e:
             self.link.send("target", Error("draft", self.link.rank, item_id, str(e)))
             return
-        with span("prefill", item=item_id, kept=int(keep.numel()), draft="pruned_input"):
-            pre = self.draft.prefill(emb, keep=keep)
         dec = self.cfg.decoding
         machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
         gen = torch.Generator().manual_seed(dec.seed + job.seed + 1)  # as the batch-1 draft role seeds it
+        with span("prefill", item=item_id, kept=int(keep.numel()), draft="views" if self.tabed else "pruned_input"):
+            if self.tabed:
+                views = TabedDrafter(self.draft, emb, keep, self.cfg.tabed_settings, job.gamma)
+                self.rows[item_id] = DraftRow(job, machine, CacheCursor(views.length), gen, None, views=views)
+                return
+            pre = self.draft.prefill(emb, keep=keep)
         self.rows[item_id] = DraftRow(job, machine, CacheCursor(pre.state.length), gen, pre.logits)
         self.batch.join(item_id, pre.state)
 
     def on_verdict(self, v: VerifyResult) -> None:
+        target_probs = self._recv_target_probs() if self.target_probs else None  # on the wire for every verdict
         row = self.rows.get(v.item_id)
         if row is None:
             return  # the tail of an item that has left
         machine = row.machine
         dec = self.cfg.decoding
+        if row.views is not None and v.epoch >= machine.epoch:  # the verified positions label the views
+            labels = machine.sequence[v.start : v.start + v.num_accepted]
+            row.views.observe(v.start, labels + ([v.next_token] if v.rollback else []), target_probs)
         if v.gamma and v.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
             machine.set_gamma(v.gamma, dec.lookahead_for(v.gamma))
+            if row.views is not None:  # its drafting blocks are windows too
+                row.views.gamma = v.gamma
         if machine.on_verdict(v.epoch, v.committed_len, v.next_token, v.rollback, Mode(v.mode)):
             mark("rollback", item=v.item_id, epoch=v.epoch, committed=v.committed_len)
             length, _ = row.cursor.sync(machine.sequence)  # the next step feeds what the cache lacks
-            self.batch.rollback(v.item_id, length)
+            if row.views is not None:
+                row.views.forget_from(v.committed_len - 1)
+                row.views.rollback(length)
+            else:
+                self.batch.rollback(v.item_id, length)
             row.last = None  # the target's token replaced the rejected one: the cache lacks it
+
+    def _recv_target_probs(self) -> torch.Tensor:
+        """The target's p rows that follow a verdict (TABED's soft labels, pipeline/ensemble.py)."""
+        _, announce = self.link.recv("target")
+        if not isinstance(announce, TensorAnnounce) or announce.tag != "target_probs":
+            raise RoleFailure(f"draft: a verdict announced the target's probabilities, got {type(announce).__name__}")
+        return self.link.recv_tensors(announce)[0]
 
     def on_item_done(self, msg: ItemDone) -> None:
         self.waiting.pop(msg.item_id, None)
         self.early.pop(msg.item_id, None)
         self.finished.add(msg.item_id)
-        if self.rows.pop(msg.item_id, None) is not None:
+        row = self.rows.pop(msg.item_id, None)
+        if row is not None and row.views is not None:  # w* of every block: how the views were weighed
+            log.info("tabed_weights", item=msg.item_id, views=list(row.views.cfg.views), blocks=row.views.weight_log)
+        elif row is not None:
             self.batch.leave(msg.item_id)
 
     # ---- work ---------------------------------------------------------------------------------------
@@ -191,19 +223,29 @@ class DraftBatchWorker:
         for item_id, row in self.rows.items():
             if row.can_propose():
                 pos = len(row.machine.sequence)
-                if temperature == 0.0:
-                    token = int(row.last.argmax())
+                if row.views is not None:
+                    token, q = row.views.propose(pos, temperature, row.gen)
+                elif temperature == 0.0:
+                    token, q = int(row.last.argmax()), None
                 else:
                     q = probs_from_logits(row.last, temperature)
-                    row.probs[pos] = q
                     token = sample(q, row.gen)
+                if q is not None:
+                    row.probs[pos] = q
                 row.machine.record_proposal(token)
                 proposed += 1
             self._send_ready(item_id, row)
         feed = {}
         for item_id, row in self.rows.items():
             length, pending = row.cursor.sync(row.machine.sequence)
-            if pending and not row.stopped():  # a finished row's last proposal is never fed (as sd.draft_chunk)
+            if not pending or row.stopped():  # a finished row's last proposal is never fed (as sd.draft_chunk)
+                continue
+            if row.views is not None:  # its own forward, over its views (rolled back in on_verdict)
+                with span("draft_step", items=[item_id], rows=len(pending), views=row.views.batch.num_views):
+                    row.views.feed(pending)
+                row.cursor.feed(pending)
+                proposed += 1
+            else:
                 self.batch.rollback(item_id, length)
                 feed[item_id] = pending
         if not feed:
@@ -232,7 +274,7 @@ class DraftBatchWorker:
                 self.link.send_tensors("target", [q], tag="draft_probs", epoch=machine.epoch).wait()
 
 
-def serve_draft_batch(link: Link, worker: DraftBatchWorker) -> None:
+def serve_draft(link: Link, worker: DraftWorker) -> None:
     """The draft rank's loop: every message that has arrived is handled (verdicts first: a rollback must abort
     drafting at once), then one step; with nothing to do, wait for the target or the pruner."""
     while not worker.stopped:
@@ -241,14 +283,15 @@ def serve_draft_batch(link: Link, worker: DraftBatchWorker) -> None:
             if worker.stopped:
                 return
         if not worker.step():
-            link.wait()
+            with span("recv_wait"):
+                link.wait()
 
 
-def run_draft_batch(ctx: RoleContext, draft: VideoLMAdapter) -> None:
+def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
     """The draft rank of a pipelined batch: the worker over the rank's transport, videos read ahead."""
     videos = FramePrefetcher()
     try:
         link = RankLink(ctx)
-        serve_draft_batch(link, DraftBatchWorker(link, draft, ctx.config, videos))
+        serve_draft(link, DraftWorker(link, draft, ctx.config, videos, drafts_from=ctx.method.draft))
     finally:
         videos.close()

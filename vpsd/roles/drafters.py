@@ -1,13 +1,14 @@
-"""What the draft role drafts with: one prefix of the draft model, or TABED's ensemble of views.
+"""TABED's drafter: an ensemble of views of one item, for the draft role (roles/draft.py).
 
-Both expose the same five operations to the role loop (roles/draft.py), which owns the protocol:
+Every other method drafts from a row of the draft's batched cache; a TABED item drafts from its own batch of
+views through these five operations (the role owns the protocol):
     propose(pos, temperature, gen) -> (token, q or None)   the token for sequence position `pos`
     feed(tokens)                                            append tokens to the cache(s)
     rollback(length)                                        crop the cache(s)
     observe(start, tokens, target_probs)                    verified positions start.. and their labels
     forget_from(pos)                                        positions >= pos were rejected
 q is the distribution the token was drawn from; the target verifies with it when sampling, so
-sampling stays exact whatever the drafter is, and greedy stays lossless (only the token matters).
+sampling stays exact whatever the ensemble is, and greedy stays lossless (only the token matters).
 """
 
 from __future__ import annotations
@@ -18,38 +19,6 @@ from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.views import prefill_views, step_views
 from vpsd.pipeline.ensemble import AdaptiveWeights, TabedConfig, weighted_average
 from vpsd.pipeline.sampling import probs_from_logits, sample
-
-
-class SingleDrafter:
-    """The draft model on one prefix: the pruned-input prefill every method but tabed drafts from."""
-
-    def __init__(self, adapter: VideoLMAdapter, emb: SequenceEmbeddings, keep: torch.Tensor):
-        self.adapter = adapter
-        pre = adapter.prefill(emb, keep=keep)
-        self.state = pre.state
-        self.logits = pre.logits
-
-    @property
-    def length(self) -> int:
-        return self.state.length
-
-    def propose(self, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
-        if temperature == 0.0:
-            return int(self.logits.argmax()), None
-        q = probs_from_logits(self.logits, temperature)
-        return sample(q, gen), q
-
-    def feed(self, tokens: list[int]) -> None:
-        self.logits = self.adapter.step(self.state, torch.tensor(tokens))[-1]
-
-    def rollback(self, length: int) -> None:
-        self.adapter.rollback(self.state, length)
-
-    def observe(self, start: int, tokens: list[int], target_probs: torch.Tensor | None) -> None:
-        pass
-
-    def forget_from(self, pos: int) -> None:
-        pass
 
 
 class TabedDrafter:

@@ -1,6 +1,6 @@
 """What a role's worker sees of the transport: messages and tensors to and from the other roles, by role name.
 
-A worker (roles/batch_target.py, roles/batch_draft.py, roles/pruner.py) never touches a socket or a process
+A worker (roles/target.py, roles/draft.py, roles/pruner.py) never touches a socket or a process
 group: it sends and receives through a `Link`, and a driver loop feeds it the messages. Two carriers:
 
 - `RankLink`, the job's: ZeroMQ control messages and torch.distributed tensors, through the rank's
@@ -30,6 +30,8 @@ class Pending(Protocol):
     """A tensor send on its way: `wait` until the receiver has it (or the transport gives up)."""
 
     def wait(self, timeout_s: float | None = None) -> None: ...
+
+    def is_completed(self) -> bool: ...
 
 
 class Link(Protocol):
@@ -71,6 +73,8 @@ class RankLink:
 
     def recv(self, src: str | None = None, limit_s: float | None = None) -> tuple[str, Message]:
         rank, msg = self.ctx.recv(src, timeout_s=limit_s)
+        # The item a failure is reported on: the last one a message named (the launcher sets it on the target).
+        self.ctx.item_id = getattr(msg, "item_id", None) or self.ctx.item_id
         return self._roles.get(rank, str(rank)), msg
 
     def recv_tensors(self, announce: TensorAnnounce) -> list[torch.Tensor]:
@@ -87,6 +91,9 @@ class Idle(RuntimeError):
 class _Sent:
     def wait(self, timeout_s: float | None = None) -> None:
         pass  # copied into the receiver's queue already
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class MemoryHub:

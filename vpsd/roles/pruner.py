@@ -80,9 +80,7 @@ def run_pruner(ctx: RoleContext) -> None:
     link = RankLink(ctx)
     worker = PrunerWorker(link, ctx.config, ctx.out)
     while not worker.stopped:
-        src, msg = link.recv("target")
-        ctx.item_id = getattr(msg, "item_id", ctx.item_id)
-        worker.handle(src, msg)
+        worker.handle(*link.recv("target"))
 
 
 def check_keep(keep: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> None:

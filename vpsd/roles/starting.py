@@ -1,4 +1,4 @@
-"""How the target starts an item, one at a time (roles/target.py) or in a batch (roles/batch_target.py): the
+"""How the target starts an item (roles/target.py), one at a time or in a batch, on the role's thread or ahead: the
 item as the launcher hands it over, the JobStart the draft and the pruner are told, and the full prefill that
 streams the pruner its signals."""
 

@@ -1,11 +1,16 @@
-"""The target role with many items in flight: every item's TargetMachine, one batched verify per round.
+"""The target role: the single source of truth. Full prefill, verification, what is committed; one item in
+flight or many.
 
-Parallel speculative decoding over a batch (`--batch N` with `batching.pipelined: true`; the draft side is
-roles/batch_draft.py). Per item, exactly the batch-1 target role's protocol and meaning (roles/target.py):
-JobStart to the draft and the pruner, the vision tower, the full prefill streaming the pruner its signals,
-then the item's chunks verified in order by its own `TargetMachine` (stale epochs dropped, the kept row of an
-all-accepted chunk verifying the next chunk's first token, optimistic and conservative modes), each verdict
-sent back at once, and ItemDone when its output is complete. What is batched is only the forward:
+Parallel speculative decoding (pearl, parallelvlm, hippo, tabed): the draft rank drafts (roles/draft.py) while
+this rank verifies, and the pruner (roles/pruner.py) picks the draft's video tokens. Per item: JobStart to the
+draft and the pruner, the vision tower, the full prefill streaming the pruner its signals (from inside the
+prefill once layer L has run, so the pruning and the draft's pruned prefill overlap it: HIPPO's synchronous
+prefill), then the item's chunks verified in order by its own `TargetMachine` (stale epochs dropped, the kept
+row of an all-accepted chunk verifying the next chunk's first token, optimistic and conservative modes), each
+verdict sent back at once (with TABED's soft labels when its distance needs them), and ItemDone when its output
+is complete. At `--batch 1` that is the whole pipeline (one row, stepped by the batch-1 forward itself:
+models/batch.py); with `--batch N` and `batching.pipelined: true` up to N items are in flight and what is
+batched is only the forward:
 
   step():  every item with a verifiable chunk contributes its window (and any committed token its cache
            lacks, `CacheCursor.verify_feed`); ONE forward of the target's `BatchedCache` scores every window
@@ -48,6 +53,7 @@ from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, TensorAnnounce
 from vpsd.pipeline.state_machine import Drop, TargetMachine
+from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.theory import expected_accepted, tau_hat
 from vpsd.pipeline.verification import verify_chunk, window_rows
@@ -63,7 +69,7 @@ log = get_logger()
 
 @dataclass
 class Prefilled:
-    """An item prefilled off the role's thread (`TargetBatchWorker.prefill`), ready to `join`."""
+    """An item prefilled off the role's thread (`TargetWorker.prefill`), ready to `join`."""
 
     item: WorkItem
     pre: PrefillResult
@@ -94,12 +100,15 @@ class TargetRow:
     kv_bytes: int = 0
 
 
-class TargetBatchWorker:
+class TargetWorker:
     """The target rank's state over a batch (see the module docstring)."""
 
     def __init__(self, link: Link, target: VideoLMAdapter, cfg: RunConfig, size: int, job_id: str = "",
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, target_probs: bool = False) -> None:
         self.link, self.target, self.cfg, self.size = link, target, cfg, size
+        # TABED's soft labels: p at the verified positions follows each verdict (pipeline/ensemble.py).
+        self.target_probs = target_probs
+        self.pending_sends: list = []  # those sends, still on the wire
         # `batching.kv_budget_mib` counts the target's KV here: the draft's lives on its own rank.
         self.kv_budget_bytes = cfg.batching.kv_budget_bytes
         self.job_id, self.timeout_s = job_id, timeout_s
@@ -148,9 +157,10 @@ class TargetBatchWorker:
         window's line at the current B. Drafting pays while T_p(gamma + 1) / drafted_rate < T_p(1). The draft's
         steps overlap the verify and its prefill runs on its own rank, so neither is counted (BatchWindow's rule,
         which counts both, is for the serial batch). Greedy only (a sampled item always drafts), a fixed window
-        always drafts, and one plain decision in `explore_every` drafts anyway, so the rate stays measured."""
+        always drafts, and one plain decision in `explore_every` drafts anyway, so the rate stays measured. At batch
+        1 every item drafts: that is the papers' pipeline, and an item decoded plain there would be `ar`."""
         w = self.window
-        if self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
+        if self.size == 1 or self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
             return True
         t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
         if t_plain is None or t_window is None:
@@ -389,7 +399,16 @@ class TargetBatchWorker:
         if verdict.rollback:
             row.result.stats.rollbacks += 1
         self.link.send("draft", verdict)
+        if self.target_probs:
+            self._send_target_probs(probs_from_logits(rows[: v.num_accepted + int(not v.all_accepted)],
+                                                      self.cfg.decoding.temperature))
         return v.num_drafted, v.num_accepted, verdict.committed_len - before, mode, chunk.start
+
+    def _send_target_probs(self, rows: torch.Tensor) -> None:
+        """Sends without waiting: the draft may itself be blocked sending a chunk's q to us, so waiting here could
+        deadlock; the draft receives these right after the verdict. Handles stay referenced until done."""
+        self.pending_sends = [h for h in self.pending_sends if not h.is_completed()]
+        self.pending_sends.append(self.link.send_tensors("draft", [rows], tag="target_probs"))
 
     def _finish(self, item_id: str) -> tuple[WorkItem, DecodeResult | ValueError]:
         row = self.rows.pop(item_id)
