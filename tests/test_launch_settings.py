@@ -60,6 +60,12 @@ def test_batch_size_at_launch():
     for method, what in (("sd-tree", "tree"), ("std", "sparse kv"), ("tabed", "views")):
         with pytest.raises(SystemExit, match=f"method {method}: it drafts a {what}.*--batch 2 runs ar, sd, pearl"):
             resolve_config(args(method, "--batch", "2"))
+    with pytest.raises(SystemExit, match="and tabed with batching.pipelined=true"):
+        resolve_config(args("tabed", "--batch", "2"))
+    # TABED's views run in the role workers, so a pipelined batch takes it; trees and std still refuse.
+    assert resolve_config(args("tabed", "--batch", "2", "--set", "batching.pipelined=true")).batching.size == 2
+    with pytest.raises(SystemExit, match="method sd-tree: it drafts a tree"):
+        resolve_config(args("sd-tree", "--batch", "2", "--set", "batching.pipelined=true"))
     with pytest.raises(ConfigError, match="batching.size must be an int >= 1"):
         resolve_config(args("ar", "--batch", "0"))
     with pytest.raises(ConfigError, match="kv_budget_mib"):

@@ -16,10 +16,13 @@ CASES = [
     ("qwen2_5_vl", "tabed", []),  # KL, grid policy, three views; greedy: p one-hot, nothing shipped
     ("llava_onevision", "tabed", ["--set", "tabed.distance=match", "--set", "tabed.policy=softmax",
                                   "--set", "tabed.views=[multimodal,text]"]),
+    # Over a pipelined batch: each item drafts from its own views beside the other rows (roles/draft.py).
+    ("qwen2_5_vl", "tabed", ["--batch", "2", "--set", "batching.pipelined=true"]),
 ]
 
 
-@pytest.mark.parametrize("family,method,extra", CASES, ids=[f"{f}-{m}" for f, m, _ in CASES])
+@pytest.mark.parametrize("family,method,extra", CASES,
+                         ids=[f"{f}-{m}" + ("-batch" if "--batch" in e else "") for f, m, e in CASES])
 def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp(f"{family}-{method}")

@@ -52,7 +52,6 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
-from vpsd.pipeline.messages import Shutdown
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.roles.target import TargetWorker
 from vpsd.roles.context import RoleContext
@@ -165,11 +164,7 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
     Returns the failures."""
     method = ctx.method
     link = RankLink(ctx)
-    worker = None
-    if method.parallel:
-        worker = TargetWorker(link, target, cfg, 1, job_id=ctx.job_id, timeout_s=ctx.timeout_s,
-                                   target_probs=verdicts_carry_target_probs(method.draft, cfg.tabed_settings,
-                                                                            cfg.decoding.temperature))
+    worker = target_worker(ctx, link, target, 1) if method.parallel else None
     prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
     if todo:
         prefetch.ahead(todo[0])
@@ -197,7 +192,17 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
             row = _failed_row(row, timings, e)
         record(row)
     prefetch.close()
+    if worker is not None:
+        worker.shutdown()
     return failed
+
+
+def target_worker(ctx: RoleContext, link: RankLink, target: VideoLMAdapter, size: int) -> TargetWorker:
+    """The target role's worker for this job, up to `size` items in flight."""
+    cfg, method = ctx.config, ctx.method
+    return TargetWorker(link, target, cfg, size, job_id=ctx.job_id, timeout_s=ctx.timeout_s,
+                        target_probs=verdicts_carry_target_probs(method.draft, cfg.tabed_settings,
+                                                                 cfg.decoding.temperature))
 
 
 def _decode_in_roles(worker: TargetWorker, link: RankLink, item: WorkItem) -> DecodeResult:
@@ -364,7 +369,7 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
     method = ctx.method.name
     size = cfg.batching.size
     link = RankLink(ctx)
-    worker = TargetWorker(link, target, cfg, size, job_id=ctx.job_id, timeout_s=ctx.timeout_s)
+    worker = target_worker(ctx, link, target, size)
     in_flight: dict[str, tuple[dict, dict, int]] = {}  # row, timings, frames
     failed = 0
 
@@ -409,6 +414,7 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
         if not (ran or finished) and worker.rows:
             link.wait()  # nothing to verify: the draft's next chunk
     ahead.close()
+    worker.shutdown()
     # Decoding: the loop's time outside what this thread spent admitting and prefilling.
     decode_s = time.perf_counter() - started - worker.admit_s - ahead.stolen_s
     ctx.report["batching"] = {**worker.report(), "decode_s": decode_s}
@@ -462,9 +468,6 @@ def run_batch(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: P
     failed += run(ctx, cfg, target, draft, reader, todo, lambda row: _record(results, progress, row))
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
     progress.close()
-    if in_roles:
-        for r in ("draft", "pruner"):
-            ctx.send(r, Shutdown("job finished"))
     summary = summarize(out)
     summary["run"] = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": failed,
                       "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),

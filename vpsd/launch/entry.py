@@ -106,9 +106,10 @@ def check_method_settings(method, cfg: RunConfig) -> None:
     """Settings only one method reads, checked at launch: a bad one must stop the job before any rank
     loads a model, not crash the draft role on the first item."""
     try:
-        if cfg.batching.size > 1 and not method.batchable:
+        if cfg.batching.size > 1 and not method.runs_batched(cfg.batching.pipelined):
+            also = " (and tabed with batching.pipelined=true)" if method.parallel else ""
             raise ValueError(f"it drafts a {'tree' if method.tree else method.draft.replace('_', ' ')}, which runs one "
-                             f"item at a time; --batch {cfg.batching.size} runs {', '.join(BATCHABLE)}")
+                             f"item at a time; --batch {cfg.batching.size} runs {', '.join(BATCHABLE)}{also}")
         if method.draft == "sparse_kv" and cfg.pruning.strategy != "none":
             raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
     except (ValueError, TypeError) as e:

@@ -38,6 +38,11 @@ class Method:
         """Whether the batched engine (decoders/batched.py) runs it: a chain drafted by a pruned-input draft."""
         return self.tree is None and self.draft == "pruned_input"
 
+    def runs_batched(self, pipelined: bool = False) -> bool:
+        """Whether `--batch N > 1` runs it: in the batched engine, or any parallel method (TABED's views included)
+        in the role workers when the batch is pipelined."""
+        return self.batchable or (pipelined and self.parallel)
+
     def runs_in_roles(self, batch: int, pipelined: bool = False) -> bool:
         """Whether the draft and pruner ranks take part: a parallel method at batch 1, or over a batch when the
         batch is pipelined (`batching.pipelined`: draft and target overlap on their own ranks). Otherwise every

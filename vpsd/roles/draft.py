@@ -105,8 +105,9 @@ class DraftWorker:
     # ---- events -------------------------------------------------------------------------------------
 
     def handle(self, src: str, msg: Message) -> None:
-        if isinstance(msg, Shutdown):
+        if isinstance(msg, Shutdown):  # the job is over: answer, so the target knows nothing more is coming
             self.stopped = True
+            self.link.send("target", Shutdown("draft: done"))
         elif isinstance(msg, JobStart):
             self.on_job(msg)
         elif isinstance(msg, TensorAnnounce) and msg.tag.startswith("keep:"):

@@ -51,7 +51,7 @@ from vpsd.decoders.result import DecodeResult
 from vpsd.models.base import PrefillResult, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, TensorAnnounce
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Shutdown, TensorAnnounce
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.stats import AcceptanceStats
@@ -438,6 +438,18 @@ class TargetWorker:
             src, msg = self.link.recv("pruner")
             self.handle(src, msg)
         return self.num_kept.pop(item_id)
+
+    def shutdown(self) -> None:
+        """After the last item: tells the pruner and the draft, then takes what the draft sent before its answer
+        off the wire. A chunk drafted past an item's end can still be on its way, with probabilities the draft
+        waits to hand over: a send of the draft must never wait on a target that stopped reading."""
+        self.link.send("pruner", Shutdown("job finished"))
+        self.link.send("draft", Shutdown("job finished"))
+        while True:
+            src, msg = self.link.recv("draft")
+            if isinstance(msg, Shutdown):
+                return
+            self.handle(src, msg)  # a late chunk of a finished item: its tensors received, the chunk dropped
 
     def _item_done(self, item_id: str, tokens: list[int], error: dict | None) -> None:
         done = ItemDone(item_id, tokens, error)
