@@ -275,13 +275,21 @@ def test_one_fit_serves_every_batch_size_once_two_sizes_were_seen():
 
 
 def test_an_item_is_drafted_for_only_while_drafting_saves_more_than_its_draft_prefill_costs():
-    """N (cost(0) - cost(best)) / B against D, by hand (pipeline/batch_window.py's module docstring)."""
+    """N cost(g*) E[X] / B against D, by hand (pipeline/batch_window.py's module docstring): a plain row beside
+    drafted ones rides their rounds, padded to g* + 1 rows, for one token where a drafted row commits 1 + E[X]."""
     w = BatchWindow(5, 1, 12, explore_every=4)
     assert w.speculation_pays(8)  # nothing measured: draft
     _measured(w, (0.001, 0.0002), (0.045, 0.002), (40, 1))
     w.observe_item(30)
     costs = w.costs(8)
-    saves = 30 * (costs[0] - min(v for g, v in costs.items() if g > 0)) / 8
+    g = min((g for g in costs if g > 0), key=costs.get)
+    tau = tau_hat(w.accepted, w.rejections)
+    t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
+    round_s = g * t_q + t_p  # the batch's round at g*: a plain row pays its share of it per token
+    saves = 30 * (round_s / 8 - round_s / 8 / (1 + expected_accepted(tau, g)))
+    assert saves == pytest.approx(30 * costs[g] * expected_accepted(tau, g) / 8, rel=1e-9)
+    # The first version priced the plain row at an all-plain round, cost(0): it saw less than half the saving.
+    assert 30 * (costs[0] - costs[g]) / 8 < 0.5 * saves
     assert w.drafting_saves(8) is None  # D not measured yet
     w.observe_draft_prefill(0.5 * saves)
     assert w.drafting_saves(8) == pytest.approx(saves) and w.speculation_pays(8)
@@ -289,6 +297,12 @@ def test_an_item_is_drafted_for_only_while_drafting_saves_more_than_its_draft_pr
     assert w.draft_prefill_s == pytest.approx(2.4 * saves)
     assert [w.speculation_pays(8) for _ in range(8)] == [False, False, False, True] * 2  # one item in 4 explores
     assert BatchWindow(5, 1, 12, fixed=True).speculation_pays(8)
+    # Where the rounds would not speculate (an expensive draft, tau near 0), drafting saves nothing.
+    bad = BatchWindow(5, 1, 12)
+    _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))
+    bad.observe_item(30)
+    bad.observe_draft_prefill(0.001)
+    assert bad.drafting_saves(8) <= 0 and not bad.speculation_pays(8)
 
 
 def test_items_speculation_does_not_pay_for_decode_plain_in_the_same_batch_and_equal_ar(family):

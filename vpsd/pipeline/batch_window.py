@@ -24,12 +24,17 @@ passes in what it measured.
 
 Whether an item is worth drafting for at all (`speculation_pays`): speculation also costs each item the
 draft's own vision, the pruning and the draft's pruned prefill before its first round, D seconds, which the
-rounds' goodput above does not see. Over an item of N tokens at B in flight, drafting saves the decode work
+rounds' goodput above does not see. The decision is for one item among others: while the rounds speculate
+(gamma* > 0), a plain row rides them, padded to gamma* + 1 rows, and commits one token where a drafted row
+commits 1 + E[X]. Over an item of N tokens at B in flight, drafting then saves the decode work
 
-    N (cost(0) - cost(gamma*)) / B        (cost: `batch_token_time`, per committed token of an item, times B)
+    N cost(gamma*) E[X] / B               (cost: `batch_token_time`, per committed token of an item, times B)
 
-and a job whose cores are all busy (a batch job on this CPU is: the next items prefill beside the rounds) is
-faster exactly when that exceeds D. With a draft costing c = T_p / T_q > 30 (the scaled default) D is a few
+and, where the rounds would not speculate (cost(0) <= cost(gamma*)), N (cost(0) - cost(gamma*)) / B <= 0. A job
+whose cores are all busy (a batch job on this CPU is: the next items prefill beside the rounds) is faster
+exactly when that exceeds D. (The first version of this rule priced a plain row at cost(0), an all-plain
+round, which it never gets beside drafted rows: at B = 16 it sent 3-6 of 32 items plain, and their padded
+rounds took the batch from 19 rounds to 46-50.) With a draft costing c = T_p / T_q > 30 (the scaled default) D is a few
 ms and speculation always pays; with a draft grown to c ~ 9 its vision and prefill cost a fifth of the
 target's, while a batch of 8 already makes plain decoding cheap, and then an item is better decoded plain.
 N and D are running means over the job's items. This is where vpsd departs from SmartSpec, whose goodput
@@ -73,13 +78,17 @@ class BatchWindow:
         self.item_tokens = tokens if self.item_tokens is None else 0.8 * self.item_tokens + 0.2 * tokens
 
     def drafting_saves(self, batch: int) -> float | None:
-        """Seconds of decode work drafting saves one item at `batch` in flight, N (cost(0) - cost(best)) / B;
-        None until the costs, N and D are measured."""
+        """Seconds of decode work drafting saves one item at `batch` in flight (the module docstring): N cost(g*)
+        E[X] / B while the rounds speculate, N (cost(0) - cost(g*)) / B <= 0 where they would not; None until the
+        costs, N and D are measured."""
         costs = self.costs(batch)
         if costs is None or self.item_tokens is None or self.draft_prefill_s is None:
             return None
-        best = min(v for g, v in costs.items() if g > 0)
-        return self.item_tokens * (costs[0] - best) / batch
+        g = min((g for g in costs if g > 0), key=costs.get)
+        if costs[g] >= costs[0]:
+            return self.item_tokens * (costs[0] - costs[g]) / batch
+        tau = tau_hat(self.accepted, self.rejections)
+        return self.item_tokens * costs[g] * expected_accepted(tau, g) / batch
 
     def speculation_pays(self, batch: int) -> bool:
         """Whether the next item should be drafted for (see the module docstring). A fixed window always
