@@ -163,8 +163,8 @@ def decode_one_at_a_time(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapte
     target's worker with one item in flight, roles/target.py, the same worker a pipelined batch runs).
     Returns the failures."""
     method = ctx.method
-    link = RankLink(ctx)
-    worker = target_worker(ctx, link, target, 1) if method.parallel else None
+    link = RankLink(ctx) if method.parallel else None
+    worker = target_worker(ctx, link, target, 1) if link is not None else None
     prefetch: Prefetcher[ManifestItem, LoadedItem] = Prefetcher(reader.load, "items")
     if todo:
         prefetch.ahead(todo[0])
@@ -214,7 +214,8 @@ def _decode_in_roles(worker: TargetWorker, link: RankLink, item: WorkItem) -> De
         while link.poll():
             worker.handle(*link.recv())
         ran, finished = worker.step()
-        for _, res in finished:
+        if finished:  # the one item in flight
+            (_, res), = finished
             if isinstance(res, Exception):
                 raise res
             return res
@@ -414,11 +415,11 @@ def decode_pipelined(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter, d
         if not (ran or finished) and worker.rows:
             link.wait()  # nothing to verify: the draft's next chunk
     ahead.close()
-    worker.shutdown()
     # Decoding: the loop's time outside what this thread spent admitting and prefilling.
     decode_s = time.perf_counter() - started - worker.admit_s - ahead.stolen_s
     ctx.report["batching"] = {**worker.report(), "decode_s": decode_s}
     get_logger().info("batching_done", **ctx.report["batching"])
+    worker.shutdown()
     return failed
 
 
