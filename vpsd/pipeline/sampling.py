@@ -2,6 +2,11 @@
 
 Temperature 0 is greedy: the distribution is one-hot on the argmax (ties go to the lowest id, as
 torch.argmax does), which makes greedy decoding the exact temperature-0 case of the sampling rule.
+
+Every draw runs on its generator's device, the host: each item's random streams are CPU generators seeded as
+at batch 1, and torch refuses a CPU generator for a draw from a CUDA tensor. So the rows a draw reads move to
+the host first (`on_generator`), one copy per window, and a seed draws the same tokens from the same
+probabilities whichever device computed them.
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
+def on_generator(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """`probs` on the device `generator` draws on (itself when already there, as always on a CPU run)."""
+    return probs if generator is None or probs.device == generator.device else probs.to(generator.device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draws one token id from (V,) probabilities; deterministic given the generator state."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(on_generator(probs, generator), 1, generator=generator))
 
 
 def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

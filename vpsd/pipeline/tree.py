@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vpsd.pipeline.sampling import probs_from_logits
+from vpsd.pipeline.sampling import on_generator, probs_from_logits
 
 Path = tuple[int, ...]
 
@@ -210,7 +210,7 @@ def propose_children(
     """
     if temperature == 0.0:
         return logits.float().topk(k).indices.tolist(), None
-    q = probs_from_logits(logits, temperature)
+    q = on_generator(probs_from_logits(logits, temperature), generator)
     if int((q > 0).sum()) < k:
         q = q + 1e-12
         q = q / q.sum()
@@ -269,6 +269,8 @@ def verify_tree_sampling(
     """Recursive rejection over siblings (module docstring); the emitted tokens follow the target's law."""
     if target_probs.shape[0] != tree.num_nodes + 1:
         raise ValueError(f"need {tree.num_nodes + 1} target rows, got {target_probs.shape[0]}")
+    target_probs = on_generator(target_probs, generator)  # the draws run on the host (pipeline/sampling.py)
+    draft_probs = {node: on_generator(q, generator) for node, q in draft_probs.items()}
     node, path = 0, []
     while True:
         p = target_probs[node]

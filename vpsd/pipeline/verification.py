@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vpsd.pipeline.sampling import probs_from_logits
+from vpsd.pipeline.sampling import on_generator, probs_from_logits
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ def verify_sampling(
         draft_probs = target_probs[:0]
     if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
         raise ValueError(f"need q of {k} rows and p of {k + 1} rows, got {draft_probs.shape[0]} and {target_probs.shape[0]}")
+    # The rule reads every row on the host: one copy each from a GPU, not two synchronising reads per token.
+    draft_probs, target_probs = on_generator(draft_probs, generator), on_generator(target_probs, generator)
     for i, x in enumerate(draft_token_ids):
         p, q = float(target_probs[i, x]), float(draft_probs[i, x])
         r = float(torch.rand((), generator=generator))
