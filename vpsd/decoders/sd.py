@@ -20,6 +20,7 @@ from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.tree_sd import speculate_tree
 from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
+from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
 from vpsd.pipeline.stats import AcceptanceStats
@@ -46,6 +47,7 @@ def draft_chunk(
     draft.rollback(state, length)
     with span("draft_step", tokens=len(pending)):
         logits = draft.step(state, torch.tensor(pending))[-1]
+        settle(draft.device)  # the span times the forward, not its launch (reports/accounting.py reads T_q here)
     cursor.feed(pending)
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
@@ -59,6 +61,7 @@ def draft_chunk(
         if i < k - 1:  # the last proposal is never fed: verification decides what comes next
             with span("draft_step", tokens=1):
                 logits = draft.step(state, torch.tensor(tokens[-1:]))[-1]
+                settle(draft.device)
             cursor.feed(tokens[-1:])
     return tokens, (torch.stack(probs) if probs else None)
 

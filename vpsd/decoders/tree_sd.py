@@ -23,6 +23,7 @@ import torch
 
 from vpsd.config import DecodingConfig
 from vpsd.models.base import DecodeState, VideoLMAdapter
+from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
@@ -53,6 +54,7 @@ def draft_tree(
     draft.rollback(state, length)
     with span("draft_step", tokens=len(pending)):
         root_logits = draft.step(state, torch.tensor(pending))[-1]
+        settle(draft.device)  # the span times the forward, not its launch
     cursor.feed(pending)
     root_index = state.length - 1  # the root's index in the sequence
     out = DraftedTree(tokens=[committed[-1]] + [0] * tree.num_nodes, fed=[], logits={0: root_logits})
@@ -73,6 +75,7 @@ def draft_tree(
             logits = draft.step_tree(
                 state, torch.tensor([out.tokens[n] for n in new]), seq_index, tree.draft_visibility(out.fed, new)
             )
+            settle(draft.device)
         out.fed += new
         out.logits.update(zip(new, logits))
     return out
@@ -101,6 +104,7 @@ def speculate_tree(
         if round_tree is None:  # one token left: a plain target step
             with span("verify", tokens=len(pending), drafted=0, accepted=0):
                 logits = target.step(t_state, torch.tensor(pending))[-1]
+                settle(target.device)
             t_cur.feed(pending)
             committed.append(next_token(logits, cfg.temperature, verify_gen))
             stats.record(0, 0)

@@ -83,8 +83,9 @@ def weight_grid(num_views: int, steps: int) -> torch.Tensor:
 
 
 def weighted_average(view_probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """W-AVG: view_probs (m, V), weights (..., m) summing to 1 -> (..., V) ensemble distributions."""
-    return weights.to(view_probs.dtype) @ view_probs
+    """W-AVG: view_probs (m, V), weights (..., m) summing to 1 -> (..., V) ensemble distributions (the weights
+    live on the host, the views where the draft runs)."""
+    return weights.to(view_probs) @ view_probs
 
 
 def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -136,10 +137,11 @@ class AdaptiveWeights:
         """One verified position: the views' q^(i) (m, V), the committed token, the target's p (None: one-hot)."""
         p = target_probs
         if p is None:
-            p = torch.zeros(view_probs.shape[-1], dtype=view_probs.dtype)
+            p = torch.zeros(view_probs.shape[-1], dtype=view_probs.dtype, device=view_probs.device)
             p[token] = 1.0
         q = weighted_average(view_probs, self.candidates)  # (J, V)
-        self.window.append(distance(p.to(q.dtype), q, token, self.cfg.distance))
+        # The weight search stays on the host: one (J,) copy per verified position.
+        self.window.append(distance(p.to(q), q, token, self.cfg.distance).cpu())
 
     def weights(self) -> torch.Tensor:
         """w* for the block that starts now (uniform before any verified position)."""

@@ -25,7 +25,6 @@ the batch-1 forward itself (models/batch.py).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -251,14 +250,14 @@ class DraftWorker:
                 feed[item_id] = pending
         if not feed:
             return proposed > 0
-        t0 = time.perf_counter()
+        t0 = settled_clock(self.draft.device)
         with span("draft_step", items=list(feed), rows=sum(len(t) for t in feed.values())):
             logits = self.batch.step(feed)
+            dt = settled_clock(self.draft.device) - t0  # the span, too, times the forward and not its launch
         for item_id, rows in logits.items():
             row = self.rows[item_id]
             row.cursor.feed(feed[item_id])
-            row.last = rows[-1]
-        dt = settled_clock(self.draft.device) - t0
+            row.last = rows[-1].clone()  # a copy: a view would keep the whole step's (B, k, V) logits alive
         self.step_s = dt if self.step_s == 0.0 else 0.8 * self.step_s + 0.2 * dt
         self.steps += 1
         return True

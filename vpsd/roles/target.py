@@ -362,7 +362,7 @@ class TargetWorker:
         self.gammas.append(gamma)  # 0: a round of plain rows only
         with span("verify", round=self.rounds, items=list(ready), tokens=sum(len(t) for t in feed.values()),
                   rows=fed, gamma=gamma) as fields:
-            t0 = time.perf_counter()
+            t0 = settled_clock(self.target.device)  # not the admissions' copies still queued on a GPU
             logits = (self.batch.step_rowwise if dec.exact_verify else self.batch.step)(feed)
             self.verify_s.append(settled_clock(self.target.device) - t0)
             self.window.observe_verify(fed, self.verify_s[-1])
@@ -394,7 +394,7 @@ class TargetWorker:
         before = len(row.machine.committed)
         verdict = row.machine.on_verified(tokens, v.num_accepted, v.next_token, self.window.pre_verify(),
                                           self.window.gamma)
-        row.kept_row = None if verdict.rollback else rows[-1]
+        row.kept_row = None if verdict.rollback else rows[-1].clone()  # not a view of the round's (B, k, V) logits
         row.result.stats.record(v.num_accepted, v.num_drafted, verdict.committed_len - before)
         if verdict.rollback:
             row.result.stats.rollbacks += 1
