@@ -173,3 +173,36 @@ def test_progress_is_quiet_off_a_terminal_or_when_asked():
     bar.item_done(5, failed=False)
     bar.close()
     assert hidden.getvalue() == ""
+
+
+def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
+    """PrefillAhead (launch/batch.py): under a half-full batch the decode thread runs the last queued prefill
+    itself. When every prefill left has started or finished (the manifest's tail) there is nothing to steal:
+    it must say so, so the caller decodes meanwhile; saying True made the loop spin without a round."""
+    from vpsd.launch.batch import PrefillAhead
+
+    release, started, threads = threading.Event(), threading.Event(), {}
+
+    def prepare(it, nxt):
+        threads[it] = threading.get_ident()
+        if it == "first":  # the pool's prefill: runs until released
+            started.set()
+            release.wait(10)
+        return it.upper()
+
+    ahead = PrefillAhead(["first", "second"], size=4, prepare=prepare, cpus=None)
+    try:
+        ahead.top_up(in_flight=1)
+        assert started.wait(10)  # "first" runs on the pool; "second" is queued behind it
+        assert not ahead.steal_if_thin(in_flight=2)  # a half-full batch decodes instead
+        assert ahead.steal_if_thin(in_flight=1)  # "second", on this thread
+        assert threads["second"] == threading.get_ident() != threads["first"]
+        assert not ahead.steal_if_thin(in_flight=1)  # only the running one is left: nothing to steal
+        assert ahead.next_ready(block=False) is None  # still in order: "first" is not done
+        release.set()
+        assert ahead.next_ready(block=True) == ("first", "FIRST")
+        ahead.pop()
+        assert ahead.next_ready(block=False) == ("second", "SECOND")
+    finally:
+        release.set()
+        ahead.close()
