@@ -59,21 +59,26 @@ def verify_sampling(
         draft_probs = target_probs[:0]
     if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
         raise ValueError(f"need q of {k} rows and p of {k + 1} rows, got {draft_probs.shape[0]} and {target_probs.shape[0]}")
-    # The rule reads every row on the host: one copy each from a GPU, not two synchronising reads per token.
-    draft_probs, target_probs = on_generator(draft_probs, generator), on_generator(target_probs, generator)
-    for i, x in enumerate(draft_token_ids):
-        p, q = float(target_probs[i, x]), float(draft_probs[i, x])
+    # What the rule reads comes to the host (where the item's generator draws, pipeline/sampling.py) in the
+    # smallest pieces: p_i(x_i) and q_i(x_i) in one copy, then the one row the draw reads (a residual or the bonus
+    # row), not every row of p and q. On a CPU nothing moves.
+    rows = torch.arange(k, device=target_probs.device)
+    drafted = torch.tensor(draft_token_ids, dtype=torch.long, device=target_probs.device)
+    p_drafted = target_probs[rows, drafted].tolist()
+    q_drafted = draft_probs[rows, drafted.to(draft_probs.device)].tolist()
+    for i in range(k):
+        p, q = p_drafted[i], q_drafted[i]
         r = float(torch.rand((), generator=generator))
         # r < p/q, written without the division so q == 0 (a token the draft cannot emit) is safe.
         if r * q < p:
             continue
-        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
+        residual = torch.clamp(target_probs[i] - draft_probs[i].to(target_probs.device), min=0.0)
         total = float(residual.sum())
         # total == 0 only when p == q, where a rejection has probability 0; guard for float noise.
         dist = residual / total if total > 0 else target_probs[i]
-        token = int(torch.multinomial(dist, 1, generator=generator))
+        token = int(torch.multinomial(on_generator(dist, generator), 1, generator=generator))
         return Verification(num_accepted=i, next_token=token, num_drafted=k)
-    token = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    token = int(torch.multinomial(on_generator(target_probs[k], generator), 1, generator=generator))
     return Verification(num_accepted=k, next_token=token, num_drafted=k)
 
 
