@@ -4,8 +4,9 @@ Temperature 0 is greedy: the distribution is one-hot on the argmax (ties go to t
 torch.argmax does), which makes greedy decoding the exact temperature-0 case of the sampling rule.
 
 Every draw runs on its generator's device, the host: each item's random streams are CPU generators seeded as
-at batch 1, and torch refuses a CPU generator for a draw from a CUDA tensor. So the rows a draw reads move to
-the host first (`on_generator`), one copy per window, and a seed draws the same tokens from the same
+at batch 1, and torch refuses a CPU generator for a draw from a CUDA tensor. So the row a draw reads moves to
+the host first (`on_generator`; the speculative-sampling rule moves only that row and the two numbers per
+drafted token it compares: pipeline/verification.py), and a seed draws the same tokens from the same
 probabilities whichever device computed them.
 """
 
