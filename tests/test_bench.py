@@ -105,3 +105,9 @@ def test_throughput_accounting_by_hand():
     assert row.theory_decode_x_ar_b == pytest.approx(predicted_tokens_per_s(spec) / (8 / 0.08))
     table = format_table([row], {8: 0.1})
     assert "hippo" in table and "22%" in table and "B=8: 10%" in table and "28800" in table
+    assert row.stalled_runs == 0 and "slow prefills (an item's vision + prefill over 3x its row's P: a stall or a cold start): none" in table
+    # One repeat whose slowest item took 1 s against a P of 0.25 s: a stall, named under the table.
+    hippo8[1].slowest_prefill_s = 1.0
+    row = summarize_cells("hippo", 8, hippo8, ar8, ar1, {"a": [1, 2]}, cores=2)
+    assert (row.stalled_runs, row.slowest_prefill_ms) == (1, 1000)
+    assert "hippo B=8: 1 of 3 runs (slowest 1000 ms, P 250 ms)" in format_table([row], {8: 0.1})

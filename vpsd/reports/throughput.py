@@ -27,6 +27,8 @@ Per cell:
   cost nothing, its cores all prefilling (cores x 3600 / P), and "of cap", the row's share of it. Where
   a row is near its cap the job is prefill-bound, and a faster decoder can only move it by the rest;
 - peak RSS of the target's rank (MiB), and whether every output equals batch-1 `ar`'s.
+Under the table: the `ar` rows' spread at each B (the timing noise), the runs where one item's vision + prefill
+took over STALL_FACTOR x its row's P (a stall, or a run's cold first item), and the prefill cap.
 Writes OUT/throughput.txt, .csv, .json and .png; exits 1 if an output differs or a job failed.
 """
 
@@ -66,6 +68,7 @@ class Cell:
     batching: dict | None
     outputs: dict[str, list[int]]
     prefill_s: float  # mean per item: vision + prefill
+    slowest_prefill_s: float = 0.0  # the slowest item's: far above the mean, a stall (STALL_FACTOR)
 
 
 def read_cell(path: Path) -> Cell:
@@ -82,7 +85,8 @@ def read_cell(path: Path) -> Cell:
     return Cell(len(rows), len(read_rows(path)) - len(rows), 3600 * len(rows) / loop if loop else 0.0,
                 decoded / decode if decode else 0.0, q(0.5), q(0.95), run.get("peak_rss_mib"),
                 run.get("batching"), {r["id"]: r["token_ids"] for r in rows},
-                statistics.mean(r["stats"].get("prefill_s", 0.0) for r in rows) if rows else 0.0)
+                statistics.mean(r["stats"].get("prefill_s", 0.0) for r in rows) if rows else 0.0,
+                max((r["stats"].get("prefill_s", 0.0) for r in rows), default=0.0))
 
 
 @dataclass
@@ -108,6 +112,14 @@ class Row:
     prefill_ms: float
     cap_items_per_hour: float  # cores x 3600 / P: no decoder on this machine passes it
     spread: float  # (max - min) / median of the row's items/hour over its repeats: its own timing noise
+    stalled_runs: int = 0  # repeats where one item's prefill took over STALL_FACTOR x the row's P
+    slowest_prefill_ms: float = 0.0
+
+
+# An item's vision + prefill varies with its length by tens of percent; one that takes several times the row's
+# mean was held up, not long (the tail stall that launch/batch.py's PrefillAhead.steal_if_thin once caused was
+# 5-15x). The table names such runs, so a spread is explained rather than averaged away.
+STALL_FACTOR = 3.0
 
 
 def predicted_tokens_per_s(batching: dict | None) -> float | None:
@@ -161,7 +173,9 @@ def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell]
                ratio(dts, med(ar_1, lambda c: c.decode_tokens_per_s)), theory, b.get("mean_batch"),
                b.get("mean_gamma"), b.get("tau_hat"), first.peak_rss_mib, len(cells), 1e3 * prefill,
                cores * 3600 / prefill if prefill else 0.0,
-               (max(per_hour) - min(per_hour)) / iph if iph and len(cells) > 1 else 0.0)
+               (max(per_hour) - min(per_hour)) / iph if iph and len(cells) > 1 else 0.0,
+               sum(c.slowest_prefill_s > STALL_FACTOR * prefill for c in cells) if prefill else 0,
+               1e3 * max(c.slowest_prefill_s for c in cells))
 
 
 def format_table(rows: list[Row], noise: dict[int, float]) -> str:
@@ -182,6 +196,10 @@ def format_table(rows: list[Row], noise: dict[int, float]) -> str:
                      f"{num(r.peak_rss_mib, 8, '.0f')}{f'{r.identical}/{r.items}':>8}")
     lines.append("noise (spread of the ar runs' items/hour at each B): "
                  + ", ".join(f"B={b}: {v:.0%}" for b, v in sorted(noise.items())))
+    stalled = [f"{r.method} B={r.batch}: {r.stalled_runs} of {r.repeats} runs (slowest {r.slowest_prefill_ms:.0f} ms, "
+               f"P {r.prefill_ms:.0f} ms)" for r in rows if r.stalled_runs]
+    lines.append(f"slow prefills (an item's vision + prefill over {STALL_FACTOR:.0f}x its row's P: a stall or a cold start): "
+                 + ("; ".join(stalled) if stalled else "none"))
     caps = [r.cap_items_per_hour for r in rows if r.cap_items_per_hour]
     if caps:
         lines.append(f"cap: items/hour with decoding free, every core prefilling (cores x 3600 / P): "
