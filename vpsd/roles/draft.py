@@ -40,9 +40,9 @@ from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Messag
 from vpsd.pipeline.sampling import probs_from_logits, sample
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
-from vpsd.roles.context import RoleContext, RoleFailure
+from vpsd.roles.context import RoleContext
 from vpsd.roles.drafters import TabedDrafter
-from vpsd.roles.link import Link, RankLink
+from vpsd.roles.link import Link, RankLink, recv_announced
 from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
@@ -173,7 +173,7 @@ class DraftWorker:
         self.batch.join(item_id, pre.state)
 
     def on_verdict(self, v: VerifyResult) -> None:
-        target_probs = self._recv_target_probs() if self.target_probs else None  # on the wire for every verdict
+        target_probs = recv_announced(self.link, "target", "target_probs")[0] if self.target_probs else None  # on the wire for every verdict
         row = self.rows.get(v.item_id)
         if row is None:
             return  # the tail of an item that has left
@@ -195,13 +195,6 @@ class DraftWorker:
             else:
                 self.batch.rollback(v.item_id, length)
             row.last = None  # the target's token replaced the rejected one: the cache lacks it
-
-    def _recv_target_probs(self) -> torch.Tensor:
-        """The target's p rows that follow a verdict (TABED's soft labels, pipeline/ensemble.py)."""
-        _, announce = self.link.recv("target")
-        if not isinstance(announce, TensorAnnounce) or announce.tag != "target_probs":
-            raise RoleFailure(f"draft: a verdict announced the target's probabilities, got {type(announce).__name__}")
-        return self.link.recv_tensors(announce)[0]
 
     def on_item_done(self, msg: ItemDone) -> None:
         self.waiting.pop(msg.item_id, None)

@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import torch
 
 from vpsd.pipeline.messages import Message, TensorAnnounce, decode, encode
-from vpsd.roles.context import RoleContext
+from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.transport.tensors import dtype_name
 
 
@@ -52,6 +52,16 @@ class Link(Protocol):
 
     def wait(self, src: str | None = None) -> None:
         """Block until a message from `src` (any role if None) is ready."""
+
+
+def recv_announced(link: Link, src: str, tag: str) -> list[torch.Tensor]:
+    """The tensors a message just received from `src` said would follow: the next message from it must announce
+    them under `tag` (a sender sends the two back to back, and each sender's messages arrive in order)."""
+    _, announce = link.recv(src)
+    if not isinstance(announce, TensorAnnounce) or announce.tag != tag:
+        got = announce.tag if isinstance(announce, TensorAnnounce) else type(announce).__name__
+        raise RoleFailure(f"{link.role}: expected {src}'s {tag!r} tensors, got {got}")
+    return link.recv_tensors(announce)
 
 
 class RankLink:

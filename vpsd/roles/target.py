@@ -51,7 +51,7 @@ from vpsd.decoders.result import DecodeResult
 from vpsd.models.base import PrefillResult, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Shutdown, TensorAnnounce
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Shutdown
 from vpsd.pipeline.state_machine import Drop, TargetMachine
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.stats import AcceptanceStats
@@ -59,7 +59,7 @@ from vpsd.pipeline.theory import expected_accepted, tau_hat
 from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.pipeline.window import WindowController
 from vpsd.roles.context import RoleFailure
-from vpsd.roles.link import Link
+from vpsd.roles.link import Link, recv_announced
 from vpsd.roles.starting import HeldSignals, WorkItem, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
 from vpsd.models.timing import settled_clock
@@ -269,12 +269,7 @@ class TargetWorker:
 
     def handle(self, src: str, msg: Message) -> None:
         if isinstance(msg, DraftChunk):
-            q = None
-            if msg.has_probs:
-                _, announce = self.link.recv("draft")
-                if not isinstance(announce, TensorAnnounce):
-                    raise RoleFailure(f"target: chunk announced probabilities, got {type(announce).__name__}")
-                q = self.link.recv_tensors(announce)[0]
+            q = recv_announced(self.link, "draft", "draft_probs")[0] if msg.has_probs else None
             self.on_chunk(msg, q)
         elif isinstance(msg, KeepIndices):
             self.num_kept[msg.item_id] = msg.num_kept
