@@ -206,3 +206,34 @@ def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
     finally:
         release.set()
         ahead.close()
+
+
+def test_a_blocking_wait_prefills_a_later_item_meanwhile():
+    """PrefillAhead.next_ready(block=True) (nothing is decoding: a job's start): instead of idling until the first
+    item's prefill ends, the waiting thread prefills the last queued item, and the items still come in order."""
+    from vpsd.launch.batch import PrefillAhead
+
+    release, started, threads = threading.Event(), threading.Event(), {}
+
+    def prepare(it, nxt):
+        threads[it] = threading.get_ident()
+        if it == "first":  # the pool's prefill: runs until released
+            started.set()
+            release.wait(10)
+        elif it == "third":
+            release.set()  # the head finishes while this thread works
+        return it.upper()
+
+    ahead = PrefillAhead(["first", "second", "third"], size=4, prepare=prepare, cpus=None)
+    try:
+        ahead.top_up(in_flight=0)
+        assert started.wait(10)
+        assert ahead.next_ready(block=True) == ("first", "FIRST")
+        assert threads["third"] == threading.get_ident() != threads["first"]  # the last queued one, here
+        ahead.pop()
+        assert ahead.next_ready(block=True) == ("second", "SECOND")
+        ahead.pop()
+        assert ahead.next_ready(block=False) == ("third", "THIRD")
+    finally:
+        release.set()
+        ahead.close()

@@ -247,7 +247,8 @@ class PrefillAhead:
     frees is taken at once. While the batch is under half full the decode thread prefills too (`steal_if_thin`):
     the decode thread drains its batch faster than one thread can prefill when speculation makes decoding cheap
     (hippo on the scaled default: an item's vision + prefill costs about what its decoding does at B = 8), and a
-    half-empty batch wastes the forwards it runs; then both cores prefill until the batch fills again.
+    half-empty batch wastes the forwards it runs; then both cores prefill until the batch fills again. A thread
+    that must wait for the next item (nothing is decoding: the job's start) prefills a later one meanwhile.
     `prepare(item, next item)` runs on either thread and must not touch the transport."""
 
     def __init__(self, todo: list[ManifestItem], size: int, prepare: Callable, cpus: list[int] | None) -> None:
@@ -267,10 +268,13 @@ class PrefillAhead:
 
     def next_ready(self, block: bool) -> tuple[ManifestItem, Any] | None:
         """The next item in order and what `prepare` returned, if its prefill is done (or `block`: nothing is
-        decoding, so wait for it). An item that failed (VideoError, ValueError) comes with its error instead, and
-        is taken off the queue; a prepared one stays first until `pop`."""
+        decoding, so wait for it, prefilling a later item on this thread meanwhile: at a job's start the first
+        item's prefill left this core idle for all of it). An item that failed (VideoError, ValueError) comes
+        with its error instead, and is taken off the queue; a prepared one stays first until `pop`."""
         if not (self.ahead and (block or self.ahead[0][1].done())):
             return None
+        if block and not self.ahead[0][1].done():
+            self._steal()
         it, future = self.ahead[0]
         try:
             return it, future.result()
@@ -288,6 +292,10 @@ class PrefillAhead:
         without a round, holding the GIL, so the prefill it waited for ran 10-15x slower: 1-3.5 s stalls.)"""
         if not self.ahead or in_flight >= max(1, self.size // 2) or self.ahead[0][1].done():
             return False
+        return self._steal()
+
+    def _steal(self) -> bool:
+        """Runs the last queued prefill that has not started on this thread; False when there is none."""
         for i in range(len(self.ahead) - 1, -1, -1):
             it, future = self.ahead[i]
             if future.cancel():
