@@ -111,3 +111,31 @@ def test_throughput_accounting_by_hand():
     row = summarize_cells("hippo", 8, hippo8, ar8, ar1, {"a": [1, 2]}, cores=2)
     assert (row.stalled_runs, row.slowest_prefill_ms) == (1, 1000)
     assert "hippo B=8: 1 of 3 runs (slowest 1000 ms, P 250 ms)" in format_table([row], {8: 0.1})
+
+
+def test_report_only_reads_the_runs_the_bench_scheduled(tmp_path, capsys):
+    """`vpsd bench --report-only --out DIR` rebuilds the table from the cells DIR/schedule.json lists, whatever
+    else is in DIR and whatever flags it is given; without a schedule it refuses instead of guessing."""
+    from vpsd.launch.cli import main as vpsd
+    from vpsd.reports.throughput import write_schedule
+
+    def job(path, loop_s, tokens, batching=None):
+        path.mkdir(parents=True)
+        rows = [{"id": f"i{k}", "token_ids": tokens, "error": None,
+                 "stats": {"prefill_s": 0.2, "wall_s": 1.0, "decode_s": 0.5}} for k in range(4)]
+        (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (path / "summary.json").write_text(json.dumps({"run": {"loop_s": loop_s, "batching": batching}}))
+
+    with pytest.raises(SystemExit):
+        vpsd(["bench", "--report-only", "--out", str(tmp_path)])
+    assert "no " + str(tmp_path / "schedule.json") in capsys.readouterr().err
+    write_schedule(tmp_path, "c.yaml", tmp_path / "m.jsonl", [1, 2], ["ar", "hippo"], 1)
+    for method, b, loop in (("ar", 1, 8.0), ("hippo", 1, 4.0), ("ar", 2, 5.0), ("hippo", 2, 2.5)):
+        job(tmp_path / f"{method}_b{b}" / "r1", loop, [1, 2, 3], None if b == 1 else {"decode_s": 1.0})
+    job(tmp_path / "ar_b4" / "r1", 1.0, [9])  # not scheduled: not read (its outputs would differ)
+    assert vpsd(["bench", "--report-only", "--out", str(tmp_path), "--batch", "4", "--repeats", "3"]) == 0
+    table = (tmp_path / "throughput.txt").read_text()
+    lines = [line.split() for line in table.splitlines() if line.startswith(("ar ", "hippo "))]
+    assert [(m, b) for m, b, *_ in lines] == [("ar", "1"), ("hippo", "1"), ("ar", "2"), ("hippo", "2")]
+    assert lines[3][2] == "5760" and lines[3][7:9] == ["2.00x", "3.20x"]  # 4 items in 2.5 s; over 5 s, 8 s
+    assert json.loads((tmp_path / "throughput.json").read_text())["config"] == "c.yaml"

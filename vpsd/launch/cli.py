@@ -7,6 +7,7 @@
     vpsd acceptance DIR [--item ID] [--out PNG]              accepted draft tokens per verification round
     vpsd bench --manifest M [--config C] [--out DIR]         every method and strategy, one table
     vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile K]   throughput per batch size
+    vpsd bench --report-only --out DIR                        that table again, from a finished run's jobs
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
 """
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.bias import main as run
     elif command == "acceptance":
         from vpsd.reports.acceptance import main as run
-    elif command == "bench" and any(a == "--batch" or a.startswith("--batch=") for a in rest):
+    elif command == "bench" and any(a in ("--batch", "--report-only") or a.startswith("--batch=") for a in rest):
         from vpsd.reports.throughput import main as run
     elif command == "bench":
         from vpsd.reports.bench import main as run

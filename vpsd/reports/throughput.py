@@ -1,6 +1,7 @@
 """The throughput benchmark: every method at every batch size, against batched `ar` at the same size, in one run.
 
     vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile 4] [--repeats 3] [--out DIR]
+    vpsd bench --report-only --out DIR     (the table again from DIR's runs, as DIR/schedule.json lists them)
 
 Each cell (method, B) is a real torchrun job of `vpsd.launch.entry --batch B` (B = 1: the method's own path, the
 roles for a parallel method; B > 1: continuous batching, decoders/batched.py; a method written METHOD:pipelined
@@ -153,6 +154,21 @@ def tile_manifest(manifest: Path, times: int, out: Path) -> Path:
     return path
 
 
+# What a bench run scheduled, so that `--report-only` re-reads exactly those runs (given other flags it read
+# other cells, or the ones it found under other names, and overwrote throughput.txt with a wrong table).
+SCHEDULE = "schedule.json"
+
+
+def write_schedule(out: Path, config: str, manifest: Path, batches: list[int], methods: list[str], repeats: int) -> None:
+    (out / SCHEDULE).write_text(json.dumps({"config": config, "manifest": str(manifest), "batches": batches,
+                                            "methods": methods, "repeats": repeats}, indent=1))
+
+
+def read_schedule(out: Path) -> dict | None:
+    path = out / SCHEDULE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell], ar_1: list[Cell],
                     reference: dict[str, list[int]], cores: int) -> Row:
     med = lambda cs, f: statistics.median(f(c) for c in cs) if cs else 0.0  # noqa: E731
@@ -231,9 +247,9 @@ def plot(rows: list[Row], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vpsd bench --batch", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
-    p.add_argument("--manifest", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, help="required unless --report-only")
     p.add_argument("--out", type=Path, default=Path("runs/throughput"))
-    p.add_argument("--batch", required=True, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
+    p.add_argument("--batch", help="comma-separated batch sizes, e.g. 1,2,4,8,16 (required unless --report-only)")
     p.add_argument("--methods", default="ar,sd,hippo",
                    help="comma-separated; ar is always run; METHOD:pipelined runs a parallel method over a batch "
                         "with draft and target on their own ranks (batching.pipelined)")
@@ -242,18 +258,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--torchrun", default="--standalone")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
-    p.add_argument("--report-only", action="store_true", help="re-read the runs already in --out, run nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="re-read the runs already in --out, as the bench that ran them scheduled them; run nothing")
     a = p.parse_args(argv)
-    batches = [int(b) for b in a.batch.split(",") if b]
-    methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
-    unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variant in {', '.join(unknown)}; known: {', '.join(v for v in VARIANTS if v)}")
-    a.out.mkdir(parents=True, exist_ok=True)
-    manifest = tile_manifest(a.manifest, a.tile, a.out)
+    plan = read_schedule(a.out) if a.report_only else None
+    if plan is not None:
+        manifest, batches, methods, repeats = Path(plan["manifest"]), plan["batches"], plan["methods"], plan["repeats"]
+        a.config = plan["config"]
+    elif a.report_only and a.batch is None:
+        p.error(f"--report-only: no {a.out / SCHEDULE} (is --out a finished bench's directory? one written "
+                "before schedules were kept needs its --batch, --methods, --repeats and --manifest again)")
+    else:
+        if a.batch is None or a.manifest is None:
+            p.error("--batch and --manifest are required (unless --report-only)")
+        batches = [int(b) for b in a.batch.split(",") if b]
+        methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
+        unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
+        if unknown:
+            p.error(f"unknown variant in {', '.join(unknown)}; known: {', '.join(v for v in VARIANTS if v)}")
+        a.out.mkdir(parents=True, exist_ok=True)
+        manifest, repeats = tile_manifest(a.manifest, a.tile, a.out), a.repeats
+        if not a.report_only:
+            write_schedule(a.out, a.config, manifest, batches, methods, repeats)
     torchrun = a.torchrun.split() + ["--nproc-per-node", str(a.nproc)]
     extra = [f"--set={kv}" for kv in a.set]
-    schedule = [(rep, b, m) for rep in range(a.repeats) for b in batches for m in methods]
+    schedule = [(rep, b, m) for rep in range(repeats) for b in batches for m in methods]
     cells: dict[tuple[str, int], list[Cell]] = {}
     codes: dict[tuple[str, int], int] = {}
     t0 = time.time()
@@ -286,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(asdict(r) for r in rows)
     (a.out / "throughput.json").write_text(json.dumps({"config": a.config, "manifest": str(manifest),
-                                                       "repeats": a.repeats, "noise": noise,
+                                                       "repeats": repeats, "noise": noise,
                                                        "rows": [asdict(r) for r in rows]}, indent=1))
     plot(rows, a.out / "throughput.png")
     print(f"\nwrote {a.out}/throughput.txt, .csv, .json, .png  ({(time.time() - t0) / 60:.1f} min)")
