@@ -175,36 +175,45 @@ def test_progress_is_quiet_off_a_terminal_or_when_asked():
     assert hidden.getvalue() == ""
 
 
+class GatedPrefills:
+    """A `prepare` for PrefillAhead that records each item's thread; "first" (the pool's) runs until `release`,
+    and `releaser` (if any) sets it when its own prefill runs."""
+
+    def __init__(self, releaser: str | None = None) -> None:
+        self.release, self.started, self.threads, self.releaser = threading.Event(), threading.Event(), {}, releaser
+
+    def __call__(self, it, nxt):
+        self.threads[it] = threading.get_ident()
+        if it == "first":
+            self.started.set()
+            self.release.wait(10)
+        elif it == self.releaser:
+            self.release.set()
+        return it.upper()
+
+
 def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
     """PrefillAhead (launch/batch.py): under a half-full batch the decode thread runs the last queued prefill
     itself. When every prefill left has started or finished (the manifest's tail) there is nothing to steal:
     it must say so, so the caller decodes meanwhile; saying True made the loop spin without a round."""
     from vpsd.launch.batch import PrefillAhead
 
-    release, started, threads = threading.Event(), threading.Event(), {}
-
-    def prepare(it, nxt):
-        threads[it] = threading.get_ident()
-        if it == "first":  # the pool's prefill: runs until released
-            started.set()
-            release.wait(10)
-        return it.upper()
-
+    prepare = GatedPrefills()
     ahead = PrefillAhead(["first", "second"], size=4, prepare=prepare, cpus=None)
     try:
         ahead.top_up(in_flight=1)
-        assert started.wait(10)  # "first" runs on the pool; "second" is queued behind it
+        assert prepare.started.wait(10)  # "first" runs on the pool; "second" is queued behind it
         assert not ahead.steal_if_thin(in_flight=2)  # a half-full batch decodes instead
         assert ahead.steal_if_thin(in_flight=1)  # "second", on this thread
-        assert threads["second"] == threading.get_ident() != threads["first"]
+        assert prepare.threads["second"] == threading.get_ident() != prepare.threads["first"]
         assert not ahead.steal_if_thin(in_flight=1)  # only the running one is left: nothing to steal
         assert ahead.next_ready(block=False) is None  # still in order: "first" is not done
-        release.set()
+        prepare.release.set()
         assert ahead.next_ready(block=True) == ("first", "FIRST")
         ahead.pop()
         assert ahead.next_ready(block=False) == ("second", "SECOND")
     finally:
-        release.set()
+        prepare.release.set()
         ahead.close()
 
 
@@ -213,27 +222,17 @@ def test_a_blocking_wait_prefills_a_later_item_meanwhile():
     item's prefill ends, the waiting thread prefills the last queued item, and the items still come in order."""
     from vpsd.launch.batch import PrefillAhead
 
-    release, started, threads = threading.Event(), threading.Event(), {}
-
-    def prepare(it, nxt):
-        threads[it] = threading.get_ident()
-        if it == "first":  # the pool's prefill: runs until released
-            started.set()
-            release.wait(10)
-        elif it == "third":
-            release.set()  # the head finishes while this thread works
-        return it.upper()
-
+    prepare = GatedPrefills(releaser="third")  # the head finishes while this thread works
     ahead = PrefillAhead(["first", "second", "third"], size=4, prepare=prepare, cpus=None)
     try:
         ahead.top_up(in_flight=0)
-        assert started.wait(10)
+        assert prepare.started.wait(10)
         assert ahead.next_ready(block=True) == ("first", "FIRST")
-        assert threads["third"] == threading.get_ident() != threads["first"]  # the last queued one, here
+        assert prepare.threads["third"] == threading.get_ident() != prepare.threads["first"]  # the last queued one
         ahead.pop()
         assert ahead.next_ready(block=True) == ("second", "SECOND")
         ahead.pop()
         assert ahead.next_ready(block=False) == ("third", "THIRD")
     finally:
-        release.set()
+        prepare.release.set()
         ahead.close()
