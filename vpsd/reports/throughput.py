@@ -234,6 +234,10 @@ def plot(rows: list[Row], path: Path) -> None:
         mine = [r for r in rows if r.method == method]
         ax1.plot([r.batch for r in mine], [r.items_per_hour for r in mine], marker="o", label=method)
         ax2.plot([r.batch for r in mine], [r.decode_tokens_per_s for r in mine], marker="o", label=method)
+    caps = sorted(r.cap_items_per_hour for r in rows if r.cap_items_per_hour)
+    if caps:  # the prefill bound: where the items/hour curves flatten, decoding is no longer the term that counts
+        ax1.axhspan(caps[0], caps[-1], color="grey", alpha=0.25, label="prefill cap (decoding free)")
+        ax1.set_ylim(0, caps[-1] * 1.08)
     for ax, label in ((ax1, "items / hour"), (ax2, "decode tokens / s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("items in flight (B)")
