@@ -341,6 +341,41 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
     assert not pipe.dw.rows and not pipe.dw.waiting
 
 
+def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
+    """At batch 1 the measure is the wall: seconds per decoded token of the drafted items that finished, against
+    the plain ones' (one plain item measures it, unless drafting beats half the line's T_p(1)). Where drafting is
+    slower (a video the draft reads badly), the next items are decoded plain, one in `explore_every` still
+    drafting; the draft and the pruner never hear of them, and every item equals its `ar` output."""
+    todo = work_items(5, max_new=10)
+    pipe = Pipeline("qwen2_5_vl", "pearl", 1, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
+    tw, w = pipe.tw, pipe.tw.window
+    assert tw.drafting_pays()  # nothing measured: the papers' pipeline
+    w.observe_verify(2, 0.010)
+    w.observe_verify(4, 0.012)  # T_p(1) = 0.009 s on the line
+    w.accepted, w.rejections = 1.0, 10.0
+    assert tw.drafting_pays()  # no drafted item has finished yet
+    tw.token_s[True] = 0.004  # 4 ms a token drafted: under half the line's T_p(1), drafting pays unmeasured
+    assert tw.drafting_pays()
+    tw.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs
+    assert not tw.drafting_pays() and not tw.drafting_pays()  # (until it finishes)
+    tw.token_s[False], tw.token_s[True] = 0.009, 0.020  # 20 ms a token drafted, against 9 ms plain
+    decisions = [tw.drafting_pays() for _ in range(16)]
+    assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # explores one in 8
+    tw.token_s[False] = 0.025  # plain items measured slower still: drafting pays
+    assert tw.drafting_pays()
+    w.accepted = 1000.0  # a high tau does not overrule the measured wall
+    tw.token_s[False] = 0.015
+    assert not tw.drafting_pays()
+    tw.token_s = {True: 1.0}  # drafting measured very slow: the run decodes plain
+    got = pipe.run(seed=5)
+    plain = [k for k, r in got.items() if r.num_kept is None]
+    assert tw.plain_items == len(plain) >= 3 and set(tw.token_s) == {True, False}
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+    assert not pipe.dw.rows and not pipe.dw.waiting
+
+
 def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
     """`batching.kv_budget_mib`: with room for two items at most, never more than two are in flight (prefilled
     items wait for a round to free room), all finish as ar decodes them, and an item over the budget alone fails

@@ -29,7 +29,7 @@ moves, the line follows within a few rounds (its history decays).
 
 A round waits for items whose chunk has not come yet (after a rollback the draft answers a few ms late) while
 that costs less than leaving them a round behind (`patience_s`). Where drafting does not pay, an item is
-decoded plain, as a row of this batch the draft never hears of (`drafting_pays`).
+decoded plain, as a row of this batch the draft never hears of (`drafting_pays`); at batch 1 that is `ar`.
 
 Events arrive through `handle` (one method per message kind), items arrive through `admit` (on this thread) or
 `prefill` (any thread) then `join`, and `step` is the work between them: the launcher's loop (launch/batch.py)
@@ -126,6 +126,8 @@ class TargetWorker:
         self.explore_every = 8
         self._plain_streak = 0
         self.drafted_rate: float | None = None  # tokens a drafted item commits per round in flight (running mean)
+        # At batch 1: seconds per decoded token of the items that finished, drafted and plain (running means).
+        self.token_s: dict[bool, float] = {}
         self._lock = threading.Lock()
         self.admit_s = 0.0  # vision + prefill of the items admitted here (the rest of the loop is decoding)
 
@@ -157,17 +159,37 @@ class TargetWorker:
         window's line at the current B. Drafting pays while T_p(gamma + 1) / drafted_rate < T_p(1). The draft's
         steps overlap the verify and its prefill runs on its own rank, so neither is counted (BatchWindow's rule,
         which counts both, is for the serial batch). Greedy only (a sampled item always drafts), a fixed window
-        always drafts, and one plain decision in `explore_every` drafts anyway, so the rate stays measured. At batch
-        1 every item drafts: that is the papers' pipeline, and an item decoded plain there would be `ar`."""
+        always drafts, and one plain decision in `explore_every` drafts anyway, so the rate stays measured.
+
+        At batch 1 there are no rounds to miss: the target waits for the draft instead, after every rollback. So
+        there the measure is the wall: seconds per decoded token of the drafted items that finished (verifies,
+        waits and rollbacks), against the plain ones'. Until a plain item has finished, one is decoded to measure
+        it, unless drafting beats half the line's T_p(1): on a CPU a forward of one row takes the matrix-vector
+        path and costs less than the line through the windows' rows says (at 4x the default's video, 21 ms
+        against 31-38 ms for 2-3 rows). An item decoded plain at batch 1 is `ar`'s decoding exactly. The papers
+        always draft; here the pair's acceptance on this job decides: on a video the draft reads badly (the
+        README's 4x-the-video table: tau 0.29) drafting made batch 1 0.8x `ar`."""
         w = self.window
-        if self.size == 1 or self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
+        if self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
             return True
-        t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
-        if t_plain is None or t_window is None:
-            return True
-        rate = self.drafted_rate or 1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)
+        if self.size == 1:
+            drafted, plain, t_plain = self.token_s.get(True), self.token_s.get(False), w.verify_time(1)
+            if drafted is None:
+                pays = True
+            elif plain is None:
+                pays = t_plain is not None and drafted < t_plain / 2
+                if not pays:
+                    return False  # the measuring item: not an exploration round's to count
+            else:
+                pays = drafted < plain
+        else:
+            t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
+            if t_plain is None or t_window is None:
+                return True
+            rate = self.drafted_rate or 1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)
+            pays = t_window / rate < t_plain
         with self._lock:  # the prefill thread and the decode thread (when it steals) both ask
-            if t_window / rate < t_plain:
+            if pays:
                 self._plain_streak = 0
                 return True
             self._plain_streak += 1
@@ -415,6 +437,10 @@ class TargetWorker:
         r = row.result
         r.token_ids = tokens
         r.decode_s = time.perf_counter() - row.decode_start
+        if self.size == 1 and len(tokens) > 1:  # what `drafting_pays` weighs at batch 1
+            per_token = r.decode_s / (len(tokens) - 1)  # the first token came from the prefill
+            last = self.token_s.get(not row.plain)
+            self.token_s[not row.plain] = per_token if last is None else 0.8 * last + 0.2 * per_token
         if row.plain:
             return row.item, r  # no draft, no kept set, nobody else to tell
         self._item_done(item_id, tokens, None)
