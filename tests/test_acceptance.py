@@ -62,7 +62,15 @@ def test_summarize_by_hand():
     # position 1: drafted by all 4 rounds, accepted by 3; position 2: drafted by 3, accepted by 1;
     # positions 3 and 4: drafted by the two 4-token rounds, accepted by one
     assert s.per_position == [3 / 4, 1 / 3, 1 / 2, 1 / 2]
-    assert "rounds 4  MAT 2.50  acceptance 54.5%  rollbacks 2  conservative rounds 1" in s.format()
+    assert "rounds 4  MAT 2.50  acceptance 54.5%  rollbacks 2  conservative rounds 1\n" in s.format()
+    # The rounds of an item decoded plain (none verified a draft) are counted apart: as accepted-length-0 rounds
+    # they would read as rejections at the first position. A drafted item's round without a draft stays in.
+    plain = summarize(rounds + [Round("c", 0, 0, 0), Round("c", 1, 0, 0)])
+    assert (plain.items, plain.plain_rounds, plain.plain_items) == (3, 2, 1)
+    assert {k: v for k, v in vars(plain).items() if not k.startswith("plain") and k != "items"} == \
+        {k: v for k, v in vars(s).items() if not k.startswith("plain") and k != "items"}
+    assert "conservative rounds 1  (besides: 1 item(s) decoded plain, 2 rounds)" in plain.format()
+    assert summarize(rounds + [Round("b", 1, 0, 0)]).rounds == 5  # b's last round, cut at max_new_tokens
 
 
 def write_trace(run_dir: Path, spans: list[Span]) -> None:

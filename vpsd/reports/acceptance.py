@@ -12,8 +12,9 @@ round per row. Spans without `accepted` (traces of an older vpsd) are skipped.
 - `load_rounds(run_dir)` -> {item id: [Round, ...]} in verification order.
 - `summarize(rounds)` -> Summary: rounds, MAT (the papers' tau, as `pipeline.stats`: accepted + 1 per
   round), acceptance rate, rollbacks (rounds that rejected a draft token), conservative rounds, the
-  histogram of accepted lengths and the per-position acceptance rate. The same numbers as the `stats`
-  of results.jsonl, here recomputed from the traces of any subset of items.
+  histogram of accepted lengths and the per-position acceptance rate, over the items that drafted; the
+  items decoded plain and their rounds counted apart. For a drafted item, the same numbers as the `stats`
+  of results.jsonl, recomputed from the traces.
 - `plot_acceptance(rounds, out_png, gamma=None, title=...)`: three panels: accepted tokens per round
   (bars; rejecting rounds red and crossed below the axis, conservative-mode rounds shaded; tokens
   drafted per round as a step line, gamma dashed), the histogram of accepted lengths, and the acceptance rate per draft position.
@@ -63,21 +64,25 @@ class Round:
 @dataclass(frozen=True)
 class Summary:
     items: int
-    rounds: int
+    rounds: int  # the rounds of the items that drafted; the numbers below are theirs
     mean_accepted_tokens: float
     acceptance_rate: float
     rollbacks: int
     conservative_rounds: int
     histogram: dict[int, int]  # accepted length -> rounds
     per_position: list[float]  # acceptance rate of draft position i among rounds that drafted it
+    plain_rounds: int = 0  # the rounds of the items decoded plain (none of their rounds verified a draft)
+    plain_items: int = 0
 
     def format(self) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in self.histogram.items()) or "-"
         pos = " ".join(f"{p:.2f}" for p in self.per_position) or "-"
+        plain = (f"  (besides: {self.plain_items} item(s) decoded plain, {self.plain_rounds} rounds)"
+                 if self.plain_items else "")
         return (
             f"items {self.items}  rounds {self.rounds}  MAT {self.mean_accepted_tokens:.2f}  "
             f"acceptance {100 * self.acceptance_rate:.1f}%  rollbacks {self.rollbacks}  "
-            f"conservative rounds {self.conservative_rounds}\n"
+            f"conservative rounds {self.conservative_rounds}{plain}\n"
             f"accepted length histogram  {hist}\n"
             f"per-position acceptance    {pos}\n"
         )
@@ -139,20 +144,28 @@ def run_gamma(run_dir: Path) -> int | None:
 
 
 def summarize(rounds: Sequence[Round]) -> Summary:
-    """The numbers of module doc; MAT and rates with pipeline.stats' definitions (one way to count)."""
+    """The numbers of module doc; MAT and rates with pipeline.stats' definitions (one way to count), over the
+    items that drafted. The rounds of an item decoded plain are counted apart: as accepted-length-0 rounds
+    they would read as drafts rejected at their first token. (A drafted item's rounds that verified no draft,
+    the last one cut at max_new_tokens or a batch round at gamma 0, stay in, as its results' stats count them.)"""
+    drafting = {r.item for r in rounds if r.drafted > 0}
+    drafted = [r for r in rounds if r.item in drafting]
     stats = AcceptanceStats()
-    for r in rounds:
+    for r in drafted:
         stats.record(r.accepted, r.drafted, r.committed)
-    stats.rollbacks = sum(r.rejected for r in rounds)
+    stats.rollbacks = sum(r.rejected for r in drafted)
+    items = {r.item for r in rounds}
     return Summary(
-        items=len({r.item for r in rounds}),
+        items=len(items),
         rounds=stats.rounds,
         mean_accepted_tokens=stats.mean_accepted_tokens,
         acceptance_rate=stats.acceptance_rate,
         rollbacks=stats.rollbacks,
-        conservative_rounds=sum(r.mode == CONSERVATIVE for r in rounds),
+        conservative_rounds=sum(r.mode == CONSERVATIVE for r in drafted),
         histogram=stats.histogram(),
         per_position=stats.per_position_acceptance(),
+        plain_rounds=len(rounds) - len(drafted),
+        plain_items=len(items - drafting),
     )
 
 
@@ -256,9 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rounds:
         print(f"no verify spans with `accepted` under {args.run_dir / 'traces'}", file=sys.stderr)
         return 1
-    title = f"item {args.item}" if args.item is not None else f"{len(by_item)} item(s)"
-    png = plot_acceptance(rounds, args.out or args.run_dir / "acceptance.png", run_gamma(args.run_dir), title)
     print(summarize(rounds).format(), end="")
+    drafting = {r.item for r in rounds if r.drafted > 0}
+    drafted = [r for r in rounds if r.item in drafting]  # the plot is of drafting: plain items have none
+    if not drafted:
+        print("no round verified a draft: nothing to plot")
+        return 0
+    title = f"item {args.item}" if args.item is not None else f"{len(by_item)} item(s)"
+    png = plot_acceptance(drafted, args.out or args.run_dir / "acceptance.png", run_gamma(args.run_dir), title)
     print(f"acceptance: {png}")
     return 0
 
