@@ -143,13 +143,19 @@ def run_gamma(run_dir: Path) -> int | None:
 # --- numbers -----------------------------------------------------------------------------------------
 
 
+def drafted_items_rounds(rounds: Sequence[Round]) -> list[Round]:
+    """The rounds of the items that drafted at least once (an item decoded plain never does)."""
+    drafting = {r.item for r in rounds if r.drafted > 0}
+    return [r for r in rounds if r.item in drafting]
+
+
 def summarize(rounds: Sequence[Round]) -> Summary:
     """The numbers of module doc; MAT and rates with pipeline.stats' definitions (one way to count), over the
     items that drafted. The rounds of an item decoded plain are counted apart: as accepted-length-0 rounds
     they would read as drafts rejected at their first token. (A drafted item's rounds that verified no draft,
     the last one cut at max_new_tokens or a batch round at gamma 0, stay in, as its results' stats count them.)"""
-    drafting = {r.item for r in rounds if r.drafted > 0}
-    drafted = [r for r in rounds if r.item in drafting]
+    drafted = drafted_items_rounds(rounds)
+    drafting = {r.item for r in drafted}
     stats = AcceptanceStats()
     for r in drafted:
         stats.record(r.accepted, r.drafted, r.committed)
@@ -270,8 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no verify spans with `accepted` under {args.run_dir / 'traces'}", file=sys.stderr)
         return 1
     print(summarize(rounds).format(), end="")
-    drafting = {r.item for r in rounds if r.drafted > 0}
-    drafted = [r for r in rounds if r.item in drafting]  # the plot is of drafting: plain items have none
+    drafted = drafted_items_rounds(rounds)  # the plot is of drafting: plain items have none
     if not drafted:
         print("no round verified a draft: nothing to plot")
         return 0
