@@ -30,6 +30,7 @@ def test_summary_and_comparison(tmp_path):
     c = compare(ar, run)
     assert c == {"items_compared": 2, "identical_outputs": 1, "speedup_vs_baseline": 3.0 / 1.0,
                  "decode_speedup_vs_baseline": (1.9 + 0.9) / (0.4 + 0.4)}
+    assert s["items_plain"] == 0  # method "m" is no method with a draft
     # The CLI reports the mismatch with a failing status.
     assert cli_main(["summary", str(run), "--baseline", str(ar)]) == 1
     assert json.loads((run / "summary.json").read_text())["identical_outputs"] == 1
@@ -44,3 +45,13 @@ def test_resume_skips_finished_ids(tmp_path):
         h.write('{"id": "c", "method": "hip')  # a line cut by a crash
     assert f.finished("hippo") == {"a", "b"}
     assert f.finished("hippo", include_failed=False) == {"a"}
+
+
+def test_summary_counts_the_items_a_drafting_method_decoded_plain(tmp_path):
+    """gamma auto may decode an item plain (no draft, as `ar`): such an item reports no kept set."""
+    rows = [_row("a", [1, 2], 1, 0.5, 0.5), _row("b", [3], 1, 0.0, 0.5), _row("c", [4], 1, 0.0, 0.5)]
+    for r, kept in zip(rows, (6, None, None)):
+        ResultsFile(tmp_path / "hippo").append({**r, "method": "hippo", "stats": {**r["stats"], "num_kept": kept}})
+        ResultsFile(tmp_path / "ar").append({**r, "method": "ar", "stats": {**r["stats"], "num_kept": None}})
+    assert summarize(tmp_path / "hippo")["items_plain"] == 2
+    assert summarize(tmp_path / "ar")["items_plain"] == 0

@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from vpsd.pipeline.methods import METHODS
 from vpsd.pipeline.theory import tau_hat
 from vpsd.provenance import changes, describe
 
@@ -55,9 +56,13 @@ def summarize(run_dir: Path) -> dict:
     accepted = sum(r["stats"].get("accepted_tokens", 0) for r in ok)
     rejections = sum(r["stats"].get("rejections", 0) for r in ok)
     gammas = [(r["stats"]["gamma"], r["stats"]["rounds"]) for r in ok if r["stats"].get("gamma") is not None]
+    # An item of a method with a draft that reports no kept set was decoded plain (gamma auto chose it: the
+    # target alone, as `ar`; TargetWorker.drafting_pays, BatchWindow.speculation_pays).
+    drafting = [r for r in ok if r.get("method") in METHODS and METHODS[r["method"]].uses_draft]
     return {
         "items_done": len(ok),
         "items_failed": len(rows) - len(ok),
+        "items_plain": sum(r["stats"].get("num_kept") is None for r in drafting),
         "tokens": tokens,
         "rounds": rounds,
         "mean_accepted_tokens": tokens / rounds if rounds else 0.0,
