@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections import Counter
 
 import pytest
@@ -230,6 +231,8 @@ def test_batch_token_time_is_the_round_over_what_it_commits():
     # gamma 4 drafts at 2 ms, a 5-row verify of 40 ms, tau 0.8: (4*2 + 40) / (1 + E[X]) with Lemma 1's E[X].
     assert batch_token_time(0.002, 0.040, 4, 0.8) == pytest.approx(0.048 / (1 + 0.8 * (1 - 0.8**4) / 0.2))
     assert batch_token_time(0.002, 0.030, 0, 0.8) == pytest.approx(0.030)  # gamma 0: one plain step per token
+    # A quarter of the rows drafting: the round is the same, a quarter of the rows gain E[X].
+    assert batch_token_time(0.002, 0.040, 4, 0.8, 0.25) == pytest.approx(0.048 / (1 + 0.25 * 2.3616))
     assert expected_accepted(0.8, 4) == pytest.approx(2.3616)
 
 
@@ -256,11 +259,55 @@ def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_wh
     assert g == min(costs, key=costs.get) > 0 and costs[g] < costs[0]
     t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
     assert costs[g] == pytest.approx(batch_token_time(t_q, t_p, g, tau_hat(good.accepted, good.rejections)), rel=1e-9)
-    bad = BatchWindow(5, 1, 12, explore_every=4)
+    bad = BatchWindow(5, 1, 12)
     _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))  # expensive draft and verify rows, tau near 0
-    choices = [bad.gamma(8) for _ in range(8)]
-    assert choices.count(0) == 6 and all(g > 0 for g in choices[3::4])  # plain, with an exploring round in 4
+    choices = [bad.gamma(8) for _ in range(200)]
+    assert choices.count(0) > 190 and any(choices)  # plain, with a round now and then exploring
     assert BatchWindow(3, 1, 12, fixed=True).gamma(8) == 3
+
+
+def test_exploring_costs_at_most_its_share_of_the_plain_rounds():
+    """While plain wins, a round explores (the cheapest gamma > 0) once the budget, `explore_share` of each plain
+    round's T_p(B), covers its loss against plain decoding of what it commits: its time minus (1 + E[X]) T_p(B).
+    By hand from the lines; then the share of the rounds' time exploring loses, over a long run, is at most
+    explore_share."""
+    w = BatchWindow(5, 1, 12, explore_share=0.05)
+    _measured(w, (0.02, 0.002), (0.045, 0.03), (1, 40))
+    tau = tau_hat(w.accepted, w.rejections)
+    costs = w.costs(8)
+    g = min((g for g in costs if g > 0), key=costs.get)
+    t_q, t_p0, t_pg = 0.02 + 0.002 * 8, 0.045 + 0.03 * 8, 0.045 + 0.03 * 8 * (g + 1)
+    loss = g * t_q + t_pg - (1 + expected_accepted(tau, g)) * t_p0
+    assert w.exploring_loss(costs, g, 8, 8) == pytest.approx(loss, rel=1e-9)
+    period = math.ceil(loss / (0.05 * t_p0))  # plain rounds the budget needs; the last of them explores
+    choices = [w.gamma(8) for _ in range(3 * period)]
+    assert [i for i, c in enumerate(choices) if c] == [period - 1, 2 * period - 1, 3 * period - 1]
+    assert all(c == g for c in choices if c)
+    plain_s = choices.count(0) * t_p0
+    assert choices.count(g) * loss <= 0.05 * (plain_s + choices.count(g) * t_p0) + 1e-12
+
+
+def test_a_round_is_priced_by_the_rows_that_draft_in_it():
+    """k of B rows drafting: the verify pads all B to gamma + 1 rows, the draft forwards carry k, and only the
+    k rows gain E[X]: (gamma T_q(k) + T_p(B (gamma + 1))) / (1 + k / B E[X]) per committed token, times B."""
+    w = BatchWindow(5, 1, 12)
+    _measured(w, (0.001, 0.0002), (0.045, 0.002), (40, 1))  # speculation pays when every row drafts
+    tau = tau_hat(w.accepted, w.rejections)
+    assert w.costs(8, 8) == w.costs(8)
+    one = w.costs(8, 1)
+    for g in (0, 3):
+        by_hand = (g * (0.001 + 0.0002 * 1) + 0.045 + 0.002 * 8 * (g + 1)) / (1 + expected_accepted(tau, g) / 8)
+        assert one[g] == pytest.approx(by_hand, rel=1e-9)
+    assert w.gamma(8) > 0  # every row drafts: speculate
+    assert w.gamma(8, 1) == 0  # one row drafts: its third of a token a round does not pay for padding all eight
+
+
+def test_a_round_with_no_drafting_row_never_explores_and_the_budget_buys_one_round_at_most():
+    w = BatchWindow(5, 1, 12)
+    _measured(w, (0.02, 0.002), (0.045, 0.03), (1, 40))
+    assert [w.gamma(8, 0) for _ in range(500)] == [0] * 500  # plain rows only: nothing to learn
+    after = [w.gamma(8, 2) for _ in range(5)]  # a drafting row joins: the saved budget buys one round, not five
+    assert after[0] > 0 and after[1:] == [0, 0, 0, 0]
 
 
 def test_one_fit_serves_every_batch_size_once_two_sizes_were_seen():

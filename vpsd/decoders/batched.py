@@ -215,7 +215,8 @@ class BatchDecoder:
         started = time.perf_counter()
         batch = len(self.slots)
         self.batch_sizes.append(batch)
-        gamma = self.window.gamma(batch) if self.draft is not None else 0
+        drafting = sum(s.draft_cursor is not None for s in self.slots.values())
+        gamma = self.window.gamma(batch, drafting) if self.draft is not None else 0
         self.gammas.append(gamma)
         # A row without a draft (ar, or an item speculation did not pay for) never drafts.
         windows = {key: 0 if s.draft_cursor is None else max(0, min(gamma, s.item.max_new_tokens - len(s.committed) - 1))

@@ -12,15 +12,33 @@ this B: the batch is never slower than batched `ar` by more than what the explor
 SmartSpec's idea (Liu et al., 2024: pick the window that maximises goodput at the current batch size),
 with Theorem 6's acceptance model.
 
+A batch may mix rows with a draft and plain rows (items decoded without one, `speculation_pays` below). Only
+the k drafting rows gain E[X], but the verify forward pads every row to gamma + 1 (`BatchedCache` is a padded
+batch) and the draft forwards carry the k rows, so the round's cost per committed token, times B, is
+
+    (gamma T_q(k) + T_p(B (gamma + 1))) / (1 + (k / B) E[X](tau, gamma))
+
+which is the line above at k = B. (Priced as if every row drafted, one drafting row among six plain ones
+made the whole round twice a plain round's cost for a third of a token: at 4x the video tokens, such rounds
+were 5-8% of the decode time.)
+
+Exploring. While gamma 0 wins, the window still speculates now and then, so tau and the costs stay measured
+and the choice can come back; each such round loses, against plain decoding of the tokens it commits, its
+time minus (1 + (k / B) E[X]) T_p(B). Exploring is paid from a budget: every plain round adds
+`explore_share` of its time (T_p(B)), and a round explores (at the cheapest gamma > 0) once the budget covers
+its predicted loss, then starts again from zero. So while speculation does not pay, exploring costs at most
+`explore_share` of the plain rounds' time (3%), whatever the batch and the pair; a round with no drafting row
+learns nothing and never explores. (The first version explored one round in 8, whatever it cost: at 4x the
+video tokens, a padded round costs twice a plain one, 12% on top of the plain rounds.)
+
 What is measured, live: T_p as a line in the rows a target forward computes, T_p(B k) = a + b B k
 (`WeightedLine`; on this CPU a forward's cost follows its total rows: B = 8 rows of 8 tokens cost what B = 4
 rows of 16 do, and on a GPU b is close to 0 up to hundreds of rows), so one fit serves every batch size the job
 passes through as items join and leave; T_q(B) = a' + b' B for the draft's forward likewise; tau_hat over every
 row's rounds (one acceptance model for the batch: the rows share the draft and the target). Until both lines
 have seen two sizes and tau a round, the window is `initial` (the config's serial gamma). When gamma 0 wins,
-one round in `explore_every` still speculates at the best gamma > 0, so tau and the costs stay measured and
-the choice can come back. A fixed window (a user's --gamma N) never moves. Pure: no clocks here; the decoder
-passes in what it measured.
+a round now and then still speculates (Exploring, below). A fixed window (a user's --gamma N) never moves.
+Pure: no clocks here; the decoder passes in what it measured.
 
 Whether an item is worth drafting for at all (`speculation_pays`): speculation also costs each item the
 draft's own vision, the pruning and the draft's pruned prefill before its first round, D seconds, which the
@@ -49,9 +67,10 @@ from vpsd.pipeline.theory import expected_accepted, tau_hat
 from vpsd.pipeline.window import WeightedLine
 
 
-def batch_token_time(t_q: float, t_p: float, gamma: int, tau: float) -> float:
-    """Seconds per committed token of one item in a batch round, times B (see the module docstring)."""
-    return (gamma * t_q + t_p) / (1.0 + expected_accepted(tau, gamma))
+def batch_token_time(t_q: float, t_p: float, gamma: int, tau: float, drafting_share: float = 1.0) -> float:
+    """Seconds per committed token of one item in a batch round, times B (see the module docstring), with
+    `drafting_share` = k / B of the rows drafting (the rest commit one token each)."""
+    return (gamma * t_q + t_p) / (1.0 + drafting_share * expected_accepted(tau, gamma))
 
 
 @dataclass
@@ -61,12 +80,13 @@ class BatchWindow:
     gamma_max: int = 16
     fixed: bool = False
     decay: float = 0.9
-    explore_every: int = 8
+    explore_every: int = 8  # items: one plain decision in this many drafts anyway (`speculation_pays`)
+    explore_share: float = 0.03  # rounds: what exploring may cost, as a share of the plain rounds' time
     accepted: float = 0.0
     rejections: float = 0.0
     verify: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_p(rows), rows = B k
     draft: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_q(B)
-    _plain_rounds: int = 0  # consecutive rounds at gamma 0
+    _explore_budget: float = 0.0  # seconds of loss the next exploring round may cost (module docstring)
     draft_prefill_s: float | None = None  # D: running mean of what drafting adds to an item's prefill
     item_tokens: float | None = None  # N: running mean of an item's committed tokens
     _plain_items: int = 0  # consecutive items admitted without a draft
@@ -116,27 +136,41 @@ class BatchWindow:
             self.accepted = self.decay * self.accepted + num_accepted
             self.rejections = self.decay * self.rejections + (num_accepted < num_drafted)
 
-    def costs(self, batch: int) -> dict[int, float] | None:
-        """{gamma: time per committed token x B} over 0 and [gamma_min, gamma_max]; None until measured."""
+    def costs(self, batch: int, drafting: int | None = None) -> dict[int, float] | None:
+        """{gamma: time per committed token x B} over 0 and [gamma_min, gamma_max], with `drafting` of the
+        `batch` rows drafting (default: all); None until measured."""
         if not (self.verify.spread and self.draft.spread) or self.accepted + self.rejections <= 0:
             return None
+        k = batch if drafting is None else max(0, min(drafting, batch))
         tau = tau_hat(self.accepted, self.rejections)
-        t_q = self.draft.at(batch)
-        return {g: batch_token_time(t_q, self.verify.at(batch * (g + 1)), g, tau)
+        t_q = self.draft.at(max(k, 1))
+        return {g: batch_token_time(t_q, self.verify.at(batch * (g + 1)), g, tau, k / batch)
                 for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
 
-    def gamma(self, batch: int) -> int:
-        """The window for the next round of a batch of `batch` items (0: plain batched decoding)."""
+    def gamma(self, batch: int, drafting: int | None = None) -> int:
+        """The window for the next round of a batch of `batch` items, `drafting` of them with a draft (default:
+        all); 0: plain batched decoding."""
         if self.fixed:
             return self.initial
-        costs = self.costs(batch)
+        costs = self.costs(batch, drafting)
         if costs is None:
             return self.initial
         best = min(costs, key=costs.get)
-        if best == 0:
-            self._plain_rounds += 1
-            if self._plain_rounds % self.explore_every:
-                return 0
-            return min((g for g in costs if g > 0), key=costs.get)
-        self._plain_rounds = 0
-        return best
+        if best > 0:
+            self._explore_budget = 0.0
+            return best
+        self._explore_budget += self.explore_share * costs[0]  # costs[0] = T_p(B): this plain round's time
+        k = batch if drafting is None else drafting
+        if k <= 0:
+            return 0  # no row has a draft: a speculative round would learn nothing
+        g = min((g for g in costs if g > 0), key=costs.get)
+        if self._explore_budget < self.exploring_loss(costs, g, batch, k):
+            return 0
+        self._explore_budget = 0.0
+        return g
+
+    def exploring_loss(self, costs: dict[int, float], gamma: int, batch: int, drafting: int) -> float:
+        """Seconds a round at `gamma` loses against plain decoding of the tokens it commits (module docstring):
+        its time, minus (1 + (k / B) E[X]) T_p(B)."""
+        commits = 1.0 + drafting / batch * expected_accepted(tau_hat(self.accepted, self.rejections), gamma)
+        return commits * (costs[gamma] - costs[0])
