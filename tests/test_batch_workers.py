@@ -10,6 +10,7 @@ tests/test_pipeline_torchrun.py."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -344,8 +345,9 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
 def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     """At batch 1 the measure is the wall: seconds per decoded token of the drafted items that finished, against
     the plain ones' (one plain item measures it, unless drafting beats half the line's T_p(1)). Where drafting is
-    slower (a video the draft reads badly), the next items are decoded plain, one in `explore_every` still
-    drafting; the draft and the pruner never hear of them, and every item equals its `ar` output."""
+    slower (a video the draft reads badly), the next items are decoded plain; one still drafts once 3% of the
+    plain items' time covers what it is expected to lose. The draft and the pruner never hear of the plain ones,
+    and every item equals its `ar` output."""
     todo = work_items(5, max_new=10)
     pipe = Pipeline("qwen2_5_vl", "pearl", 1, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
     tw, w = pipe.tw, pipe.tw.window
@@ -358,9 +360,19 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     assert tw.drafting_pays()
     tw.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs
     assert not tw.drafting_pays() and not tw.drafting_pays()  # (until it finishes)
-    tw.token_s[False], tw.token_s[True] = 0.009, 0.020  # 20 ms a token drafted, against 9 ms plain
-    decisions = [tw.drafting_pays() for _ in range(16)]
-    assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # explores one in 8
+    tw.token_s = {}
+    tw.observe_item_at_batch_1(False, 0.020 * 30, 30)  # a drafted item: 20 ms a token, against 9 ms plain
+    tw.observe_item_at_batch_1(True, 0.009 * 30, 30)  # the measuring plain item (into the budget too)
+    assert tw.token_s == {True: 0.020, False: 0.009} and tw.item_tokens == 30
+    # Exploring loses 11 ms x 30 tokens; each plain item adds 3% of its 0.27 s.
+    period = math.ceil(0.011 * 30 / (0.03 * 0.009 * 30))  # 41 plain items, the measuring one included
+    decisions = []
+    for _ in range(3 * period + 2):
+        decisions.append(tw.drafting_pays())
+        if not decisions[-1]:
+            tw.observe_item_at_batch_1(True, 0.009 * 30, 30)
+    # `period` plain items between two that explore (the first time the measuring item was one of them).
+    assert [i for i, d in enumerate(decisions) if d] == [period - 1, 2 * period, 3 * period + 1]
     tw.token_s[False] = 0.025  # plain items measured slower still: drafting pays
     assert tw.drafting_pays()
     w.accepted = 1000.0  # a high tau does not overrule the measured wall

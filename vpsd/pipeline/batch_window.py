@@ -67,6 +67,9 @@ from vpsd.pipeline.theory import expected_accepted, tau_hat
 from vpsd.pipeline.window import WeightedLine
 
 
+EXPLORE_SHARE = 0.03  # what exploring a losing draft may cost, as a share of the plain decoding's time
+
+
 def batch_token_time(t_q: float, t_p: float, gamma: int, tau: float, drafting_share: float = 1.0) -> float:
     """Seconds per committed token of one item in a batch round, times B (see the module docstring), with
     `drafting_share` = k / B of the rows drafting (the rest commit one token each)."""
@@ -81,7 +84,7 @@ class BatchWindow:
     fixed: bool = False
     decay: float = 0.9
     explore_every: int = 8  # items: one plain decision in this many drafts anyway (`speculation_pays`)
-    explore_share: float = 0.03  # rounds: what exploring may cost, as a share of the plain rounds' time
+    explore_share: float = EXPLORE_SHARE  # rounds: what exploring may cost, as a share of the plain rounds' time
     accepted: float = 0.0
     rejections: float = 0.0
     verify: WeightedLine = field(default_factory=lambda: WeightedLine(0.9))  # T_p(rows), rows = B k

@@ -50,6 +50,7 @@ from vpsd.decoders.batched import kv_bytes_per_token
 from vpsd.decoders.result import DecodeResult
 from vpsd.models.base import PrefillResult, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
+from vpsd.pipeline.batch_window import EXPLORE_SHARE
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Shutdown
 from vpsd.pipeline.state_machine import Drop, TargetMachine
@@ -126,8 +127,11 @@ class TargetWorker:
         self.explore_every = 8
         self._plain_streak = 0
         self.drafted_rate: float | None = None  # tokens a drafted item commits per round in flight (running mean)
-        # At batch 1: seconds per decoded token of the items that finished, drafted and plain (running means).
+        # At batch 1: seconds per decoded token of the items that finished, drafted and plain (running means), the
+        # tokens an item decodes (running mean), and the exploring budget (`drafting_pays`).
         self.token_s: dict[bool, float] = {}
+        self.item_tokens: float | None = None
+        self.explore_budget_s = 0.0
         self._lock = threading.Lock()
         self.admit_s = 0.0  # vision + prefill of the items admitted here (the rest of the loop is decoding)
 
@@ -168,32 +172,52 @@ class TargetWorker:
         path and costs less than the line through the windows' rows says (at 4x the default's video, 21 ms
         against 31-38 ms for 2-3 rows). An item decoded plain at batch 1 is `ar`'s decoding exactly. The papers
         always draft; here the pair's acceptance on this job decides: on a video the draft reads badly (the
-        README's 4x-the-video table: tau 0.29) drafting made batch 1 0.8x `ar`."""
+        README's 4x-the-video table: tau 0.29) drafting made batch 1 0.8x `ar`. Where plain wins, an item drafts
+        anyway once a budget covers what it is expected to lose, its tokens times the drafted items' extra
+        seconds a token: every plain item adds EXPLORE_SHARE of its decode time (as the batch window's rounds
+        do, pipeline/batch_window.py), so exploring costs at most 3% of the plain items' time. (One item in 8,
+        as before, cost 6% at 4x the video: each drafted item there took 1.4-1.7x a plain one's time.)"""
         w = self.window
         if self.cfg.decoding.temperature > 0 or w.fixed or w.accepted + w.rejections <= 0:
             return True
         if self.size == 1:
             drafted, plain, t_plain = self.token_s.get(True), self.token_s.get(False), w.verify_time(1)
             if drafted is None:
-                pays = True
-            elif plain is None:
-                pays = t_plain is not None and drafted < t_plain / 2
-                if not pays:
-                    return False  # the measuring item: not an exploration round's to count
-            else:
-                pays = drafted < plain
-        else:
-            t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
-            if t_plain is None or t_window is None:
                 return True
-            rate = self.drafted_rate or 1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)
-            pays = t_window / rate < t_plain
+            if plain is None:  # else the measuring item
+                return t_plain is not None and drafted < t_plain / 2
+            return drafted < plain or self._explore_at_batch_1(drafted - plain)
+        t_plain, t_window = w.verify_time(1), w.verify_time(w.gamma + 1)
+        if t_plain is None or t_window is None:
+            return True
+        rate = self.drafted_rate or 1.0 + expected_accepted(tau_hat(w.accepted, w.rejections), w.gamma)
+        pays = t_window / rate < t_plain
         with self._lock:  # the prefill thread and the decode thread (when it steals) both ask
             if pays:
                 self._plain_streak = 0
                 return True
             self._plain_streak += 1
             return self._plain_streak % self.explore_every == 0
+
+    def _explore_at_batch_1(self, extra_per_token_s: float) -> bool:
+        """Whether a plain decision at batch 1 drafts anyway: once the budget covers the expected loss."""
+        with self._lock:  # the prefill thread and the decode thread (when it steals) both ask
+            if self.item_tokens is None or self.explore_budget_s < extra_per_token_s * self.item_tokens:
+                return False
+            self.explore_budget_s = 0.0
+            return True
+
+    def observe_item_at_batch_1(self, plain: bool, decode_s: float, tokens: int) -> None:
+        """An item that finished at batch 1, `tokens` decoded after the prefill's first: what `drafting_pays`
+        weighs there (running means), and a plain one's share of its time into the exploring budget."""
+        if tokens < 1:
+            return
+        last = self.token_s.get(not plain)
+        self.token_s[not plain] = decode_s / tokens if last is None else 0.8 * last + 0.2 * decode_s / tokens
+        self.item_tokens = tokens if self.item_tokens is None else 0.8 * self.item_tokens + 0.2 * tokens
+        if plain:
+            with self._lock:
+                self.explore_budget_s += EXPLORE_SHARE * decode_s
 
     def admit(self, item: WorkItem) -> bool:
         """Starts an item on this thread: the draft and the pruner are told, then the vision tower and the full
@@ -437,10 +461,8 @@ class TargetWorker:
         r = row.result
         r.token_ids = tokens
         r.decode_s = time.perf_counter() - row.decode_start
-        if self.size == 1 and len(tokens) > 1:  # what `drafting_pays` weighs at batch 1
-            per_token = r.decode_s / (len(tokens) - 1)  # the first token came from the prefill
-            last = self.token_s.get(not row.plain)
-            self.token_s[not row.plain] = per_token if last is None else 0.8 * last + 0.2 * per_token
+        if self.size == 1:
+            self.observe_item_at_batch_1(row.plain, r.decode_s, len(tokens) - 1)  # the first came from the prefill
         if row.plain:
             return row.item, r  # no draft, no kept set, nobody else to tell
         self._item_done(item_id, tokens, None)
