@@ -37,7 +37,7 @@ rows of 16 do, and on a GPU b is close to 0 up to hundreds of rows), so one fit 
 passes through as items join and leave; T_q(B) = a' + b' B for the draft's forward likewise; tau_hat over every
 row's rounds (one acceptance model for the batch: the rows share the draft and the target). Until both lines
 have seen two sizes and tau a round, the window is `initial` (the config's serial gamma). When gamma 0 wins,
-a round now and then still speculates (Exploring, below). A fixed window (a user's --gamma N) never moves.
+a round now and then still speculates (Exploring, above). A fixed window (a user's --gamma N) never moves.
 Pure: no clocks here; the decoder passes in what it measured.
 
 Whether an item is worth drafting for at all (`speculation_pays`): speculation also costs each item the
