@@ -12,6 +12,8 @@ import math
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from tests.conftest import random_frames, tiny_pair
@@ -285,6 +287,36 @@ def test_exploring_costs_at_most_its_share_of_the_plain_rounds():
     assert all(c == g for c in choices if c)
     plain_s = choices.count(0) * t_p0
     assert choices.count(g) * loss <= 0.05 * (plain_s + choices.count(g) * t_p0) + 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(t_q=st.tuples(st.floats(1e-4, 0.05), st.floats(0.0, 0.01)),
+       t_p=st.tuples(st.floats(1e-3, 0.1), st.floats(1e-4, 0.05)),
+       tau_rounds=st.tuples(st.integers(0, 40), st.integers(1, 40)),
+       share=st.floats(0.001, 0.5),
+       rounds=st.lists(st.tuples(st.integers(1, 16), st.integers(0, 16)), min_size=1, max_size=300))
+def test_whatever_the_batches_exploring_never_loses_more_than_its_share(t_q, t_p, tau_rounds, share, rounds):
+    """Over any sequence of batches (B items, k of them drafting): the rounds that explore lose, in all, at most
+    `explore_share` of the time of the rounds where plain decoding won; a round explores only with a drafting row;
+    and a batch where every row drafts chooses what the all-drafting costs choose."""
+    w = BatchWindow(5, 1, 12, explore_share=share)
+    _measured(w, t_q, t_p, tau_rounds)
+    lost = plain_s = 0.0
+    for batch, k in rounds:
+        k = min(k, batch)
+        costs = w.costs(batch, k)
+        g = w.gamma(batch, k)
+        if k == batch:
+            assert costs == w.costs(batch)
+        best = min(costs, key=costs.get)
+        if best > 0:
+            assert g == best
+            continue
+        plain_s += costs[0]
+        if g:
+            assert k > 0
+            lost += w.exploring_loss(costs, g, batch, k)
+    assert lost <= share * plain_s + 1e-12
 
 
 def test_a_round_is_priced_by_the_rows_that_draft_in_it():
