@@ -64,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vpsd.pipeline.theory import expected_accepted, tau_hat
-from vpsd.pipeline.window import WeightedLine
+from vpsd.pipeline.window import WeightedLine, running_mean
 
 
 EXPLORE_SHARE = 0.03  # what exploring a losing draft may cost, as a share of the plain decoding's time
@@ -95,10 +95,10 @@ class BatchWindow:
     _plain_items: int = 0  # consecutive items admitted without a draft
 
     def observe_draft_prefill(self, seconds: float) -> None:
-        self.draft_prefill_s = seconds if self.draft_prefill_s is None else 0.8 * self.draft_prefill_s + 0.2 * seconds
+        self.draft_prefill_s = running_mean(self.draft_prefill_s, seconds)
 
     def observe_item(self, tokens: int) -> None:
-        self.item_tokens = tokens if self.item_tokens is None else 0.8 * self.item_tokens + 0.2 * tokens
+        self.item_tokens = running_mean(self.item_tokens, tokens)
 
     def drafting_saves(self, batch: int) -> float | None:
         """Seconds of decode work drafting saves one item at `batch` in flight (the module docstring): N cost(g*)

@@ -36,6 +36,12 @@ from vpsd.pipeline.theory import parallel_sd_rollback_token_time, tau_hat
 AUTO = "auto"
 
 
+def running_mean(mean: float | None, x: float, weight: float = 0.2) -> float:
+    """An exponentially weighted running mean: the first value as it is, then `weight` on each new one (the
+    timings, rates and item lengths the roles and the batch window follow live)."""
+    return x if mean is None else (1.0 - weight) * mean + weight * x
+
+
 @dataclass
 class WeightedLine:
     """T(k) = a + b k fitted by weighted least squares, each new point weighing 1 and the history `decay` times

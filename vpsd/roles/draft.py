@@ -40,6 +40,7 @@ from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Messag
 from vpsd.pipeline.sampling import probs_from_logits, sample
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
+from vpsd.pipeline.window import running_mean
 from vpsd.roles.context import RoleContext
 from vpsd.roles.drafters import TabedDrafter
 from vpsd.roles.link import Link, RankLink, recv_announced
@@ -173,7 +174,8 @@ class DraftWorker:
         self.batch.join(item_id, pre.state)
 
     def on_verdict(self, v: VerifyResult) -> None:
-        target_probs = recv_announced(self.link, "target", "target_probs")[0] if self.target_probs else None  # on the wire for every verdict
+        # TABED's p rows are on the wire after every verdict (pipeline/ensemble.py)
+        target_probs = recv_announced(self.link, "target", "target_probs")[0] if self.target_probs else None
         row = self.rows.get(v.item_id)
         if row is None:
             return  # the tail of an item that has left
@@ -251,7 +253,7 @@ class DraftWorker:
             row = self.rows[item_id]
             row.cursor.feed(feed[item_id])
             row.last = rows[-1].clone()  # a copy: a view would keep the whole step's (B, k, V) logits alive
-        self.step_s = dt if self.step_s == 0.0 else 0.8 * self.step_s + 0.2 * dt
+        self.step_s = running_mean(self.step_s or None, dt)  # 0.0: nothing measured yet
         self.steps += 1
         return True
 

@@ -58,7 +58,7 @@ from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.theory import expected_accepted, tau_hat
 from vpsd.pipeline.verification import verify_chunk, window_rows
-from vpsd.pipeline.window import WindowController
+from vpsd.pipeline.window import WindowController, running_mean
 from vpsd.roles.context import RoleFailure
 from vpsd.roles.link import Link, recv_announced
 from vpsd.roles.starting import HeldSignals, WorkItem, job_start, prefill_streaming_signals
@@ -212,9 +212,8 @@ class TargetWorker:
         weighs there (running means), and a plain one's share of its time into the exploring budget."""
         if tokens < 1:
             return
-        last = self.token_s.get(not plain)
-        self.token_s[not plain] = decode_s / tokens if last is None else 0.8 * last + 0.2 * decode_s / tokens
-        self.item_tokens = tokens if self.item_tokens is None else 0.8 * self.item_tokens + 0.2 * tokens
+        self.token_s[not plain] = running_mean(self.token_s.get(not plain), decode_s / tokens)
+        self.item_tokens = running_mean(self.item_tokens, tokens)
         if plain:
             with self._lock:
                 self.explore_budget_s += EXPLORE_SHARE * decode_s
@@ -469,7 +468,7 @@ class TargetWorker:
         rounds = self.rounds - row.joined_round
         if rounds > 0:
             rate = len(row.machine.committed) / rounds
-            self.drafted_rate = rate if self.drafted_rate is None else 0.8 * self.drafted_rate + 0.2 * rate
+            self.drafted_rate = running_mean(self.drafted_rate, rate)
         r.timings["first_chunk_wait"] = row.first_chunk_wait or 0.0
         r.gamma = sum(row.windows) / len(row.windows) if row.windows else float(self.window.gamma)
         r.num_kept = self._keep_report(item_id)
