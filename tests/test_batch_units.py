@@ -236,3 +236,67 @@ def test_a_blocking_wait_prefills_a_later_item_meanwhile():
     finally:
         prepare.release.set()
         ahead.close()
+
+
+def test_a_drained_prefill_thread_lends_its_cores_to_the_decode_thread_until_close():
+    """PrefillAhead.lend_cores_when_drained (launch/batch.py): once every prefill of the job has run, the calling
+    thread takes the prefill thread's cores and one intra-op thread each, once; `close` gives them back."""
+    import os
+
+    import torch
+
+    from vpsd.launch.batch import PrefillAhead
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores to pin two threads apart")
+    mine, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {cpus[0]})
+    prepare = GatedPrefills()
+    ahead = PrefillAhead(["first", "second"], size=4, prepare=prepare, cpus=[cpus[1]])
+    try:
+        ahead.top_up(in_flight=0)
+        assert prepare.started.wait(10)
+        assert not ahead.drained and ahead.lend_cores_when_drained() is None  # "first" still prefills
+        prepare.release.set()
+        assert ahead.next_ready(block=True) == ("first", "FIRST")
+        ahead.pop()
+        assert ahead.next_ready(block=True) == ("second", "SECOND")  # done, not yet joined: nothing left to run
+        assert ahead.drained
+        assert ahead.lend_cores_when_drained() == threads + 1
+        assert os.sched_getaffinity(0) == {cpus[0], cpus[1]} and torch.get_num_threads() == threads + 1
+        assert ahead.lend_cores_when_drained() is None  # once
+        ahead.close()
+        assert os.sched_getaffinity(0) == {cpus[0]} and torch.get_num_threads() == threads
+    finally:
+        prepare.release.set()
+        ahead.close()
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(threads)
+
+
+def test_a_forward_on_two_threads_is_bitwise_the_forward_on_one():
+    """What lending the prefill cores at the tail relies on to leave every output as it was: a prefill and a
+    batched verify of a real language model, wide enough that its GEMMs split over threads, give the same bits
+    on two intra-op threads as on one (GEMMs split rows and columns, never the summed dimension)."""
+    import torch
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLTextConfig(vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, bos_token_id=0, eos_token_id=1,
+                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]))
+    model = Qwen2_5_VLTextModel(config).eval()
+    prompt, window = torch.randn(8, 40, 256), torch.randn(8, 6, 256)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                pre = model(inputs_embeds=prompt, use_cache=True)
+                ver = model(inputs_embeds=window, past_key_values=pre.past_key_values, use_cache=True)
+            outs.append((pre.last_hidden_state, ver.last_hidden_state))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
