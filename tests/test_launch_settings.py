@@ -144,14 +144,40 @@ def test_a_refusing_rank_marks_the_launchers_file_only_when_every_rank_refuses(t
 
 def test_the_run_level_settings_are_typed_and_an_unknown_one_is_refused():
     """roles, cpu_affinity, timeouts and tabed were free-form `extra`: a typo there was read by nobody."""
-    cfg = resolve_config(args("pearl", "--set", "timeout_s=30", "--set", "cpu_affinity={target: [0], draft: [1]}"))
-    assert cfg.timeout_s == 30 and cfg.cpu_affinity == {"target": [0], "draft": [1]} and cfg.roles["pruner"] == 2
+    cfg = resolve_config(args("pearl", "--set", "timeout_s=30", "--set", "cpu_affinity={target: [0], draft: [0]}"))
+    assert cfg.timeout_s == 30 and cfg.cpu_affinity == {"target": [0], "draft": [0]} and cfg.roles["pruner"] == 2
     with pytest.raises(ConfigError, match="timeout_s must be float, got 'soon'"):
         resolve_config(args("pearl", "--set", "timeout_s=soon"))
     with pytest.raises(ConfigError, match="roles must map target, draft and pruner to distinct ranks"):
         resolve_config(args("pearl", "--set", "roles={target: 0, draft: 0, pruner: 2}"))
     with pytest.raises(ConfigError, match="unknown setting"):
         resolve_config(args("pearl", "--set", "idle_timeout=5"))
+
+
+def test_cpu_affinity_names_roles_and_cores_this_job_may_run_on():
+    """A bad pin was a bare OSError in one rank's traceback at its first sched_setaffinity, under torchrun's
+    failure block; a core that is not there, with others that are, ran the role on fewer cores silently."""
+    import os
+
+    from vpsd.launch.preflight import affinity_problems
+
+    with pytest.raises(ConfigError, match=r"cpu_affinity: unknown role 'drafts' \(did you mean 'draft'\?\)"):
+        resolve_config(args("pearl", "--set", "cpu_affinity={drafts: [1]}"))
+    for bad in ("[]", "[-1]", "[1.5]", "'1'"):
+        with pytest.raises(ConfigError, match="cpu_affinity.draft must be a non-empty list of core numbers"):
+            resolve_config(args("pearl", "--set", f"cpu_affinity={{draft: {bad}}}"))
+    from vpsd.config import load_config
+
+    cfg = load_config(CONFIG, {"cpu_affinity": {"target": [0], "draft": [1, 3, 4, 5, 9]}})  # read, not launched
+    assert affinity_problems(cfg, allowed={0, 1, 2, 3}) == [
+        "cpu_affinity.draft: cores 4-5,9 not available to this job (it may run on 0-3; pin to those, or set "
+        "cpu_affinity: null)"]
+    assert affinity_problems(cfg, allowed={0, 1, 3, 4, 5, 9}) == []
+    # At launch, against this process's own cores: one past the last is refused, the ones it has pass.
+    mine = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=f"cpu_affinity.pruner: core {mine[-1] + 1} not available"):
+        resolve_config(args("pearl", "--set", f"cpu_affinity={{pruner: [{mine[-1] + 1}]}}"))
+    assert resolve_config(args("pearl", "--set", f"cpu_affinity={{pruner: {mine}}}")).cpu_affinity == {"pruner": mine}
 
 
 def test_a_config_file_with_a_section_nobody_reads_is_refused(tmp_path):

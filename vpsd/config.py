@@ -200,6 +200,12 @@ class RunConfig:
             raise ValueError(f"roles must map target, draft and pruner to distinct ranks, got {self.roles}")
         if self.timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError(f"timeout_s and idle_timeout_s must be > 0, got {self.timeout_s}, {self.idle_timeout_s}")
+        for role, cpus in (self.cpu_affinity or {}).items():
+            if role not in DEFAULT_ROLES:
+                raise ValueError(f"cpu_affinity: unknown role {role!r}{nearest(role, DEFAULT_ROLES)}; "
+                                 f"roles: {', '.join(DEFAULT_ROLES)}")
+            if not isinstance(cpus, list) or not cpus or not all(type(c) is int and c >= 0 for c in cpus):
+                raise ValueError(f"cpu_affinity.{role} must be a non-empty list of core numbers, got {cpus!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

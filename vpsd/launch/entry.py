@@ -26,7 +26,7 @@ from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.manifest import Shard
-from vpsd.launch.preflight import checkpoint_problems
+from vpsd.launch.preflight import affinity_problems, checkpoint_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import BATCHABLE, get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
@@ -96,7 +96,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides["batching.size"] = args.batch
     cfg = load_config(args.config, overrides)  # ConfigError: one line per bad setting (main prints them)
     check_method_settings(method, cfg)
-    problems = checkpoint_problems(cfg)
+    problems = checkpoint_problems(cfg) + affinity_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg

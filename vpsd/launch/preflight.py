@@ -4,11 +4,13 @@
 its `model_type` is the config's `family` (a Qwen3-VL checkpoint under `family: qwen2_5_vl` would otherwise load
 its weights into the wrong classes and fail later on an attribute); under `video.sampling: checkpoint`, the target
 checkpoint names a frame rule. One line per problem.
+`affinity_problems(cfg)`: every core `cpu_affinity` pins a role to is one this job may run on.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from vpsd.config import RunConfig, nearest
@@ -58,3 +60,26 @@ def sampling_problems(cfg: RunConfig) -> list[str]:
                 "(LLaVA-OneVision's published checkpoints do not); use video.sampling: config with "
                 "video.num_frames (the LLaVA-OneVision paper samples 32)"]
     return []
+
+
+def affinity_problems(cfg: RunConfig, allowed: set[int] | None = None) -> list[str]:
+    """The cores `cpu_affinity` names must be ones this process may use (`allowed`, default its own affinity): a
+    config written for a bigger machine otherwise failed at the first pin with a bare OSError in one rank's
+    traceback, or, with some of a role's cores present, ran silently on fewer. Every rank checks every role, so on
+    one node they all refuse alike; a job over several nodes whose core numbers differ pins nothing."""
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    span = _ranges(sorted(allowed))
+    return [f"cpu_affinity.{role}: core{'s' if len(missing) > 1 else ''} {_ranges(missing)} not available to this job "
+            f"(it may run on {span}; pin to those, or set cpu_affinity: null)"
+            for role, cpus in (cfg.cpu_affinity or {}).items() if (missing := sorted(set(cpus) - allowed))]
+
+
+def _ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
