@@ -9,8 +9,10 @@
 # (the control plane's keys derive from it; made fresh for a single-node run, required on every node of a
 # multi-node one: README "Security").
 set -euo pipefail
-cd "$(dirname "$0")"
-[ -f .venv/bin/activate ] && [ -z "${VIRTUAL_ENV:-}" ] && . .venv/bin/activate
+# The caller's directory stays the working directory: --config, --manifest and --out are read relative to it.
+here="$(cd "$(dirname "$0")" && pwd)"
+if [ -f "$here/.venv/bin/activate" ] && [ -z "${VIRTUAL_ENV:-}" ]; then . "$here/.venv/bin/activate"; fi
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's vpsd, wherever the command runs
 torchrun_args=()
 while [ $# -gt 0 ] && [ "$1" != "run" ]; do torchrun_args+=("$1"); shift; done
 [ "${1:-}" = "run" ] || { echo "usage: $0 [torchrun options] run --config C --manifest M --out DIR [...]" >&2; exit 2; }

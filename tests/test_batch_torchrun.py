@@ -132,9 +132,9 @@ def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory, batch
     assert (summary["items_done"], summary["items_failed"]) == (2, 7)
 
     # Retry the failures with subsampling on: the long item now fits, the broken files still fail,
-    # and the file keeps one line per id.
-    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}",
-                        "--set", "video.subsample_to_fit=true", "--retry-failed", "--quiet", *batching)
+    # and the file keeps one line per id. Launched from the job's own directory, with relative paths.
+    proc = run_launcher(CONFIG, Path(manifest.name), Path(out.name), METHOD, "--set", f"video.context_limit={limit}",
+                        "--set", "video.subsample_to_fit=true", "--retry-failed", "--quiet", *batching, cwd=d)
     assert proc.returncode == EXIT_ITEMS_FAILED, proc.stderr[-3000:]
     ids = [r["id"] for r in lines(out)]
     assert len(ids) == len(set(ids)) == 9

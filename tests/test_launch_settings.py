@@ -187,3 +187,28 @@ def test_a_config_file_with_a_section_nobody_reads_is_refused(tmp_path):
     path.write_text((ROOT / "configs" / "tiny_qwen2_5_vl.yaml").read_text() + "\nlookahed: 3\n")
     with pytest.raises(ConfigError, match="unknown setting 'lookahed'"):
         load_config(path)
+
+
+def test_a_manifest_or_out_the_job_cannot_use_is_refused_at_launch(tmp_path, capsys, monkeypatch):
+    """They were tracebacks on the target rank after the models loaded (a FileExistsError for an --out that is a
+    file), then torchrun's failure block; a bad argument was a usage block from every rank."""
+    from vpsd.launch.entry import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("")
+    (tmp_path / "afile").write_text("")
+
+    def said(manifest_arg, out_arg, *more):
+        assert main(["--config", CONFIG, "--manifest", str(manifest_arg), "--out", str(out_arg), *more]) == 2
+        return capsys.readouterr().err.splitlines()
+
+    assert said(tmp_path / "nope.jsonl", tmp_path / "o") == [f"vpsd: --manifest {tmp_path / 'nope.jsonl'}: no such file"]
+    assert said(tmp_path, tmp_path / "o") == [f"vpsd: --manifest {tmp_path}: not a file"]
+    assert said(manifest, tmp_path / "afile" / "o") == [
+        f"vpsd: --out {tmp_path / 'afile' / 'o'}: {tmp_path / 'afile'} is a file, not a directory"]
+    assert said(manifest, tmp_path / "o", "--shard", "3/2") == [
+        "vpsd: argument --shard: shard 3/2: need 0 <= I < N (--help lists the options)"]
+    monkeypatch.setenv("RANK", "1")  # the other ranks find the same and say nothing
+    assert said(tmp_path / "nope.jsonl", tmp_path / "o") == said(manifest, tmp_path / "o", "--shard", "3/2") == []
+    assert not (tmp_path / "o").exists()

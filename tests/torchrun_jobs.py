@@ -51,10 +51,12 @@ def launcher_cmd(config: str, manifest: Path, out: Path, method: str, *more: str
     return [str(ROOT / "torchrun.sh"), *torchrun_opts, "run", *job_args(config, manifest, out, method, *more)[2:]]
 
 
-def run_launcher(config: str, manifest: Path, out: Path, method: str, *more: str, timeout: float = 180):
+def run_launcher(config: str, manifest: Path, out: Path, method: str, *more: str, timeout: float = 180,
+                 cwd: Path = ROOT):
+    """./torchrun.sh from `cwd`: relative paths are the caller's, as for a user in their own directory."""
     env = job_env()
     return subprocess.run(launcher_cmd(config, manifest, out, method, *more), capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def results(out: Path) -> dict[str, dict]:

@@ -26,7 +26,7 @@ from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.manifest import Shard
-from vpsd.launch.preflight import affinity_problems, checkpoint_problems
+from vpsd.launch.preflight import affinity_problems, checkpoint_problems, path_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import BATCHABLE, get_method
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
@@ -39,8 +39,15 @@ from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """Every rank meets a bad argument: said once, as a refusal, not a usage block per rank and torchrun's
+        failure block after them."""
+        raise SystemExit(refuse([f"{message} (--help lists the options)"]))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="vpsd.launch.entry", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="vpsd.launch.entry", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--manifest", required=True)
     p.add_argument("--out", required=True)
@@ -161,7 +168,10 @@ def refuse(problems: list[str], reporter: bool | None = None, every_rank: bool =
 def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
         die_with_parent()
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument already refused (_Parser.error)
+        return int(e.code or 0)
     try:
         cfg = resolve_config(args)
     except FileNotFoundError as e:
@@ -172,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([str(e.code).removeprefix("vpsd: ")])
     method = get_method(args.method)
     out = Path(args.out)
+    problems = path_problems(Path(args.manifest), out)
+    if problems:
+        # Only the target rank reads them; on one node every rank sees the same files and refuses alike.
+        if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
+            return refuse(problems)
+        if int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]:
+            return refuse(problems, reporter=True, every_rank=False)
     timeout_s = float(args.timeout or cfg.timeout_s)
     problem = restart_problem(os.environ)
     if problem is not None:
@@ -185,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     except OutDirBusy as e:
         # Only the target rank tried the lock: it reports, and exits 2 so that torchrun stops the others.
         return refuse([str(e)], reporter=True, every_rank=False)
+    except OSError as e:  # --out could not be made (what path_problems cannot see: a read-only mount, root's /proc)
+        return refuse([f"--out {out}: {e.strerror or e}"], reporter=True, every_rank=False)
     except (JobMismatch, MissingSecret, ValueError) as e:
         return refuse([str(e)])
     rank, world, backend = init_distributed(timeout_s=timeout_s)

@@ -5,6 +5,7 @@ its `model_type` is the config's `family` (a Qwen3-VL checkpoint under `family: 
 its weights into the wrong classes and fail later on an attribute); under `video.sampling: checkpoint`, the target
 checkpoint names a frame rule. One line per problem.
 `affinity_problems(cfg)`: every core `cpu_affinity` pins a role to is one this job may run on.
+`path_problems(manifest, out)`: the manifest is a readable file, and --out is (or can be made) a directory.
 """
 
 from __future__ import annotations
@@ -83,3 +84,24 @@ def _ranges(cores: list[int]) -> str:
         else:
             runs.append([c, c])
     return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def path_problems(manifest: Path, out: Path) -> list[str]:
+    """What the target rank would otherwise meet as a traceback once models load: a manifest it cannot read, an
+    --out that is a file or under one, or in a directory it may not write."""
+    problems = []
+    if not manifest.exists():
+        problems.append(f"--manifest {manifest}: no such file")
+    elif not manifest.is_file():
+        problems.append(f"--manifest {manifest}: not a file")
+    elif not os.access(manifest, os.R_OK):
+        problems.append(f"--manifest {manifest}: not readable")
+    # The deepest part of --out that exists must be a directory this job may write in (it makes the rest).
+    there = out
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        problems.append(f"--out {out}: {there} is a file, not a directory")
+    elif not os.access(there, os.W_OK | os.X_OK):
+        problems.append(f"--out {out}: no permission to write in {there}")
+    return problems
