@@ -139,3 +139,21 @@ def test_report_only_reads_the_runs_the_bench_scheduled(tmp_path, capsys):
     assert [(m, b) for m, b, *_ in lines] == [("ar", "1"), ("hippo", "1"), ("ar", "2"), ("hippo", "2")]
     assert lines[3][2] == "5760" and lines[3][7:9] == ["2.00x", "3.20x"]  # 4 items in 2.5 s; over 5 s, 8 s
     assert json.loads((tmp_path / "throughput.json").read_text())["config"] == "c.yaml"
+
+
+def test_a_bench_with_a_bad_manifest_or_batch_list_refuses_before_any_job(tmp_path, capsys):
+    """They ran every cell's job only for each to fail (a missing manifest: 0.7 min for six refusals), or ended in
+    a ValueError traceback (`--batch 1,x`)."""
+    from vpsd.launch.cli import main as vpsd
+
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("")
+    for argv, said in (
+            (["bench", "--batch", "1,2", "--manifest", str(tmp_path / "nope.jsonl")], "no such file"),
+            (["bench", "--manifest", str(tmp_path / "nope.jsonl")], "no such file"),
+            (["bench", "--batch", "1,x", "--manifest", str(manifest)], "need batch sizes >= 1"),
+            (["bench", "--batch", "0", "--manifest", str(manifest)], "need batch sizes >= 1")):
+        with pytest.raises(SystemExit) as e:
+            vpsd([*argv, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

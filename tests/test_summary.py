@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vpsd.launch.cli import main as cli_main
 from vpsd.launch.results import ResultsFile
 from vpsd.reports.summary import compare, summarize
@@ -55,3 +57,9 @@ def test_summary_counts_the_items_a_drafting_method_decoded_plain(tmp_path):
         ResultsFile(tmp_path / "ar").append({**r, "method": "ar", "stats": {**r["stats"], "num_kept": None}})
     assert summarize(tmp_path / "hippo")["items_plain"] == 2
     assert summarize(tmp_path / "ar")["items_plain"] == 0
+
+
+def test_summary_of_a_directory_that_is_no_job_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["summary", str(tmp_path / "nodir")])
+    assert e.value.code == 2 and "holds no results.jsonl or summary.json" in capsys.readouterr().err

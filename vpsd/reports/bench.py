@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torchrun", default="--standalone", help="torchrun options (quoted)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
     a = p.parse_args(argv)
+    if not Path(a.manifest).is_file():  # before a job runs: each would refuse it, one after another
+        p.error(f"--manifest {a.manifest}: no such file")
     split = lambda v: [x for x in v.split(",") if x] if v is not None else None  # noqa: E731
     runs = default_runs(a.baseline_method, split(a.methods), split(a.strategies))
     ar, rows_to_run = runs[0], runs[1:]

@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--status", action="store_true",
                    help=f"print nothing; exit {EXIT_ITEMS_FAILED} if the results hold failed items, else 0")
     args = p.parse_args(argv)
+    for d in (args.run_dir, args.baseline):
+        if d is not None and not any((d / f).is_file() for f in ("results.jsonl", "summary.json")):
+            p.error(f"{d} holds no results.jsonl or summary.json: not a job's --out directory")
     if args.status:
         return EXIT_ITEMS_FAILED if summarize(args.run_dir)["items_failed"] else 0
     summary = summarize(args.run_dir)

@@ -138,6 +138,16 @@ def predicted_tokens_per_s(batching: dict | None) -> float | None:
     return batching["mean_batch"] / batch_token_time(t_q, batching["t_p_s"], gamma, tau)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"need batch sizes >= 1, comma-separated (e.g. 1,2,4,8), got {text!r}")
+    return sizes
+
+
 def tile_manifest(manifest: Path, times: int, out: Path) -> Path:
     """The manifest `times` over (ids suffixed #k, video paths made absolute), written to OUT/manifest_xK.jsonl."""
     if times <= 1:
@@ -253,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
     p.add_argument("--manifest", type=Path, help="required unless --report-only")
     p.add_argument("--out", type=Path, default=Path("runs/throughput"))
-    p.add_argument("--batch", help="comma-separated batch sizes, e.g. 1,2,4,8,16 (required unless --report-only)")
+    p.add_argument("--batch", type=_batch_sizes,
+                   help="comma-separated batch sizes, e.g. 1,2,4,8,16 (required unless --report-only)")
     p.add_argument("--methods", default="ar,sd,hippo",
                    help="comma-separated; ar is always run; METHOD:pipelined runs a parallel method over a batch "
                         "with draft and target on their own ranks (batching.pipelined)")
@@ -275,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if a.batch is None or a.manifest is None:
             p.error("--batch and --manifest are required (unless --report-only)")
-        batches = [int(b) for b in a.batch.split(",") if b]
+        if not a.manifest.is_file():  # before a job runs: each would refuse it, one after another
+            p.error(f"--manifest {a.manifest}: no such file")
+        batches = a.batch
         methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
         unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
         if unknown:
