@@ -212,3 +212,37 @@ def test_a_manifest_or_out_the_job_cannot_use_is_refused_at_launch(tmp_path, cap
     monkeypatch.setenv("RANK", "1")  # the other ranks find the same and say nothing
     assert said(tmp_path / "nope.jsonl", tmp_path / "o") == said(manifest, tmp_path / "o", "--shard", "3/2") == []
     assert not (tmp_path / "o").exists()
+
+
+def test_a_config_or_checkpoint_that_cannot_load_is_one_line_at_launch(tmp_path, capsys, monkeypatch):
+    """Invalid YAML or a config path that is a directory were tracebacks on every rank; a checkpoint missing a
+    file its load reads first, or its weights, was a traceback on the loading rank after the others started."""
+    import shutil
+
+    from vpsd.launch.entry import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "m.jsonl").write_text("")
+
+    def said(config):
+        assert main(["--config", str(config), "--manifest", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "o"),
+                     "--method", "ar"]) == 2
+        return capsys.readouterr().err.splitlines()
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("family: qwen2_5_vl\ntarget: {tiny: {seed: 0\n")
+    assert said(bad) == [f"vpsd: config {bad} is not valid YAML at line 3, column 1: expected ',' or '}}', but got "
+                         "'<stream end>'"]
+    assert said(tmp_path) == [f"vpsd: cannot read config {tmp_path}: Is a directory"]
+    # The shipped world target, copied, then broken two ways.
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ROOT / "checkpoints" / "world_qwen2_5_vl" / "target", ckpt)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"family: qwen2_5_vl\ntarget: {{path: {ckpt}}}\n")
+    (ckpt / "model.safetensors").unlink()
+    assert said(config) == [f"vpsd: target.path: {ckpt} holds no weights (model.safetensors or "
+                            "model.safetensors.index.json or pytorch_model.bin or pytorch_model.bin.index.json)"]
+    (ckpt / "generation_config.json").unlink()
+    assert said(config) == [f"vpsd: target.path: {ckpt / 'generation_config.json'}: missing (a published checkpoint "
+                            "has it)"]
+    assert not (tmp_path / "o").exists()

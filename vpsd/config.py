@@ -346,7 +346,19 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     A relative checkpoint `path` in the file is relative to the file's folder, so a config and the
     checkpoints it names move together; a path given as an override is relative to the working directory.
     """
-    data = yaml.safe_load(Path(path).read_text())
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise  # the launcher names the missing file
+    except OSError as e:
+        raise ConfigError([f"cannot read config {path}: {e.strerror or e}"]) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError([f"config {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"config {path}: expected a mapping of sections (family, target, ...), got "
+                           f"{type(data).__name__}"])
     _resolve_model_paths(data, Path(path).resolve().parent)
     known = set(SECTIONS) | {"tabed", *TOP_LEVEL}
     unknown = [k for k in overrides or {} if k.split(".")[0] not in known]

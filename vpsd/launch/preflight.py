@@ -15,8 +15,12 @@ import os
 from pathlib import Path
 
 from vpsd.config import RunConfig, nearest
-from vpsd.models.checkpoint import CheckpointError, read_frame_sampling
+from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_sampling
 from vpsd.models.registry import FAMILY_MODULES
+
+
+# The weight files transformers' from_pretrained reads, whole or sharded.
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def checkpoint_problems(cfg: RunConfig) -> list[str]:
@@ -42,6 +46,16 @@ def checkpoint_problems(cfg: RunConfig) -> list[str]:
                 hint = f"; set family: {model_type}" if model_type in FAMILY_MODULES else ""
                 problems.append(f"family {cfg.family!r} does not match the {role} checkpoint {path} "
                                 f"(its config.json says model_type {model_type!r}){hint}")
+                continue
+            # What loading it reads before the weights (the processor, tokenizer and generation files), and
+            # that there are weights: otherwise a traceback on the rank that loads it, after the others start.
+            try:
+                read_checkpoint(path, cfg.family)
+            except CheckpointError as e:
+                problems.append(f"{role}.path: {e}")
+                continue
+            if not any((path / f).is_file() for f in WEIGHTS):
+                problems.append(f"{role}.path: {path} holds no weights ({' or '.join(WEIGHTS)})")
     return problems or sampling_problems(cfg)
 
 
