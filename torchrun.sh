@@ -25,7 +25,9 @@ if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   # exits 0, so torchrun adds no failure block of its own; the mark makes this launcher exit 2. One node only:
   # there every rank reads the same files and refuses alike (vpsd/launch/entry.py, REFUSAL_MARK).
   export VPSD_REFUSAL_MARK="$(mktemp -u "${TMPDIR:-/tmp}/vpsd-refused.XXXXXX")"
-  trap 'rm -f "$VPSD_REFUSAL_MARK"' EXIT
+  # Ctrl-C: the target rank says so once and marks this file; the launcher then exits 130, as the shells do.
+  export VPSD_INTERRUPT_MARK="$(mktemp -u "${TMPDIR:-/tmp}/vpsd-interrupted.XXXXXX")"
+  trap 'rm -f "$VPSD_REFUSAL_MARK" "$VPSD_INTERRUPT_MARK"' EXIT
 fi
 # Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
 # attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).
@@ -42,6 +44,7 @@ rc=0
 python -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "${NPROC:-3}" "${extra[@]}" \
   -m vpsd.launch.entry "$@" || rc=$?
 [ -n "${VPSD_REFUSAL_MARK:-}" ] && [ -e "$VPSD_REFUSAL_MARK" ] && exit 2
+[ -n "${VPSD_INTERRUPT_MARK:-}" ] && [ -e "$VPSD_INTERRUPT_MARK" ] && exit 130
 if [ "$rc" -gt 128 ]; then
   # torchrun itself was killed. Its ranks die with it (they asked the kernel to), so nothing writes to the
   # output directory any more: what finished is kept and the same command resumes the rest.

@@ -27,6 +27,7 @@ from tests.test_pipeline_torchrun import ar_reference
 from tests.torchrun_jobs import ROOT, job_args, launcher_cmd, results, torchrun_cmd, world_manifest
 from vpsd.launch.entry import main
 from vpsd.launch.lifetime import LOCK_FILE
+from vpsd.launch.manifest import load_manifest
 
 pytestmark = pytest.mark.torchrun
 
@@ -172,3 +173,38 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path_factory):
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL
     assert "torchrun was killed by signal KILL" in stderr and "rerun the same command" in stderr
+
+
+def test_ctrl_c_says_one_line_keeps_what_finished_and_the_same_command_resumes(tmp_path_factory):
+    """Ctrl-C reaches the launcher's whole process group. Each rank printed a KeyboardInterrupt traceback and the
+    launcher exited 1; now the target rank says once what is kept, every rank leaves at once, the launcher exits
+    130 (as a shell does for SIGINT), and the same command finishes the rest, every id once."""
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=6)
+    out = tmp_path_factory.mktemp("ctrl-c")
+    cmd = launcher_cmd(CONFIG, manifest, out, "pearl", "--quiet")
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not results(out):  # at least one item done
+            assert time.monotonic() < deadline and launcher.poll() is None, "no item finished"
+            time.sleep(0.1)
+        (agent,) = _children(launcher.pid)
+        ranks = _children(agent)
+        os.killpg(launcher.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("vpsd:")]
+    assert said == [f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest"]
+    assert "[rank" not in stderr and "KeyboardInterrupt" not in stderr
+    assert not [r for r in ranks if _alive(r)]
+    kept = results(out)  # whole lines, each a finished item
+    assert 1 <= len(kept) < 6 and all(r["error"] is None for r in kept.values())
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == sorted(it.id for it in load_manifest(manifest)[0])
+    assert all(lines[i] == kept[lines[i]["id"]] for i in range(len(kept)))  # the kept lines, untouched, first

@@ -148,6 +148,10 @@ def restart_problem(env: Mapping[str, str]) -> str | None:
 # on its own (on one node they read the same files): a rank exiting 0 while its peers go on would leave them
 # waiting for it. Started any other way, a refusing rank exits 2.
 REFUSAL_MARK = "VPSD_REFUSAL_MARK"
+INTERRUPTED = 130  # the shells' status for a command ended by SIGINT (128 + 2)
+# Set by ./torchrun.sh for a single-node job: the target rank marks it on Ctrl-C, and the launcher exits 130
+# (torchrun itself exits 1 after a SIGINT, whatever its ranks did).
+INTERRUPT_MARK = "VPSD_INTERRUPT_MARK"
 
 
 def refuse(problems: list[str], reporter: bool | None = None, every_rank: bool = True) -> int:
@@ -182,6 +186,20 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([str(e.code).removeprefix("vpsd: ")])
     method = get_method(args.method)
     out = Path(args.out)
+    reports_interrupt = int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]
+
+    def on_sigint(signum, frame):
+        """Ctrl-C reaches every rank (the terminal's process group, and torchrun forwards it): one line from
+        the target rank, not a KeyboardInterrupt traceback from each. Results are whole lines (vpsd/storage.py),
+        so leaving at once keeps every finished item, and the same command resumes."""
+        if reports_interrupt:
+            print(f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest",
+                  file=sys.stderr, flush=True)
+            if os.environ.get(INTERRUPT_MARK):
+                Path(os.environ[INTERRUPT_MARK]).touch()
+        os._exit(INTERRUPTED)
+
+    signal.signal(signal.SIGINT, on_sigint)
     problems = path_problems(Path(args.manifest), out)
     if problems:
         # Only the target rank reads them; on one node every rank sees the same files and refuses alike.
