@@ -1,5 +1,7 @@
 """Settings that only one method reads are checked when the job is launched, before any model loads."""
 
+import re
+
 import pytest
 
 from vpsd.config import ConfigError
@@ -246,3 +248,21 @@ def test_a_config_or_checkpoint_that_cannot_load_is_one_line_at_launch(tmp_path,
     assert said(config) == [f"vpsd: target.path: {ckpt / 'generation_config.json'}: missing (a published checkpoint "
                             "has it)"]
     assert not (tmp_path / "o").exists()
+
+
+def test_settings_every_item_would_fail_on_are_refused_at_launch():
+    """An unknown pruning strategy was a KeyError on the target rank and a ValueError on the pruner's; a zero
+    frame count failed every item as it was read; --timeout 0 was read as no --timeout, and -5 crashed the
+    process group's setup."""
+    with pytest.raises(ConfigError, match=r"unknown pruning strategy 'hipo' \(did you mean 'hippo'\?\); known: attn,"):
+        resolve_config(args("pearl", "--pruning", "hipo"))
+    for setting, said in (("video.num_frames=0", "video.num_frames must be > 0 or null, got 0"),
+                          ("video.fps=-1", "video.fps must be > 0 or null, got -1"),
+                          ("decoding.max_new_tokens=0", "max_new_tokens must be an int >= 1, got 0")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            resolve_config(args("ar", "--set", setting))
+    assert resolve_config(args("ar", "--set", "video.num_frames=null", "--set", "video.fps=2")).video.fps == 2
+    for timeout in ("0", "-5", "soon"):
+        with pytest.raises(SystemExit):
+            args("ar", "--timeout", timeout)
+    assert args("ar", "--timeout", "2.5").timeout == 2.5

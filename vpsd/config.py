@@ -42,6 +42,11 @@ class VideoConfig:
     def __post_init__(self) -> None:
         if self.sampling not in ("config", "checkpoint"):
             raise ValueError(f"video.sampling must be 'config' or 'checkpoint', got {self.sampling!r}")
+        # Positive or null: a 0 failed every item at its read, one error row each, instead of the launch.
+        for name in ("num_frames", "fps", "max_side", "context_limit"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"video.{name} must be > 0 or null, got {value!r}")
 
 
 # The window serial methods use under `gamma: auto`: ParallelVLM's and HIPPO's baselines run vanilla SD
@@ -85,6 +90,8 @@ class DecodingConfig:
                              f"{self.gamma_min}, {self.gamma_start}, {self.gamma_max}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
 
     @property
     def auto_gamma(self) -> bool:

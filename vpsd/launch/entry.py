@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from vpsd.config import ConfigError, RunConfig, load_config, parse_overrides
+from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
 from vpsd.launch.batch import run_batch
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
@@ -29,6 +29,7 @@ from vpsd.launch.manifest import Shard
 from vpsd.launch.preflight import affinity_problems, checkpoint_problems, path_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import BATCHABLE, get_method
+from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
                    help="draft tokens per chunk, or auto: matched live to T_p / T_q (ParallelVLM Eq. 6)")
     p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--timeout", type=float, default=None, help="seconds a role waits for a peer")
+    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds a role waits for a peer")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set draft=self --set video.num_frames=16")
     p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")
@@ -81,6 +82,16 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {text!r}") from None
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"need a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _shard(text: str) -> Shard:
     try:
         return Shard.parse(text)
@@ -102,6 +113,9 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if args.batch is not None:
         overrides["batching.size"] = args.batch
     cfg = load_config(args.config, overrides)  # ConfigError: one line per bad setting (main prints them)
+    if cfg.pruning.strategy not in STRATEGIES:  # else a KeyError on the target rank and a ValueError on the pruner's
+        raise ConfigError([f"unknown pruning strategy {cfg.pruning.strategy!r}"
+                           f"{nearest(cfg.pruning.strategy, STRATEGIES)}; known: {', '.join(sorted(STRATEGIES))}"])
     check_method_settings(method, cfg)
     problems = checkpoint_problems(cfg) + affinity_problems(cfg)
     if problems:
