@@ -290,7 +290,7 @@ class PrefillAhead:
             extra = len(cores) - len(mine)
         else:
             extra = 1  # unpinned: the prefill thread ran one thread's worth wherever there was room
-        torch.set_num_threads(threads + max(extra, 0))
+        torch.set_num_threads(threads + extra)
         return torch.get_num_threads()
 
     def top_up(self, in_flight: int) -> None:

@@ -200,13 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([str(e.code).removeprefix("vpsd: ")])
     method = get_method(args.method)
     out = Path(args.out)
-    reports_interrupt = int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]
+    is_target = int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]  # the rank that owns --out
 
     def on_sigint(signum, frame):
         """Ctrl-C reaches every rank (the terminal's process group, and torchrun forwards it): one line from
         the target rank, not a KeyboardInterrupt traceback from each. Results are whole lines (vpsd/storage.py),
         so leaving at once keeps every finished item, and the same command resumes."""
-        if reports_interrupt:
+        if is_target:
             print(f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest",
                   file=sys.stderr, flush=True)
             if os.environ.get(INTERRUPT_MARK):
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         # Only the target rank reads them; on one node every rank sees the same files and refuses alike.
         if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
             return refuse(problems)
-        if int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]:
+        if is_target:
             return refuse(problems, reporter=True, every_rank=False)
     timeout_s = float(args.timeout or cfg.timeout_s)
     problem = restart_problem(os.environ)
@@ -227,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([problem])
     try:
         secret = job_secret()  # before anything binds a socket: no secret, no control plane
-        target_rank = role_ranks(cfg)["target"]
-        if int(os.environ.get("RANK", "0")) == target_rank:
+        if is_target:
             lock_out_dir(out)  # the results writer holds --out for its whole life: one job per directory
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
     except OutDirBusy as e:
