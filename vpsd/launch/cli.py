@@ -9,6 +9,7 @@
     vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile K]   throughput per batch size
     vpsd bench --report-only --out DIR                        that table again, from a finished run's jobs
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
+    vpsd world [--kind short|long] --out DIR --count N [--seed S]   procedural videos and their manifest
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.bench import main as run
     elif command == "grow":
         from vpsd.launch.grow import main as run
+    elif command == "world":
+        from vpsd.world.dataset import main as run
     else:
         print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
-"""Rasterise a `Scene` into RGB frames with numpy.
+"""Rasterise a `Scene` or a `LongScene` into RGB frames with numpy.
 
-Contract: `render(scene)` is a pure function of the scene and returns (T, H, W, 3) uint8 RGB.
+Contract: `render(scene)` is a pure function of the scene and returns (T, H, W, 3) uint8 RGB. It reads
+what both scene kinds have (frame count and size, background, objects with `visible`, `centre`,
+`colour_at`, `shape_at`), and a long scene's blinking distractor.
 Edges are anti-aliased by supersampling each object's bounding box, so a shape's outline moves
 smoothly instead of snapping between pixels (the model should see motion, not aliasing).
 Objects are painted in scene order; the sampler guarantees they never overlap.
@@ -10,21 +12,45 @@ from __future__ import annotations
 
 import numpy as np
 
+from vpsd.world.long_scene import LongScene
 from vpsd.world.scene import BACKGROUNDS, COLOURS, Background, Scene, SceneObject
 
 SUPERSAMPLE = 4  # sub-pixels per pixel side
 TEXTURE_AMPLITUDE = 22.0  # intensity levels: visible as texture, never mistaken for an object
 
 
-def render(scene: Scene) -> np.ndarray:
+# The long world's distractor: a checker of two dull colours no object has, so it never reads as one.
+DISTRACTOR_COLOURS = ((90, 70, 150), (150, 150, 90))
+
+
+def render(scene: Scene | LongScene) -> np.ndarray:
     """(T, H, W, 3) uint8 RGB frames of `scene`."""
     base = background(scene.background, scene.height, scene.width)
     frames = np.repeat(base[None], scene.num_frames, axis=0)
+    painted: dict[tuple, int] = {}  # what a frame shows -> the first frame that showed it (long stills)
     for t in range(scene.num_frames):
+        shown = tuple((i, obj.centre(t), obj.colour_at(t), obj.shape_at(t))
+                      for i, obj in enumerate(scene.objects) if obj.visible(t))
+        if shown in painted:
+            frames[t] = frames[painted[shown]]
+            continue
+        painted[shown] = t
         for obj in scene.objects:
             if obj.visible(t):
                 _paint(frames[t], obj, t, scene.height, scene.width)
+    if isinstance(scene, LongScene) and scene.distractor is not None:
+        _paint_distractor(frames, scene)
     return np.clip(np.rint(frames), 0, 255).astype(np.uint8)
+
+
+def _paint_distractor(frames: np.ndarray, scene: LongScene) -> None:
+    y0, y1, x0, x1 = scene.distractor_box()
+    yy, xx = np.mgrid[y0:y1, x0:x1]
+    checker = ((yy - y0) // 3 + (xx - x0) // 3) % 2
+    patch = np.where(checker[..., None] == 0, *(np.asarray(c, np.float32) for c in DISTRACTOR_COLOURS))
+    for t in range(scene.num_frames):
+        if scene.distractor_on(t):
+            frames[t, y0:y1, x0:x1] = patch
 
 
 def background(bg: Background, height: int, width: int) -> np.ndarray:
@@ -65,6 +91,7 @@ def coverage(shape: str, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndarray
 
 
 def _paint(frame: np.ndarray, obj: SceneObject, t: int, height: int, width: int) -> None:
+    """Paints `obj` (a SceneObject or a long scene's TrackedObject) as it is in frame t."""
     cx, cy = obj.centre(t)
     cx, cy = cx * width, cy * height  # pixel units; pixel (i, j) covers [j, j+1) x [i, i+1)
     r = obj.radius * min(height, width)
@@ -75,7 +102,7 @@ def _paint(frame: np.ndarray, obj: SceneObject, t: int, height: int, width: int)
     offsets = (np.arange(SUPERSAMPLE) + 0.5) / SUPERSAMPLE
     xs = (np.arange(x0, x1)[:, None] + offsets).ravel() - cx
     ys = (np.arange(y0, y1)[:, None] + offsets).ravel() - cy
-    inside = coverage(obj.shape, xs[None, :], ys[:, None], r)
+    inside = coverage(obj.shape_at(t), xs[None, :], ys[:, None], r)
     alpha = inside.reshape(y1 - y0, SUPERSAMPLE, x1 - x0, SUPERSAMPLE).mean(axis=(1, 3), dtype=np.float32)
     colour = np.asarray(COLOURS[obj.colour_at(t)], np.float32)
     patch = frame[y0:y1, x0:x1]

@@ -113,6 +113,9 @@ class SceneObject:
             return self.event.new_colour
         return self.colour
 
+    def shape_at(self, t: int) -> str:
+        return self.shape
+
 
 @dataclass(frozen=True)
 class Background:
