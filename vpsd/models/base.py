@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from vpsd.models.hf_compat import cache_kwargs
+from vpsd.models.kv_cache import GrowingCache
 from vpsd.pipeline.layout import VideoTokenLayout
 
 
@@ -145,8 +146,8 @@ class VideoLMAdapter(ABC):
         return [eos] if isinstance(eos, int) else list(eos or [])
 
     def new_cache(self) -> DynamicCache:
-        """An empty KV cache for this model's language model."""
-        return DynamicCache(config=self.model.config.get_text_config())
+        """An empty KV cache for this model's language model, growing in place (models/kv_cache.py)."""
+        return GrowingCache(self.model.config.get_text_config())
 
     def run_language_model(self, cache: DynamicCache, **inputs: Any):
         """One language-model forward that appends to `cache` (the keyword it goes under: models/hf_compat.py)."""

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from vpsd.models.attention import use_grouped_sdpa
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_checkpoint
 from vpsd.models.tokenizer import build_tokenizer
@@ -117,6 +118,8 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
             model = fam.model_class(config)
         model = model.to(dtype)
     model = model.to(spec.device).eval()
+    if model.config.get_text_config()._attn_implementation == "sdpa":
+        use_grouped_sdpa(model)  # the same sums, without copying the cache per query head (models/attention.py)
     return fam.adapter(model, tokenizer, **options)
 
 
