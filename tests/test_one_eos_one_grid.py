@@ -19,7 +19,7 @@ def test_job_start_carries_the_targets_eos_ids_and_refuses_the_old_version():
     job = JobStart("j", "i", 0, 8, 4, [7, 9], {}, None, "p", False)
     assert decode(encode(job)).eos_token_ids == [7, 9]
     old = msgpack.unpackb(encode(job))
-    old["v"] = 1
+    old["type"] = "JobStart/1"
     del old["eos_token_ids"]
     with pytest.raises(MessageError, match="version 1"):
         decode(msgpack.packb(old))

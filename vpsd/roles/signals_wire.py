@@ -1,7 +1,7 @@
 """How pruning signals and the video token layout travel between ranks as tensors.
 
-The tag of the tensor announce names the fields in order ("signals:visual_embeds,video_attention,layout,grid"),
-so the receiver rebuilds them without any shared state. Floating fields arrive as float32 (the strategies
+The tensor announce names the fields in order (`names`: visual_embeds, video_attention, ..., layout, grid), so
+the receiver rebuilds them without any shared state. Floating fields arrive as float32 (the strategies
 score in float32; the attention mass already is). Pure packing; the roles do the sending.
 """
 
@@ -12,21 +12,18 @@ import torch
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.pruning.strategies import PruningSignals
 
-PREFIX = "signals:"
+TAG = "signals"
 
 
-def pack(signals: dict[str, torch.Tensor], layout: VideoTokenLayout) -> tuple[str, list[torch.Tensor]]:
-    names = list(signals)
+def pack(signals: dict[str, torch.Tensor], layout: VideoTokenLayout) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, tensors) of the signals and the layout, in the announce's order."""
     tensors = [value.contiguous() for value in signals.values()]
     rows = torch.stack([layout.seq_positions, layout.frame, layout.row, layout.col, layout.prunable.long()])
     tensors += [rows, torch.tensor(layout.grid, dtype=torch.long)]
-    return PREFIX + ",".join(names + ["layout", "grid"]), tensors
+    return list(signals) + ["layout", "grid"], tensors
 
 
-def unpack(tag: str, tensors: list[torch.Tensor]) -> tuple[PruningSignals, VideoTokenLayout]:
-    if not tag.startswith(PREFIX):
-        raise ValueError(f"not a signals tag: {tag!r}")
-    names = tag[len(PREFIX) :].split(",")
+def unpack(names: list[str], tensors: list[torch.Tensor]) -> tuple[PruningSignals, VideoTokenLayout]:
     if len(names) != len(tensors):
         raise ValueError(f"signals tag names {len(names)} tensors, {len(tensors)} arrived")
     named = dict(zip(names, tensors))

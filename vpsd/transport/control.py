@@ -37,7 +37,7 @@ from collections import deque
 from datetime import timedelta
 from typing import Iterable
 
-import msgpack
+import msgspec
 import structlog
 import torch.distributed as dist
 import zmq
@@ -119,8 +119,8 @@ class ControlChannel:
         self._started = time.monotonic()
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
-        store.set(self._key(rank), msgpack.packb({"address": self.address, "role": role, "pid": os.getpid(),
-                                                  "host": socket.gethostname()}))
+        store.set(self._key(rank), msgspec.msgpack.encode({"address": self.address, "role": role, "pid": os.getpid(),
+                                                           "host": socket.gethostname()}))
         log.debug("control_bound", rank=rank, role=role, address=self.address)
 
     @classmethod
@@ -198,7 +198,7 @@ class ControlChannel:
             self._store.wait([key], timedelta(seconds=timeout_s))
         except RuntimeError as e:  # the store's timeout error carries no peer name
             raise PeerTimeout(rank, None, timeout_s, "the control endpoint of") from e
-        peer = msgpack.unpackb(self._store.get(key), raw=False)
+        peer = msgspec.msgpack.decode(self._store.get(key))
         self._roles[rank] = peer["role"]
         return peer
 

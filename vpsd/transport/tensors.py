@@ -107,11 +107,15 @@ class TensorChannel:
     def rank(self) -> int:
         return self.control.rank
 
-    def send(self, dst: int, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> SendHandle:
-        """Announce `tensors` to `dst` under `tag`, then start sending them; returns the in-flight handle."""
+    def send(self, dst: int, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0, item_id: str = "",
+             names: Sequence[str] = ()) -> SendHandle:
+        """Announce `tensors` to `dst` under `tag` (and the item they belong to, their names), then start sending
+        them; returns the in-flight handle."""
         wire = [t.detach().contiguous() for t in tensors]
         announce = TensorAnnounce(
             tag=tag,
+            item_id=item_id,
+            names=list(names),
             shapes=[list(t.shape) for t in wire],
             dtypes=[dtype_name(t.dtype) for t in wire],
             src=self.rank,
