@@ -1,8 +1,8 @@
-"""Many items in flight: the batched cache computes what batch-1 decoding computes, row by row, and the batched
-decoder commits, for every item, what that item's batch-1 decoder commits (all three families; B = 2 and 8;
-`ar`, serial sd with a smaller draft, and the target drafting for itself on pruned video under the uniform,
-HIPPO and UV-Prune strategies); sampling draws each item's tokens from its own streams; the window chosen by
-goodput; admission under a KV budget."""
+"""Many items in flight with the draft in the target's process: the batched cache computes what batch-1 decoding
+computes, row by row, and the engine commits, for every item, what that item's batch-1 decoder commits (all three
+families; B = 1, 2 and 8; `ar`, serial sd with a smaller draft, and the target drafting for itself on pruned video
+under the uniform, HIPPO and UV-Prune strategies); sampling draws each item's tokens from its own streams; the
+serial window chosen by goodput; whether an item drafts; admission under a KV budget."""
 
 from __future__ import annotations
 
@@ -17,42 +17,21 @@ from hypothesis import strategies as st
 import torch
 
 from tests.conftest import random_frames, tiny_pair
+from tests.engine_harness import PROMPTS, fresh, local_engine, requests, run
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.batched import BatchDecoder, BatchItem, Prefilled, kv_bytes_per_token
-from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
+from vpsd.engine.request import Request
+from vpsd.engine.scheduler import kv_bytes_per_token
 from vpsd.models.batch import BatchedCache
-from vpsd.pipeline.batch_window import BatchWindow, batch_token_time
+from vpsd.pipeline.cost import ExploreBudget, SerialWindow, batch_token_time
+from vpsd.pipeline.drafting_policy import DraftingPolicy, ItemMeans, serial_loss
 from vpsd.pipeline.sampling import probs_from_logits
-from vpsd.pipeline.stats import AcceptanceStats
-from vpsd.pipeline.theory import expected_accepted, tau_hat
+from vpsd.pipeline.theory import expected_accepted
 
-PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
-
-
-def items(n: int, max_new: int = 14) -> list[BatchItem]:
-    """n items of different lengths: frame counts, prompts and answer budgets differ."""
-    return [BatchItem(f"item-{i}", random_frames(10 + i, t=4 + 2 * (i % 2)), PROMPTS[i % 3], max_new - 2 * (i % 3))
-            for i in range(n)]
-
-
-def run_batched(engine: BatchDecoder, todo: list[BatchItem]) -> dict:
-    """The launcher's loop (launch/batch.py decode_in_batches) without the videos: admit while there is room."""
-    queue, out = list(todo), {}
-    while queue or engine.slots:
-        while queue and not engine.full:
-            status, res = engine.admit(queue[0])
-            if status == "wait":
-                break
-            item = queue.pop(0)
-            if res is not None:
-                out[item.id] = res
-        for item, res in engine.round():
-            out[item.id] = res
-    return out
+items = requests
 
 
 # ---- the batched cache ------------------------------------------------------------------------------
@@ -138,7 +117,7 @@ CASES = [  # (draft, strategy, ratio): None = ar
 ]
 
 
-@pytest.mark.parametrize("size", [2, 8])
+@pytest.mark.parametrize("size", [1, 2, 8])
 @pytest.mark.parametrize("draft_kind,strategy,ratio", CASES, ids=[c[0] and f"{c[0]}-{c[1]}" or "ar" for c in CASES])
 def test_every_item_equals_its_batch1_decode(family, size, draft_kind, strategy, ratio):
     target, smaller = tiny_pair(family)
@@ -146,7 +125,7 @@ def test_every_item_equals_its_batch1_decode(family, size, draft_kind, strategy,
     pruning = PruningConfig(strategy, ratio, seed=3, layers=2) if draft is not None else None
     cfg = DecodingConfig(gamma=3, max_new_tokens=14, temperature=0.0)
     todo = items(9 if size == 8 else 5)
-    got = run_batched(BatchDecoder(target, draft, cfg, pruning, size), todo)
+    got = run(local_engine(target, draft, cfg, pruning, size)[1], todo)
     assert set(got) == {it.id for it in todo}
     tolerance = TIE_TOLERANCE[target.model.dtype]
     for it in todo:
@@ -164,7 +143,7 @@ def test_every_item_equals_its_batch1_decode(family, size, draft_kind, strategy,
 def test_self_speculation_really_accepts_in_a_batch(family):
     target, _ = tiny_pair(family)
     cfg = DecodingConfig(gamma=4, max_new_tokens=16, temperature=0.0)
-    got = run_batched(BatchDecoder(target, target, cfg, PruningConfig("none", 0.0), 3), items(4, max_new=16))
+    got = run(local_engine(target, target, cfg, PruningConfig("none", 0.0), 3)[1], items(4, max_new=16))
     assert all(r.stats.acceptance_rate == 1.0 for r in got.values())
 
 
@@ -178,7 +157,7 @@ def test_sampling_draws_each_item_from_its_own_streams(size):
     for draft in (None, smaller):
         cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=1.0, seed=7)
         todo = items(9 if size == 8 else 4, max_new=12)
-        got = run_batched(BatchDecoder(target, draft, cfg, pruning if draft else None, size), todo)
+        got = run(local_engine(target, draft, cfg, pruning if draft else None, size)[1], todo)
         for it in todo:
             one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
             ref = (decode_ar(target, it.frames, it.prompt, one) if draft is None else
@@ -190,7 +169,7 @@ def test_exact_verify_in_a_batch_equals_ar(family):
     target, _ = tiny_pair(family)
     cfg = DecodingConfig(gamma=3, max_new_tokens=10, temperature=0.0, exact_verify=True)
     todo = items(3, max_new=10)
-    got = run_batched(BatchDecoder(target, target, cfg, PruningConfig("uniform", 0.5), 3), todo)
+    got = run(local_engine(target, target, cfg, PruningConfig("uniform", 0.5), 3)[1], todo)
     for it in todo:
         ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
         assert got[it.id].token_ids == ref.token_ids
@@ -203,27 +182,30 @@ def test_items_join_only_while_their_kv_fits_the_budget():
     target, smaller = tiny_pair("qwen2_5_vl")
     cfg = DecodingConfig(gamma=3, max_new_tokens=10, temperature=0.0)
     todo = items(5, max_new=10)
-    probe = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5), 8)
-    needs = [probe.kv_bytes(it, target.prepare(it.frames, it.prompt).seq_len) for it in todo]
+    _, probe = local_engine(target, smaller, cfg, PruningConfig("uniform", 0.5), 8)
+    needs = [probe.kv_need(it, target.prepare(it.frames, it.prompt).seq_len) for it in todo]
     budget = max(needs) + min(needs) + 1  # two items at most, whichever two
-    engine = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=budget)
-    peak, queue, got = 0, list(todo), {}
-    while queue or engine.slots:
-        while queue and not engine.full:
-            status, res = engine.admit(queue[0])
-            if status == "wait":
-                break
-            queue.pop(0)
-        peak = max(peak, engine.reserved_bytes())
-        assert len(engine.slots) <= 2
-        for item, res in engine.round():
-            got[item.id] = res
-    assert peak <= budget and set(got) == {it.id for it in todo}
+    engine, scheduler = local_engine(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=budget)
+    peak = 0
+    rounds = engine.round
+
+    def watched():
+        nonlocal peak
+        peak = max(peak, scheduler.reserved())
+        assert len(engine.requests) <= 2
+        return rounds()
+
+    engine.round = watched
+    got = run(scheduler, todo)
+    assert 0 < peak <= budget and set(got) == {it.id for it in todo}
+    assert all(not isinstance(r, Exception) for r in got.values())
     per_token = kv_bytes_per_token(target) + kv_bytes_per_token(smaller)
     assert needs[0] == (target.prepare(todo[0].frames, todo[0].prompt).seq_len + 10 + cfg.gamma_max + 1) * per_token
-    alone = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=min(needs) - 1)
+    _, alone = local_engine(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=min(needs) - 1)
     with pytest.raises(ValueError, match="over the budget"):
-        alone.admit(todo[0])
+        alone.prepare(fresh(todo)[0], on_engine_thread=False)
+    got = run(alone, todo[:2])  # in a job, that item fails alone with that error
+    assert all(isinstance(r, ValueError) and "over the budget" in str(r) for r in got.values())
 
 
 # ---- the window by goodput ------------------------------------------------------------------------------
@@ -238,21 +220,22 @@ def test_batch_token_time_is_the_round_over_what_it_commits():
     assert expected_accepted(0.8, 4) == pytest.approx(2.3616)
 
 
-def _measured(window: BatchWindow, t_q: tuple[float, float], t_p: tuple[float, float], tau_rounds: tuple[int, int]):
+def _measured(window: SerialWindow, t_q: tuple[float, float], t_p: tuple[float, float], tau_rounds: tuple[int, int]):
     """Draft forwards T_q(B) = a + b B and target forwards T_p(rows) = a + b rows, at a few sizes; rounds."""
+    cost = window.cost
     for b in (2, 8):
-        window.observe_draft_step(b, t_q[0] + t_q[1] * b)
+        cost.observe_draft_step(b, t_q[0] + t_q[1] * b)
         for k in (1, 5):
-            window.observe_verify(b, k, t_p[0] + t_p[1] * b * k)
+            cost.observe_verify(b * k, t_p[0] + t_p[1] * b * k)
     accepted, rejected = tau_rounds
     for _ in range(rejected):
-        window.observe_round(0, 4)
+        cost.observe_round(0, 4)
     for _ in range(accepted):
-        window.observe_round(4, 4)
+        cost.observe_round(4, 4)
 
 
 def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_where_it_does_not():
-    good = BatchWindow(5, 1, 12)
+    good = SerialWindow(5, 1, 12)
     assert good.gamma(8) == 5  # nothing measured yet: the configured window
     _measured(good, (0.001, 0.0002), (0.045, 0.002), (40, 1))  # cheap draft, tau near 1
     costs = good.costs(8)
@@ -260,12 +243,12 @@ def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_wh
     g = good.gamma(8)
     assert g == min(costs, key=costs.get) > 0 and costs[g] < costs[0]
     t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
-    assert costs[g] == pytest.approx(batch_token_time(t_q, t_p, g, tau_hat(good.accepted, good.rejections)), rel=1e-9)
-    bad = BatchWindow(5, 1, 12)
+    assert costs[g] == pytest.approx(batch_token_time(t_q, t_p, g, good.cost.tau), rel=1e-9)
+    bad = SerialWindow(5, 1, 12)
     _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))  # expensive draft and verify rows, tau near 0
     choices = [bad.gamma(8) for _ in range(200)]
     assert choices.count(0) > 190 and any(choices)  # plain, with a round now and then exploring
-    assert BatchWindow(3, 1, 12, fixed=True).gamma(8) == 3
+    assert SerialWindow(3, 1, 12, fixed=True).gamma(8) == 3
 
 
 def test_exploring_costs_at_most_its_share_of_the_plain_rounds():
@@ -273,9 +256,9 @@ def test_exploring_costs_at_most_its_share_of_the_plain_rounds():
     round's T_p(B), covers its loss against plain decoding of what it commits: its time minus (1 + E[X]) T_p(B).
     By hand from the lines; then the share of the rounds' time exploring loses, over a long run, is at most
     explore_share."""
-    w = BatchWindow(5, 1, 12, explore_share=0.05)
+    w = SerialWindow(5, 1, 12, budget=ExploreBudget(0.05))
     _measured(w, (0.02, 0.002), (0.045, 0.03), (1, 40))
-    tau = tau_hat(w.accepted, w.rejections)
+    tau = w.cost.tau
     costs = w.costs(8)
     g = min((g for g in costs if g > 0), key=costs.get)
     t_q, t_p0, t_pg = 0.02 + 0.002 * 8, 0.045 + 0.03 * 8, 0.045 + 0.03 * 8 * (g + 1)
@@ -299,7 +282,7 @@ def test_whatever_the_batches_exploring_never_loses_more_than_its_share(t_q, t_p
     """Over any sequence of batches (B items, k of them drafting): the rounds that explore lose, in all, at most
     `explore_share` of the time of the rounds where plain decoding won; a round explores only with a drafting row;
     and a batch where every row drafts chooses what the all-drafting costs choose."""
-    w = BatchWindow(5, 1, 12, explore_share=share)
+    w = SerialWindow(5, 1, 12, budget=ExploreBudget(share))
     _measured(w, t_q, t_p, tau_rounds)
     lost = plain_s = 0.0
     for batch, k in rounds:
@@ -322,9 +305,9 @@ def test_whatever_the_batches_exploring_never_loses_more_than_its_share(t_q, t_p
 def test_a_round_is_priced_by_the_rows_that_draft_in_it():
     """k of B rows drafting: the verify pads all B to gamma + 1 rows, the draft forwards carry k, and only the
     k rows gain E[X]: (gamma T_q(k) + T_p(B (gamma + 1))) / (1 + k / B E[X]) per committed token, times B."""
-    w = BatchWindow(5, 1, 12)
+    w = SerialWindow(5, 1, 12)
     _measured(w, (0.001, 0.0002), (0.045, 0.002), (40, 1))  # speculation pays when every row drafts
-    tau = tau_hat(w.accepted, w.rejections)
+    tau = w.cost.tau
     assert w.costs(8, 8) == w.costs(8)
     one = w.costs(8, 1)
     for g in (0, 3):
@@ -335,7 +318,7 @@ def test_a_round_is_priced_by_the_rows_that_draft_in_it():
 
 
 def test_a_round_with_no_drafting_row_never_explores_and_the_budget_buys_one_round_at_most():
-    w = BatchWindow(5, 1, 12)
+    w = SerialWindow(5, 1, 12)
     _measured(w, (0.02, 0.002), (0.045, 0.03), (1, 40))
     assert [w.gamma(8, 0) for _ in range(500)] == [0] * 500  # plain rows only: nothing to learn
     after = [w.gamma(8, 2) for _ in range(5)]  # a drafting row joins: the saved budget buys one round, not five
@@ -343,60 +326,65 @@ def test_a_round_with_no_drafting_row_never_explores_and_the_budget_buys_one_rou
 
 
 def test_one_fit_serves_every_batch_size_once_two_sizes_were_seen():
-    w = BatchWindow(5, 1, 12)
-    w.observe_draft_step(4, 0.001)
-    w.observe_verify(4, 6, 0.05)
-    w.observe_round(3, 5)
+    w = SerialWindow(5, 1, 12)
+    w.cost.observe_draft_step(4, 0.001)
+    w.cost.observe_verify(4 * 6, 0.05)
+    w.cost.observe_round(3, 5)
     assert w.costs(4) is None and w.gamma(4) == 5  # one size each: a slope would be a guess
-    w.observe_draft_step(2, 0.0008)
-    w.observe_verify(2, 6, 0.04)
+    w.cost.observe_draft_step(2, 0.0008)
+    w.cost.observe_verify(2 * 6, 0.04)
     assert w.costs(4) is not None and w.costs(3) is not None  # a batch size never seen is priced from the lines
 
 
 def test_an_item_is_drafted_for_only_while_drafting_saves_more_than_its_draft_prefill_costs():
-    """N cost(g*) E[X] / B against D, by hand (pipeline/batch_window.py's module docstring): a plain row beside
-    drafted ones rides their rounds, padded to g* + 1 rows, for one token where a drafted row commits 1 + E[X]."""
-    w = BatchWindow(5, 1, 12, explore_every=4)
-    assert w.speculation_pays(8)  # nothing measured: draft
+    """N cost(g*) E[X] / B against D, by hand (pipeline/cost.py SerialWindow.drafting_saves): a plain row beside
+    drafted ones rides their rounds, padded to g* + 1 rows, for one token where a drafted row commits 1 + E[X].
+    Where D is larger, items decode plain, and one explores once 3% of the plain items' time covers its loss
+    (pipeline/drafting_policy.py)."""
+    w = SerialWindow(5, 1, 12)
+    means = ItemMeans(tokens=30)
+    policy = DraftingPolicy(w.budget)
+    assert policy.decide(serial_loss(w, 8, means))  # nothing measured: draft
     _measured(w, (0.001, 0.0002), (0.045, 0.002), (40, 1))
-    w.observe_item(30)
     costs = w.costs(8)
     g = min((g for g in costs if g > 0), key=costs.get)
-    tau = tau_hat(w.accepted, w.rejections)
+    tau = w.cost.tau
     t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
     round_s = g * t_q + t_p  # the batch's round at g*: a plain row pays its share of it per token
     saves = 30 * (round_s / 8 - round_s / 8 / (1 + expected_accepted(tau, g)))
     assert saves == pytest.approx(30 * costs[g] * expected_accepted(tau, g) / 8, rel=1e-9)
-    # The first version priced the plain row at an all-plain round, cost(0): it saw less than half the saving.
+    # Pricing the plain row at an all-plain round, cost(0), would see less than half the saving.
     assert 30 * (costs[0] - costs[g]) / 8 < 0.5 * saves
-    assert w.drafting_saves(8) is None  # D not measured yet
-    w.observe_draft_prefill(0.5 * saves)
-    assert w.drafting_saves(8) == pytest.approx(saves) and w.speculation_pays(8)
-    w.observe_draft_prefill(10 * saves)  # running mean: 0.8 * 0.5 + 0.2 * 10 = 2.4 times the saving
-    assert w.draft_prefill_s == pytest.approx(2.4 * saves)
-    assert [w.speculation_pays(8) for _ in range(8)] == [False, False, False, True] * 2  # one item in 4 explores
-    assert BatchWindow(5, 1, 12, fixed=True).speculation_pays(8)
+    assert serial_loss(w, 8, means) is None  # D not measured yet
+    means.observe_draft_prefill(0.5 * saves)
+    assert w.drafting_saves(8, 30) == pytest.approx(saves) and policy.decide(serial_loss(w, 8, means))
+    means.observe_draft_prefill(10 * saves)  # running mean: 0.8 * 0.5 + 0.2 * 10 = 2.4 times the saving
+    assert means.draft_prefill_s == pytest.approx(2.4 * saves)
+    loss, plain_s = serial_loss(w, 8, means)
+    assert loss == pytest.approx(1.4 * saves) and plain_s == pytest.approx(30 * (0.045 + 0.002 * 8) / 8)
+    period = math.ceil(loss / (0.03 * plain_s))  # plain items the budget needs before one explores
+    decisions = [policy.decide(serial_loss(w, 8, means)) for _ in range(2 * period + 2)]
+    assert [i for i, d in enumerate(decisions) if d] == [period, 2 * period + 1]
+    assert DraftingPolicy(w.budget, always=True).decide((1.0, 1.0))
     # Where the rounds would not speculate (an expensive draft, tau near 0), drafting saves nothing.
-    bad = BatchWindow(5, 1, 12)
+    bad = SerialWindow(5, 1, 12)
     _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))
-    bad.observe_item(30)
-    bad.observe_draft_prefill(0.001)
-    assert bad.drafting_saves(8) <= 0 and not bad.speculation_pays(8)
+    cheap = ItemMeans(tokens=30, draft_prefill_s=0.001)
+    assert bad.drafting_saves(8, 30) <= 0 and not DraftingPolicy(bad.budget).decide(serial_loss(bad, 8, cheap))
 
 
 def test_items_speculation_does_not_pay_for_decode_plain_in_the_same_batch_and_equal_ar(family):
     target, smaller = tiny_pair(family)
-    cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.0)
-    window = BatchWindow(3, 1, 8, explore_every=3)
-    _measured(window, (0.001, 0.0002), (0.045, 0.002), (40, 1))
-    window.observe_item(12)
-    window.observe_draft_prefill(1e6)  # a draft whose prefill costs more than any item's decoding saves
+    cfg = DecodingConfig(gamma="auto", max_new_tokens=12, temperature=0.0)
+    engine, scheduler = local_engine(target, smaller, cfg, PruningConfig("uniform", 0.5, seed=1), 4)
+    _measured(engine.window, (0.001, 0.0002), (0.045, 0.002), (40, 1))
+    engine.means.tokens = 12
+    engine.means.draft_prefill_s = 1e6  # a draft whose prefill costs more than any item's decoding saves
+    scheduler.policy.budget.seconds = 1.5e6  # enough to explore once
     todo = items(7, max_new=12)
-    engine = BatchDecoder(target, smaller, cfg, PruningConfig("uniform", 0.5, seed=1), 4, window=window)
-    got = run_batched(engine, todo)
-    assert engine.report()["plain_items"] >= 4  # two of every three items; the third explores
+    got = run(scheduler, todo)
     plain = [k for k, r in got.items() if r.num_kept is None]
-    assert 4 <= len(plain) < len(todo)
+    assert engine.report.plain_items == len(plain) and 4 <= len(plain) < len(todo)
     for it in todo:
         ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
         assert got[it.id].token_ids == ref.token_ids, it.id
@@ -436,9 +424,10 @@ def test_each_row_of_a_sampled_batch_follows_the_target_law():
     temp, trials, k = 0.1, 800, 8
     pruning = PruningConfig("none", 0.0)
     base = DecodingConfig(gamma=1, max_new_tokens=3, temperature=temp, seed=0)
-    todo = [BatchItem(f"row-{i}", random_frames(40 + i), PROMPTS[i % 3], 3) for i in range(4)]
+    todo = [Request(f"row-{i}", PROMPTS[i % 3], 3, random_frames(40 + i)) for i in range(4)]
     first = [30 + 7 * i for i in range(4)]
-    prefilled = [BatchDecoder(target, smaller, base, pruning, 4).prefill(it) for it in todo]
+    engine, _ = local_engine(target, smaller, base, pruning, 4)
+    prefilled = [engine.prefill(r, on_engine_thread=False) for r in todo]
     laws = []
     for it, t1 in zip(todo, first):
         p_pre = target.prefill(target.embed(target.prepare(it.frames, it.prompt)))
@@ -447,14 +436,17 @@ def test_each_row_of_a_sampled_batch_follows_the_target_law():
                      probs_from_logits(smaller.step(q_pre.state, torch.tensor([t1]))[-1], temp)))
     counts = [Counter() for _ in todo]
     for trial in range(trials):
-        engine = BatchDecoder(target, smaller, dataclasses.replace(base, seed=trial), pruning, 4)
+        engine, _ = local_engine(target, smaller, dataclasses.replace(base, seed=trial), pruning, 4)
         for pf, t1 in zip(prefilled, first):
-            gen = torch.Generator().manual_seed(trial)
-            engine.join(Prefilled(pf.item, copy.deepcopy(pf.target_state), copy.deepcopy(pf.draft_state), [t1], gen,
-                                  DecodeResult(token_ids=[], stats=AcceptanceStats()), pf.kv_bytes))
-        finished = {item.id: res.token_ids for item, res in engine.round()}
+            request = copy.deepcopy(pf)
+            only = torch.full_like(request.prefill.logits, float("-inf"))
+            only[t1] = 0.0
+            request.prefill.logits = only  # its first token is t1, so its second has a known law
+            assert engine.join(request) is None and request.committed == [t1]
+        _, left = engine.round()
+        finished = {r.id: r.result().token_ids for r in left}
         for i, it in enumerate(todo):
-            tokens = finished.get(it.id) or engine.slots[it.id].committed
+            tokens = finished.get(it.id) or engine.requests[it.id].committed
             counts[i][tokens[1]] += 1
     for i, (p, q) in enumerate(laws):
         bins = _equal_mass_bins(p, k)

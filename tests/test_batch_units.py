@@ -193,10 +193,10 @@ class GatedPrefills:
 
 
 def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
-    """PrefillAhead (launch/batch.py): under a half-full batch the decode thread runs the last queued prefill
+    """PrefillAhead (engine/prefill_ahead.py): under a half-full batch the decode thread runs the last queued prefill
     itself. When every prefill left has started or finished (the manifest's tail) there is nothing to steal:
     it must say so, so the caller decodes meanwhile; saying True made the loop spin without a round."""
-    from vpsd.launch.batch import PrefillAhead
+    from vpsd.engine.prefill_ahead import PrefillAhead
 
     prepare = GatedPrefills()
     ahead = PrefillAhead(["first", "second"], size=4, prepare=prepare, cpus=None)
@@ -220,7 +220,7 @@ def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
 def test_a_blocking_wait_prefills_a_later_item_meanwhile():
     """PrefillAhead.next_ready(block=True) (nothing is decoding: a job's start): instead of idling until the first
     item's prefill ends, the waiting thread prefills the last queued item, and the items still come in order."""
-    from vpsd.launch.batch import PrefillAhead
+    from vpsd.engine.prefill_ahead import PrefillAhead
 
     prepare = GatedPrefills(releaser="third")  # the head finishes while this thread works
     ahead = PrefillAhead(["first", "second", "third"], size=4, prepare=prepare, cpus=None)
@@ -239,13 +239,13 @@ def test_a_blocking_wait_prefills_a_later_item_meanwhile():
 
 
 def test_a_drained_prefill_thread_lends_its_cores_to_the_decode_thread_until_close():
-    """PrefillAhead.lend_cores_when_drained (launch/batch.py): once every prefill of the job has run, the calling
+    """PrefillAhead.lend_cores_when_drained (engine/prefill_ahead.py): once every prefill of the job has run, the calling
     thread takes the prefill thread's cores and one intra-op thread each, once; `close` gives them back."""
     import os
 
     import torch
 
-    from vpsd.launch.batch import PrefillAhead
+    from vpsd.engine.prefill_ahead import PrefillAhead
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:

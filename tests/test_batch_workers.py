@@ -1,5 +1,5 @@
-"""Parallel speculative decoding over a batch, worker by worker, in one process: the target, draft and pruner
-workers (roles/target.py, roles/draft.py, roles/pruner.py) speak their msgpack protocol over an
+"""Parallel speculative decoding over a batch, in one process: the engine with its remote drafter (roles/target.py)
+and the draft and pruner workers (roles/draft.py, roles/pruner.py) speak their msgpack protocol over an
 in-memory link, and a seeded scheduler interleaves them at random: messages delayed, verdicts arriving while
 the draft is several chunks ahead, items joining mid-batch. Whatever the interleaving, every item's output is
 its batch-1 `ar` output (greedy, fp32; the margin-aware checker judges any difference), for pearl, hippo and
@@ -11,127 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import config_path, random_frames, tiny_pair
-from vpsd.config import load_config
+from tests.conftest import tiny_pair
+from tests.engine_harness import Pipeline, fresh
+from tests.engine_harness import requests as work_items
 from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
-from vpsd.pipeline.ensemble import verdicts_carry_target_probs
+from vpsd.pipeline.drafting_policy import batch1_loss, parallel_loss
 from vpsd.pipeline.messages import DraftChunk, Error, VerifyResult, decode
-from vpsd.pipeline.methods import get_method
-from vpsd.roles.draft import DraftWorker
-from vpsd.roles.target import TargetWorker
-from vpsd.roles.link import Idle, MemoryHub
-from vpsd.roles.pruner import PrunerWorker
-from vpsd.roles.starting import WorkItem
-
-PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
-
-
-def work_items(n: int, max_new: int = 14) -> list[WorkItem]:
-    return [WorkItem(f"item-{i}", PROMPTS[i % 3], max_new - 2 * (i % 3), random_frames(10 + i, t=4 + 2 * (i % 2)),
-                     video={"item": f"item-{i}"}) for i in range(n)]
-
-
-class FramesInMemory:
-    """The draft's frame source for items that never were files: the same frames the target got."""
-
-    def __init__(self, items: list[WorkItem]) -> None:
-        self.frames = {it.id: it.frames for it in items}
-
-    def take(self, wire):
-        return self.frames[wire["item"]], None, {}
-
-    def ahead(self, wire) -> None:
-        pass
-
-
-class Pipeline:
-    """Target, draft and pruner workers on one in-memory hub, and a scheduler that interleaves them."""
-
-    def __init__(self, family: str, method: str, size: int, todo: list[WorkItem], overrides: dict,
-                 draft_is_target: bool) -> None:
-        m = get_method(method)
-        strategy = m.default_strategy
-        self.cfg = load_config(config_path(family), {"pruning.strategy": strategy, "pruning.ratio":
-                                                      0.0 if strategy == "none" else 0.5, **overrides})
-        target, smaller = tiny_pair(family)
-        self.target = target
-        self.rng = random.Random(0)
-        self.hub = MemoryHub(["target", "draft", "pruner"], shuffle=self.rng)
-        probs = verdicts_carry_target_probs(m.draft, self.cfg.tabed_settings, self.cfg.decoding.temperature)
-        self.tw = TargetWorker(self.hub.link("target"), target, self.cfg, size, target_probs=probs)
-        self.dw = DraftWorker(self.hub.link("draft"), target if draft_is_target else smaller, self.cfg,
-                              FramesInMemory(todo), drafts_from=m.draft)
-        self.pw = PrunerWorker(self.hub.link("pruner"), self.cfg)
-        self.queue = list(todo)
-        self.deferred: dict = {}  # prefilled items waiting for KV room
-        self.peak_kv = 0
-        self.results: dict[str, object] = {}
-
-    def _deliver(self, role: str, worker) -> bool:
-        link = self.hub.link(role)
-        if not link.poll():
-            return False
-        worker.handle(*link.recv())
-        return True
-
-    def _admit(self, rng: random.Random) -> bool:
-        """On the role's thread (signals streamed from inside the prefill), or prefilled as on the launcher's
-        prefill thread and joined (signals held, then sent): both ways at random. An item whose KV does not fit
-        waits (prefilled, if it was) for a round to free some."""
-        item = self.queue[0]
-        if item.id in self.deferred:
-            joined = self.tw.join(self.deferred[item.id])
-        elif rng.random() < 0.5:
-            joined = self.tw.admit(item)
-        else:
-            p = self.tw.prefill(item)
-            joined = self.tw.join(p)
-            if not joined:
-                self.deferred[item.id] = p
-        if joined:
-            self.queue.pop(0)
-            self.deferred.pop(item.id, None)
-            self.peak_kv = max(self.peak_kv, self.tw.reserved_bytes())
-        return joined
-
-    def _target_step(self) -> bool:
-        ran, finished = self.tw.step()
-        for item, res in finished:
-            self.results[item.id] = res
-        return ran or bool(finished)
-
-    def run(self, seed: int, max_turns: int = 50_000) -> dict:
-        rng = self.rng
-        rng.seed(seed)
-        actions = {
-            "admit": lambda: bool(self.queue) and not self.tw.full and self._admit(rng),
-            "target_msg": lambda: self._deliver("target", self.tw),
-            "target_step": self._target_step,
-            "draft_msg": lambda: self._deliver("draft", self.dw),
-            "draft_step": self.dw.step,
-            "pruner_msg": lambda: self._deliver("pruner", self.pw),
-        }
-        names = list(actions)
-        idle = 0
-        for _ in range(max_turns):
-            if not self.queue and not self.tw.rows:
-                while self._deliver("draft", self.dw) or self._deliver("pruner", self.pw):
-                    pass  # the ItemDone tails
-                return self.results
-            name = rng.choice(names)
-            try:
-                moved = actions[name]()
-            except Idle:
-                moved = False
-            idle = 0 if moved else idle + 1
-            assert idle < 200, f"no worker can move: a deadlock ({name})"
-        raise AssertionError("the pipeline did not finish")
 
 
 CASES = [("pearl", False), ("hippo", True), ("parallelvlm", False)]
@@ -147,7 +37,7 @@ def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, me
                         draft_is_target)
         got = pipe.run(seed)
         assert set(got) == {it.id for it in todo}
-        assert not pipe.dw.rows and pipe.dw.batch.size == 0 and not pipe.dw.waiting  # every row left the draft
+        assert pipe.draft_idle()  # every row left the draft
         tolerance = TIE_TOLERANCE[pipe.target.model.dtype]
         for it in todo:
             if it.id not in refs:
@@ -164,7 +54,7 @@ ONE = [("pearl", False), ("hippo", True), ("parallelvlm", False), ("tabed", Fals
 
 @pytest.mark.parametrize("method,draft_is_target", ONE, ids=[c[0] for c in ONE])
 def test_one_item_in_flight_is_the_batch1_pipeline(family, method, draft_is_target):
-    """`--batch 1` runs these same workers with one item in flight (launch/batch.py admits it on the role's
+    """`--batch 1` runs this same engine with one item in flight (the scheduler prefills it on the engine's
     thread): every item equals its `ar` output token for token, for every parallel method, TABED's views
     included, on all three families."""
     todo = work_items(3)
@@ -174,7 +64,7 @@ def test_one_item_in_flight_is_the_batch1_pipeline(family, method, draft_is_targ
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
         assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
         assert got[it.id].num_kept is not None  # every item drafted: at batch 1 nothing falls back to plain
-    assert not pipe.dw.rows and not pipe.dw.waiting
+    assert pipe.draft_idle()
 
 
 def test_tabed_items_draft_from_their_views_in_a_batch_and_sample_from_their_own_streams():
@@ -191,7 +81,7 @@ def test_tabed_items_draft_from_their_views_in_a_batch_and_sample_from_their_own
     outs = []
     for size, seed in ((1, 0), (3, 1)):
         pipe = Pipeline("qwen2_5_vl", "tabed", size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.8}, True)
-        assert pipe.tw.target_probs and pipe.dw.target_probs
+        assert pipe.drafter.target_probs and pipe.dw.target_probs
         with capture_logs() as logs:
             got = pipe.run(seed)
         outs.append({k: r.token_ids for k, r in got.items()})
@@ -209,7 +99,7 @@ def test_verdicts_roll_the_draft_back_and_stale_chunks_are_dropped():
     # The target drafting for itself on HIPPO-pruned video: it agrees mostly, not always.
     pipe = Pipeline("qwen2_5_vl", "hippo", 4, todo, {"decoding.gamma": 4, "decoding.temperature": 0.0}, True)
     verdicts, chunks, dropped = [], [], []
-    handle_draft, handle_target = pipe.dw.handle, pipe.tw.handle
+    handle_draft, handle_target = pipe.dw.handle, pipe.drafter.handle
 
     def draft_sees(src, msg):
         if isinstance(msg, VerifyResult):
@@ -221,16 +111,17 @@ def test_verdicts_roll_the_draft_back_and_stale_chunks_are_dropped():
             chunks.append(msg)
         handle_target(src, msg)
 
-    pipe.dw.handle, pipe.tw.handle = draft_sees, target_sees
-    drop_stale = pipe.tw._drop_stale
+    pipe.dw.handle, pipe.drafter.handle = draft_sees, target_sees
+    has_proposal = pipe.drafter.has_proposal
 
-    def counting(item_id, row):
-        before = len(row.chunks)
-        left = drop_stale(item_id, row)
-        dropped.extend([item_id] * (before - len(row.chunks)))
+    def counting(request):
+        queue = pipe.drafter.chunks.get(request.id, ())
+        before = len(queue)
+        left = has_proposal(request)
+        dropped.extend([request.id] * (before - len(queue)))
         return left
 
-    pipe.tw._drop_stale = counting
+    pipe.drafter.has_proposal = counting
     got = pipe.run(seed=5)
     assert sum(r.stats.rollbacks for r in got.values()) > 0
     rollbacks = [v for v in verdicts if v.rollback]
@@ -252,13 +143,13 @@ def test_a_draft_error_fails_its_item_alone():
     its ItemDone frees the draft's row, and every other item finishes as ar decodes it."""
     todo = work_items(3, max_new=10)
     pipe = Pipeline("qwen2_5_vl", "pearl", 3, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0}, False)
-    for it in todo:
-        pipe.tw.admit(it)
+    for r in list(pipe.queue):
+        assert pipe.admit(r, on_engine_thread=True)
     pipe.queue.clear()
-    pipe.tw.handle("draft", Error("draft", 1, "item-1", "its grid differs"))
+    pipe.drafter.handle("draft", Error("draft", 1, "item-1", "its grid differs"))
     got = pipe.run(seed=2)
     assert isinstance(got["item-1"], ValueError) and "its grid differs" in str(got["item-1"])
-    assert "item-1" not in pipe.dw.rows and pipe.dw.batch.size == 0
+    assert "item-1" not in pipe.dw.rows and pipe.draft_idle()
     for it in (todo[0], todo[2]):
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
         assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
@@ -269,18 +160,18 @@ def test_the_workers_speak_the_wire_protocol():
     to its registered type, chunks name their items, and each verdict answers a chunk of the same item."""
     todo = work_items(2, max_new=8)
     pipe = Pipeline("qwen2_5_vl", "pearl", 2, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0}, False)
-    for it in todo:
-        pipe.tw.admit(it)
+    for r in list(pipe.queue):
+        assert pipe.admit(r, on_engine_thread=True)
     pipe.queue.clear()
-    while pipe._deliver("pruner", pipe.pw) or pipe._deliver("draft", pipe.dw):
+    while pipe._deliver("pruner", pipe.pw.handle) or pipe._deliver("draft", pipe.dw.handle):
         pass
     while pipe.dw.step():
         pass
     chunks = [m for m in (decode(data) for _, data in pipe.hub.inbox["target"]) if isinstance(m, DraftChunk)]
     assert {c.item_id for c in chunks} == {"item-0", "item-1"}
-    while pipe._deliver("target", pipe.tw):
+    while pipe._deliver("target", pipe.drafter.handle):
         pass
-    ran, _ = pipe.tw.step()
+    ran, _ = pipe.engine.round()
     assert ran
     verdicts = [m for m in (decode(data) for _, data in pipe.hub.inbox["draft"]) if isinstance(m, VerifyResult)]
     assert {v.item_id for v in verdicts} == {"item-0", "item-1"}
@@ -291,12 +182,13 @@ def test_a_round_waits_for_stragglers_only_while_that_costs_less_than_a_round():
     """patience = T_p min(1/2, waiting / ready): leaving a straggler behind costs it a round, waiting costs each
     ready item the wait."""
     todo = work_items(1)
-    tw = Pipeline("qwen2_5_vl", "pearl", 2, todo, {"decoding.gamma": 3}, False).tw
-    assert tw.patience_s(3, 1) == 0.0  # nothing measured yet: no waiting
-    tw.verify_s = [0.1, 0.1]
-    assert tw.patience_s(4, 1) == pytest.approx(0.025)
-    assert tw.patience_s(2, 2) == pytest.approx(0.05)  # capped at half a round
-    assert tw.patience_s(0, 3) == 0.0
+    pipe = Pipeline("qwen2_5_vl", "pearl", 2, todo, {"decoding.gamma": 3}, False)
+    s = pipe.scheduler
+    assert s.patience_s(3, 1) == 0.0  # nothing measured yet: no waiting
+    pipe.engine.report.verify_s = [0.1, 0.1]
+    assert s.patience_s(4, 1) == pytest.approx(0.025)
+    assert s.patience_s(2, 2) == pytest.approx(0.05)  # capped at half a round
+    assert s.patience_s(0, 3) == 0.0
 
 
 def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing():
@@ -317,29 +209,41 @@ def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing
 
 def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones():
     """With tau measured near 0, a round with drafted rows costs T_p(gamma + 1) for barely more than the one token
-    a plain round commits for T_p(1): the next items join as plain rows of the target's batch (one in `explore_every` still drafts), the draft and the pruner
-    never hear of them, and every item still equals its batch-1 ar output."""
+    a plain round commits for T_p(1): the next items join as plain rows of the target's batch (one explores once
+    3% of the plain items' time covers its loss), the draft and the pruner never hear of them, and every item
+    still equals its batch-1 ar output."""
     todo = work_items(9, max_new=12)
     pipe = Pipeline("qwen2_5_vl", "pearl", 4, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
-    w = pipe.tw.window
+    e, s = pipe.engine, pipe.scheduler
+    w = e.window
     w.observe_verify(1, 0.010)
-    w.observe_verify(4, 0.016)
-    w.accepted, w.rejections = 0.0, 10.0  # tau_hat 0: what an OOD video does to a pair (README, 4x the video)
-    decisions = [pipe.tw.drafting_pays() for _ in range(16)]
-    assert decisions.count(True) == 2 and decisions[7] and decisions[15]  # explores one in 8
-    w.accepted = 1000.0  # tau_hat ~ 1: drafting pays again
-    assert pipe.tw.drafting_pays()
-    pipe.tw.drafted_rate = 1.1  # but finished items measured 1.1 tokens a round: the measurement wins
-    assert not pipe.tw.drafting_pays()
-    w.accepted, pipe.tw.drafted_rate = 0.0, None
+    w.observe_verify(4, 0.016)  # T_p(k) = 8 ms + 2 ms k
+    w.cost.accepted, w.cost.rejections = 0.0, 10.0  # tau_hat 0: what an OOD video does to a pair
+    e.means.tokens = 12
+
+    def decide() -> bool:
+        r = fresh(todo)[0]
+        s.decide(r)
+        return r.drafted
+
+    g = w.gamma
+    loss, plain_s = parallel_loss(w, 1, e.means)  # a drafted row commits one token a round, as a plain one
+    assert loss == pytest.approx(12 * (0.008 + 0.002 * (g + 1) - 0.010)) and plain_s == pytest.approx(12 * 0.010)
+    period = math.ceil(loss / (0.03 * plain_s))
+    decisions = [decide() for _ in range(2 * period + 2)]
+    assert [i for i, d in enumerate(decisions) if d] == [period, 2 * period + 1]
+    w.cost.accepted = 1000.0  # tau_hat ~ 1: drafting pays again
+    assert decide()
+    e.means.drafted_rate = 1.1  # but finished items measured 1.1 tokens a round: the measurement wins
+    assert not decide()
+    w.cost.accepted, e.means.drafted_rate = 0.0, None
     got = pipe.run(seed=3)
-    assert pipe.tw.plain_items >= 1
     plain = [k for k, r in got.items() if r.num_kept is None]
-    assert plain and len(plain) < len(todo) or pipe.tw.plain_items == len(todo)
+    assert e.report.plain_items == len(plain) >= 1
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
         assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
-    assert not pipe.dw.rows and not pipe.dw.waiting
+    assert pipe.draft_idle()
 
 
 def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
@@ -350,42 +254,44 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     and every item equals its `ar` output."""
     todo = work_items(5, max_new=10)
     pipe = Pipeline("qwen2_5_vl", "pearl", 1, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
-    tw, w = pipe.tw, pipe.tw.window
-    assert tw.drafting_pays()  # nothing measured: the papers' pipeline
+    e, s = pipe.engine, pipe.scheduler
+    w, means = e.window, e.means
+
+    def decide() -> bool:
+        r = fresh(todo)[0]
+        s.decide(r)
+        return r.drafted
+
+    assert decide()  # nothing measured: the papers' pipeline
     w.observe_verify(2, 0.010)
     w.observe_verify(4, 0.012)  # T_p(1) = 0.009 s on the line
-    w.accepted, w.rejections = 1.0, 10.0
-    assert tw.drafting_pays()  # no drafted item has finished yet
-    tw.token_s[True] = 0.004  # 4 ms a token drafted: under half the line's T_p(1), drafting pays unmeasured
-    assert tw.drafting_pays()
-    tw.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs
-    assert not tw.drafting_pays() and not tw.drafting_pays()  # (until it finishes)
-    tw.token_s = {}
-    tw.observe_item_at_batch_1(False, 0.020 * 30, 30)  # a drafted item: 20 ms a token, against 9 ms plain
-    tw.observe_item_at_batch_1(True, 0.009 * 30, 30)  # the measuring plain item (into the budget too)
-    assert tw.token_s == {True: 0.020, False: 0.009} and tw.item_tokens == 30
-    # Exploring loses 11 ms x 30 tokens; each plain item adds 3% of its 0.27 s.
-    period = math.ceil(0.011 * 30 / (0.03 * 0.009 * 30))  # 41 plain items, the measuring one included
-    decisions = []
-    for _ in range(3 * period + 2):
-        decisions.append(tw.drafting_pays())
-        if not decisions[-1]:
-            tw.observe_item_at_batch_1(True, 0.009 * 30, 30)
-    # `period` plain items between two that explore (the first time the measuring item was one of them).
-    assert [i for i, d in enumerate(decisions) if d] == [period - 1, 2 * period, 3 * period + 1]
-    tw.token_s[False] = 0.025  # plain items measured slower still: drafting pays
-    assert tw.drafting_pays()
-    w.accepted = 1000.0  # a high tau does not overrule the measured wall
-    tw.token_s[False] = 0.015
-    assert not tw.drafting_pays()
-    tw.token_s = {True: 1.0}  # drafting measured very slow: the run decodes plain
+    w.cost.accepted, w.cost.rejections = 1.0, 10.0
+    means.tokens = 30
+    assert decide()  # no drafted item has finished yet
+    means.token_s[True] = 0.004  # 4 ms a token drafted: under half the line's T_p(1), drafting pays unmeasured
+    assert decide()
+    means.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs
+    assert not decide()
+    means.token_s = {True: 0.020, False: 0.009}  # drafted: 20 ms a token, against 9 ms plain
+    s.policy.budget.seconds = 0.0
+    loss, plain_s = batch1_loss(w, means)
+    assert loss == pytest.approx(0.011 * 30) and plain_s == pytest.approx(0.009 * 30)
+    period = math.ceil(loss / (0.03 * plain_s))  # 41 plain items between two that explore
+    decisions = [decide() for _ in range(3 * period + 3)]
+    assert [i for i, d in enumerate(decisions) if d] == [period, 2 * period + 1, 3 * period + 2]
+    means.token_s[False] = 0.025  # plain items measured slower still: drafting pays
+    assert decide()
+    w.cost.accepted = 1000.0  # a high tau does not overrule the measured wall
+    means.token_s[False] = 0.015
+    assert not decide()
+    means.token_s = {True: 1.0}  # drafting measured very slow: the run decodes plain
     got = pipe.run(seed=5)
     plain = [k for k, r in got.items() if r.num_kept is None]
-    assert tw.plain_items == len(plain) >= 3 and set(tw.token_s) == {True, False}
+    assert e.report.plain_items == len(plain) >= 3 and set(means.token_s) == {True, False}
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
         assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
-    assert not pipe.dw.rows and not pipe.dw.waiting
+    assert pipe.draft_idle()
 
 
 def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
@@ -394,8 +300,8 @@ def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
     with that error before anything is announced."""
     todo = work_items(5, max_new=10)
     target, _ = tiny_pair("qwen2_5_vl")
-    probe = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3}, False).tw
-    needs = [probe.kv_bytes(it, target.prepare(it.frames, it.prompt).seq_len) for it in todo]
+    probe = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3}, False).scheduler
+    needs = [probe.kv_need(it, target.prepare(it.frames, it.prompt).seq_len) for it in todo]
     budget = max(needs) + min(needs) + 1
     pipe = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0,
                                                     "batching.kv_budget_mib": budget / 2**20}, False)
@@ -407,5 +313,5 @@ def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
     tight = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3,
                                                       "batching.kv_budget_mib": (min(needs) - 1) / 2**20}, False)
     with pytest.raises(ValueError, match="over the budget"):
-        tight.tw.prefill(todo[0])
+        tight.scheduler.prepare(fresh(todo)[0], on_engine_thread=False)
     assert not tight.hub.inbox["draft"] and not tight.hub.inbox["pruner"]

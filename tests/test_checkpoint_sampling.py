@@ -125,7 +125,7 @@ def _config(path, family: str, sampling: str = "checkpoint"):
 
 
 def test_a_job_reads_the_frames_the_checkpoint_asks_for_and_the_draft_the_same(tmp_path):
-    from vpsd.launch.batch import ItemReader
+    from vpsd.launch.items import ItemReader
     from vpsd.models.registry import ModelSpec, load_adapter
     from vpsd.video.prefetch import FramePrefetcher
 
@@ -146,10 +146,10 @@ def test_a_job_reads_the_frames_the_checkpoint_asks_for_and_the_draft_the_same(t
     np.testing.assert_array_equal(frames, loaded.frames)
     np.testing.assert_array_equal(times, loaded.times)
     # A manifest line's own request still wins.
-    own = ItemReader(reader.target, cfg).request(_item("b", video, num_frames=4))
+    own = ItemReader(reader.target, cfg).frame_request(_item("b", video, num_frames=4))
     assert (own.num_frames, own.processor) == (4, None)
     # video.sampling: config (the default) keeps the config's count.
-    assert ItemReader(reader.target, _config(path, "qwen3_vl", "config")).request(item).num_frames == 8
+    assert ItemReader(reader.target, _config(path, "qwen3_vl", "config")).frame_request(item).num_frames == 8
 
 
 def test_read_video_by_the_rule_matches_the_rule(tmp_path):

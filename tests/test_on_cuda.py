@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.conftest import config_path, random_frames
-from tests.test_batch_decode import run_batched
+from tests.engine_harness import local_engine, run
 from vpsd.config import DecodingConfig, PruningConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.batched import BatchDecoder, BatchItem
+from vpsd.engine.request import Request
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
@@ -36,8 +36,8 @@ def cuda_pair(family: str):
     return target, draft
 
 
-def cuda_items(n: int, max_new: int) -> list[BatchItem]:
-    return [BatchItem(f"item-{i}", random_frames(30 + i, t=4 + 2 * (i % 2)), "Describe the video.", max_new - i % 3)
+def cuda_items(n: int, max_new: int) -> list[Request]:
+    return [Request(f"item-{i}", "Describe the video.", max_new - i % 3, random_frames(30 + i, t=4 + 2 * (i % 2)))
             for i in range(n)]
 
 
@@ -61,7 +61,7 @@ def test_a_sampled_batch_on_cuda_draws_each_item_from_its_own_streams():
     pruning = PruningConfig("uniform", 0.5, seed=1)
     cfg = DecodingConfig(gamma=3, max_new_tokens=10, temperature=1.0, seed=7)
     todo = cuda_items(4, max_new=10)
-    got = run_batched(BatchDecoder(target, draft, cfg, pruning, 4), todo)
+    got = run(local_engine(target, draft, cfg, pruning, 4)[1], todo)
     for it in todo:
         one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
         ref = decode_sd(target, draft, it.frames, it.prompt, one, keep_policy_for(pruning), pruning)

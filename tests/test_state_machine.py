@@ -8,7 +8,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vpsd.pipeline.state_machine import Drop, DraftMachine, Mode, TargetMachine, Verify
+from vpsd.pipeline.state_machine import Drop, DraftMachine, Mode, TargetMachine
 
 VOCAB = 5
 EOS = 4
@@ -79,7 +79,7 @@ def test_commits_exactly_the_autoregressive_sequence(gamma, extra_lookahead, max
         elif action == 2 and to_target:
             epoch, start, tokens = to_target.popleft()
             decision = target.on_chunk(epoch, start, len(tokens))
-            if isinstance(decision, Verify):
+            if decision is None:
                 n, nxt = verify(target.committed, tokens)
                 v = target.on_verified(tokens, n, nxt, pre_verify[step % len(pre_verify)])
                 modes_seen.add(v.mode)
@@ -104,7 +104,7 @@ def test_rejection_switches_to_conservative_and_sends_the_first_token_alone():
         draft.record_proposal(t)
     start, chunk = draft.ready_chunk()
     assert (start, chunk) == (0, [1, 2, 3])
-    assert isinstance(target.on_chunk(0, start, 3), Verify)
+    assert target.on_chunk(0, start, 3) is None
     v = target.on_verified(chunk, 1, 9)  # 2 rejected, target says 9
     assert (v.rollback, v.mode, v.epoch, v.committed_len) == (True, Mode.CONSERVATIVE, 1, 2)
     assert target.committed == [1, 9]

@@ -21,7 +21,7 @@ import yaml
 from vpsd.models.registry import ModelSpec
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.tree import parse_tree
-from vpsd.pipeline.window import AUTO, WindowController
+from vpsd.pipeline.cost import AUTO, ParallelWindow, SerialWindow
 
 
 @dataclass
@@ -105,11 +105,16 @@ class DecodingConfig:
         """The draft's lookahead under window `gamma` (never below it)."""
         return max(self.lookahead if self.lookahead is not None else 2 * gamma, gamma)
 
-    def window(self) -> WindowController:
-        """The parallel pipeline's window: live under auto, fixed otherwise."""
+    def parallel_window(self) -> ParallelWindow:
+        """The window where the draft runs beside the target: live under auto, fixed otherwise."""
         if self.gamma == AUTO:
-            return WindowController(self.gamma_start, self.gamma_min, self.gamma_max)
-        return WindowController(int(self.gamma), 1, max(int(self.gamma), self.gamma_max), fixed=True)
+            return ParallelWindow(self.gamma_start, self.gamma_min, self.gamma_max)
+        return ParallelWindow(int(self.gamma), 1, max(int(self.gamma), self.gamma_max), fixed=True)
+
+    def serial_window(self, fixed: bool = False) -> SerialWindow:
+        """The window where draft and target take turns: by goodput under auto, fixed otherwise (and when
+        `fixed`: one item at a time, a serial method drafts the baselines' window, as its reference does)."""
+        return SerialWindow(self.serial_gamma(), self.gamma_min, self.gamma_max, fixed=fixed or not self.auto_gamma)
 
 
 @dataclass
@@ -156,7 +161,7 @@ class PruningConfig:
 
 @dataclass
 class BatchingConfig:
-    """Many items in flight (decoders/batched.py; `--batch N` sets `size`)."""
+    """Many items in flight (engine/engine.py; `--batch N` sets `size`)."""
 
     size: int = 1  # items decoded together; 1: one at a time, through the roles for parallel methods
     # KV cache the items in flight may reserve together, target and draft, in MiB (null: no limit). An item
@@ -164,7 +169,7 @@ class BatchingConfig:
     # others'; one that does not fit alone fails with that error, and the job goes on.
     kv_budget_mib: float | None = None
     # A parallel method over a batch: false (the default) runs draft and target in turns on the target's rank
-    # (decoders/batched.py), leaving the draft's core to prefill the next items; true runs them at the same
+    # (engine/local_drafter.py), leaving the draft's core to prefill the next items; true runs them at the same
     # time on their own ranks (roles/target.py, roles/draft.py), each forward carrying the batch.
     # Which is faster depends on where the draft runs: see the README's "Many items in flight".
     pipelined: bool = False

@@ -124,10 +124,15 @@ def span(name: str, **fields: Any) -> Iterator[dict[str, Any]]:
         fields["error"] = f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        dur = time.perf_counter() - start
-        direct = _direct
-        if direct is None or not direct.write("span", {"name": name, "t0": t0, "dur": dur}, fields):
-            get_logger().debug("span", name=name, t0=t0, dur=dur, **fields)
+        record_span(name, t0, time.perf_counter() - start, **fields)
+
+
+def record_span(name: str, t0: float, dur: float, **fields: Any) -> None:
+    """Log a span that was timed elsewhere (`t0`: time.time() at its start): one that does not fit a block,
+    such as an item's, from its prefill to its last round, overlapping other items'."""
+    direct = _direct
+    if direct is None or not direct.write("span", {"name": name, "t0": t0, "dur": dur}, fields):
+        get_logger().debug("span", name=name, t0=t0, dur=dur, **fields)
 
 
 def mark(name: str, **fields: Any) -> None:

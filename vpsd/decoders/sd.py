@@ -18,7 +18,7 @@ import torch
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.result import DecodeResult
 from vpsd.decoders.tree_sd import speculate_tree
-from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter
+from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
@@ -94,15 +94,14 @@ def prefill_pair(
     keep_policy: KeepPolicy,
     pruning: PruningConfig | None = None,
     frame_times: np.ndarray | None = None,
-    target_inputs: VideoInputs | None = None,
+    target_emb: SequenceEmbeddings | None = None,
     parallel_signals: bool = False,
 ) -> PairPrefill:
     """The target's full prefill (with the signals `pruning`'s strategy reads), the kept video tokens, and the
-    draft's pruned prefill. `target_inputs`: the target's `prepare` output when the caller already has it;
+    draft's pruned prefill. `target_emb`: the target's embeddings when the caller already has them;
     `parallel_signals`: read the signals of the layers a parallel run streams (PruningConfig.signal_layers), so
     a parallel method keeps the same video tokens here as in its pipeline."""
-    t_inputs = target_inputs if target_inputs is not None else target.prepare(frames, prompt, frame_times)
-    t_emb = target.embed(t_inputs)
+    t_emb = target_emb if target_emb is not None else target.embed(target.prepare(frames, prompt, frame_times))
     t0 = time.perf_counter()
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
     draft_s = time.perf_counter() - t0

@@ -4,7 +4,7 @@
 
 Rank roles come from the config's `roles:` section (default target 0, draft 1, pruner 2; serial methods
 need only the target, extra ranks exit at once). The target rank owns the item loop and the results
-file (vpsd.launch.batch): a failure on one item is written as that item's error and the job goes on;
+file (vpsd.launch.job): a failure on one item is written as that item's error and the job goes on;
 a role that dies or falls silent ends the job with an error naming it, within `timeout_s`. Under
 `torchrun --max-restarts N` the restarted ranks resume from the results file. A job that ran to the end
 exits 0 on every rank, failed items or not: torchrun takes any other code for a crash (and restarts).
@@ -22,7 +22,7 @@ from typing import Mapping
 import torch.distributed as dist
 
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
-from vpsd.launch.batch import run_batch
+from vpsd.launch.job import run_job
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.manifest import Shard
@@ -127,10 +127,7 @@ def check_method_settings(method, cfg: RunConfig) -> None:
     """Settings only one method reads, checked at launch: a bad one must stop the job before any rank
     loads a model, not crash the draft role on the first item."""
     try:
-        if cfg.batching.size > 1 and not method.runs_batched(cfg.batching.pipelined):
-            also = " (and tabed with batching.pipelined=true)" if method.parallel else ""
-            raise ValueError(f"it drafts a {'tree' if method.tree else method.draft.replace('_', ' ')}, which runs one "
-                             f"item at a time; --batch {cfg.batching.size} runs {', '.join(BATCHABLE)}{also}")
+        method.draft_place(cfg.batching.size, cfg.batching.pipelined)  # ValueError where it cannot run
         if method.draft == "sparse_kv" and cfg.pruning.strategy != "none":
             raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
     except (ValueError, TypeError) as e:
@@ -242,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     role = next((r for r, k in ranks.items() if k == rank), "spare")
     configure_tracing(out, role, rank)
     log = get_logger()
-    in_roles = method.runs_in_roles(cfg.batching.size, cfg.batching.pipelined)
+    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined) == "remote"
     if in_roles and world < len(ROLES):
         raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
     if role == "spare" or (not in_roles and role != "target"):
@@ -274,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     try:
         if role == "target":
-            run_batch(ctx, args, cfg, out)
+            run_job(ctx, args, cfg, out)
         elif role == "draft":
             device_cfg = cfg.draft or cfg.target
             adapter = load_adapter(cfg.family, device_cfg)

@@ -72,7 +72,7 @@ class QwenAdapterMixin:
     ):
         """fps: the rate frames are taken as sampled at when no times are given. use_frame_times=False
         always does so, ignoring the clip's real times: for a checkpoint trained that way (the world
-        pair, vpsd/world/train.py, was trained with frames taken as 2 fps whatever their real spacing)."""
+        pair, training/world_short.py, was trained with frames taken as 2 fps whatever their real spacing)."""
         super().__init__(model, tokenizer)
         vc = model.config.vision_config
         sizes = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)

@@ -91,7 +91,7 @@ SignalsReady = Callable[[PrefillSignals], None]
 
 def _this_thread_only(hook: Callable) -> Callable:
     """The hook, run only for forwards on the thread that registered it: the model is shared, and a batch may
-    decode on another thread while this prefill runs (decoders/batched.py prefills on a spare core)."""
+    decode on another thread while this prefill runs (engine/prefill_ahead.py prefills on a spare core)."""
     owner = threading.get_ident()
 
     @functools.wraps(hook)

@@ -1,7 +1,7 @@
 """Clock reads that time a forward, not its launch.
 
 On a GPU a forward returns as soon as its kernels are queued; a clock read right after it measures the launch,
-and the window's costs (T_p, T_q: pipeline/window.py, pipeline/batch_window.py) would be wrong by the whole
+and the window's costs (T_p, T_q: pipeline/cost.py) would be wrong by the whole
 forward. `settle` waits for the device first; on a CPU it does nothing.
 """
 

@@ -154,9 +154,6 @@ class AdaptiveWeights:
         inverse = 1.0 / errors.clamp_min(1e-12)
         return torch.softmax(inverse / self.cfg.tau, dim=0)
 
-    def reset(self) -> None:
-        self.window.clear()
-
 
 def verdicts_carry_target_probs(draft_kind: str, tabed: TabedConfig, temperature: float) -> bool:
     """The one rule both roles apply: a tensor of the target's p rows follows each VerifyResult.

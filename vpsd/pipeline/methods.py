@@ -33,21 +33,26 @@ class Method:
         """Whether the run loads the config's draft model (sparse_kv drafts with the target's weights)."""
         return self.uses_draft and self.draft != "sparse_kv"
 
-    @property
-    def batchable(self) -> bool:
-        """Whether the batched engine (decoders/batched.py) runs it: a chain drafted by a pruned-input draft."""
-        return self.tree is None and self.draft == "pruned_input"
-
-    def runs_batched(self, pipelined: bool = False) -> bool:
-        """Whether `--batch N > 1` runs it: in the batched engine, or any parallel method (TABED's views included)
-        in the role workers when the batch is pipelined."""
-        return self.batchable or (pipelined and self.parallel)
-
-    def runs_in_roles(self, batch: int, pipelined: bool = False) -> bool:
-        """Whether the draft and pruner ranks take part: a parallel method at batch 1, or over a batch when the
-        batch is pipelined (`batching.pipelined`: draft and target overlap on their own ranks). Otherwise every
-        method at batch > 1 runs in the batched engine on the target's rank (draft and target take turns)."""
-        return self.parallel and (batch == 1 or pipelined)
+    def draft_place(self, batch: int, pipelined: bool = False) -> str:
+        """Where this method's draft runs at `--batch batch` (the one place that decides it):
+        "none"       `ar`: the engine alone;
+        "remote"     its own rank beside the target, with the pruner's (roles/target.py): a parallel method at
+                     batch 1, or over a batch when it is pipelined (`batching.pipelined`);
+        "local"      in the target's process, draft and target taking turns (engine/local_drafter.py): a serial
+                     chain method, or a parallel one over a batch that is not pipelined;
+        "reference"  the method's own reference decoder, one item at a time (a tree, Sparse-to-Dense's KV);
+        raises ValueError where the method cannot run at that batch."""
+        if not self.uses_draft:
+            return "none"
+        if self.parallel and (batch == 1 or pipelined):
+            return "remote"
+        if self.tree is None and self.draft == "pruned_input":
+            return "local"
+        if batch == 1:
+            return "reference"
+        also = " (and tabed with batching.pipelined=true)" if self.parallel else ""
+        raise ValueError(f"it drafts a {'tree' if self.tree else self.draft.replace('_', ' ')}, which runs one item "
+                         f"at a time; --batch {batch} runs {', '.join(BATCHABLE)}{also}")
 
     def draft_tree(self, setting: Any = None) -> DraftTree | None:
         """The tree this method drafts under the `decoding.tree` setting (None: it drafts a chain)."""
@@ -78,7 +83,7 @@ METHODS: dict[str, Method] = {
 }
 
 
-BATCHABLE = tuple(name for name, m in METHODS.items() if m.batchable)
+BATCHABLE = tuple(name for name, m in METHODS.items() if not m.uses_draft or (m.tree is None and m.draft == "pruned_input"))
 
 
 def get_method(name: str) -> Method:

@@ -3,10 +3,12 @@
 Two machines, one per side, exchange the typed messages of pipeline/messages.py:
 
 TargetMachine (the single source of truth) holds the committed sequence and the epoch. For each draft
-chunk it answers Drop (stale epoch: sent before a rollback the draft had not yet seen) or Verify; given
+chunk it answers Drop (stale epoch: sent before a rollback the draft had not yet seen) or verify it; given
 the verification it commits tokens and returns what to tell the draft.
   - all accepted: commit the chunk; the target's row for the next position (the "bonus" row) is KEPT,
     not sampled, and verifies the first token of the next chunk (PEARL's post-verify). Mode: optimistic.
+    Serial speculative decoding (`defer_bonus=False`: draft and target take turns, nothing is drafted
+    meanwhile) commits the bonus token at once instead, as the papers' serial SD does.
   - rejected at i: commit the accepted prefix and the target's own token, bump the epoch (every chunk
     drafted before this moment is now stale) and tell the draft to roll back. Mode: conservative.
 
@@ -43,12 +45,6 @@ class Drop:
     reason: str
 
 
-@dataclass(frozen=True)
-class Verify:
-    start: int  # committed length the chunk begins at
-    use_kept_row: bool  # the target already holds the logits row for position `start`
-
-
 PLACEHOLDER = -1  # no token: an all-accepted chunk defers its bonus token to the next chunk's first row
 
 
@@ -57,6 +53,7 @@ class TargetMachine:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     item_id: str = ""  # named in every verdict
+    defer_bonus: bool = True  # parallel drafting keeps the bonus row; serial drafting commits the bonus token
     committed: list[int] = field(default_factory=list)
     epoch: int = 0
     mode: Mode = Mode.OPTIMISTIC
@@ -68,7 +65,8 @@ class TargetMachine:
     def done(self) -> bool:
         return done(self.committed, self.max_new_tokens, self.eos_token_ids)
 
-    def on_chunk(self, epoch: int, start: int, num_tokens: int) -> Drop | Verify:
+    def on_chunk(self, epoch: int, start: int, num_tokens: int) -> Drop | None:
+        """Drop (with the reason) a chunk that cannot be verified now; None: verify it."""
         if self.done:
             return Drop("item already finished")
         if epoch != self.epoch:
@@ -77,17 +75,22 @@ class TargetMachine:
             return Drop(f"chunk starts at {start}, committed length is {len(self.committed)}")
         if num_tokens < 1:
             return Drop("empty chunk")
-        return Verify(start=start, use_kept_row=self.holds_next_row)
+        return None
 
     def on_verified(self, chunk: list[int], num_accepted: int, next_token: int, pre_verify: bool = True,
                     gamma: int = 0) -> VerifyResult:
         """Commits the outcome of verifying `chunk` (next_token: the target's token at the first
         rejected position; ignored when every token was accepted). `pre_verify`: after a rejection, have the
         draft send its first token alone (conservative mode) rather than a whole window (see
-        pipeline/window.py: worth it only while the draft's window takes longer than that verify). `gamma`: the window
+        pipeline/cost.py: worth it only while the draft's window takes longer than that verify). `gamma`: the window
         the draft drafts with from now on (0: unchanged). Returns the verdict as it goes on the wire."""
         start = len(self.committed)
-        if num_accepted == len(chunk):
+        if num_accepted == len(chunk) and not self.defer_bonus:
+            self.committed += chunk + [next_token]
+            self.holds_next_row = False
+            self.mode = Mode.OPTIMISTIC
+            rollback, emitted = False, next_token
+        elif num_accepted == len(chunk):
             self.committed += chunk
             self.holds_next_row = True
             self.mode = Mode.OPTIMISTIC

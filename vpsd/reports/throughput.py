@@ -4,7 +4,7 @@
     vpsd bench --report-only --out DIR     (the table again from DIR's runs, as DIR/schedule.json lists them)
 
 Each cell (method, B) is a real torchrun job of `vpsd.launch.entry --batch B` (B = 1: the method's own path, the
-roles for a parallel method; B > 1: continuous batching, decoders/batched.py; a method written METHOD:pipelined
+roles for a parallel method; B > 1: continuous batching, engine/engine.py; a method written METHOD:pipelined
 runs with `batching.pipelined`, draft and target overlapping on their own ranks, roles/target.py). `--tile K` repeats the manifest K
 times (new ids, the same videos) so a batch of 16 has items to keep it full. Timing is measured side by side:
 the whole grid runs `--repeats` times in rounds, each round every B, each B `ar` first; a cell reports the median
@@ -13,14 +13,14 @@ over its repeats, and the spread of the `ar` runs at each B is printed as that B
 Per cell:
 - items/hour: items over the job's item loop (models loaded, summary.json's `run.loop_s`);
 - decode tokens/s: tokens after each item's first (which its prefill gives) over the decode time: the batch's
-  rounds (the next items' vision + prefill run beside them, decoders/batched.py), or at batch 1 the items'
+  rounds (the next items' vision + prefill run beside them, engine/prefill_ahead.py), or at batch 1 the items'
   decode phases (after each one's prefill);
 - per-item latency p50 / p95: an item's vision + prefill + time in flight;
 - x ar(B): items/hour over batched `ar` at the same B; x ar(1): over batch-1 `ar` (items/hour) and, for decode
   tokens/s, the same two ratios;
 - theory: decode tokens/s ParallelVLM App. C predicts for a batch from the run's own measured forwards, over
   the same for `ar` at that B: B (1 + E[X](tau_hat, gamma)) / (gamma T_q(B) + T_p(B, gamma + 1)) against
-  B / T_p(B, 1) (pipeline/batch_window.py); batched rows only;
+  B / T_p(B, 1) (pipeline/cost.py); batched rows only;
 - spread: (max - min) / median of the row's own items/hour over its repeats (the noise line under the table is
   the `ar` rows', the baseline every ratio divides by);
 - P ms: an item's vision + prefill (the target's, and for a batched speculative run the draft's pruned one),
@@ -45,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vpsd.pipeline.batch_window import batch_token_time
+from vpsd.pipeline.cost import batch_token_time
 from vpsd.pipeline.theory import parallel_sd_rollback_token_time
 from vpsd.reports.bench import BenchRun, run_one
 from vpsd.reports.summary import read_rows
@@ -118,14 +118,14 @@ class Row:
 
 
 # An item's vision + prefill varies with its length by tens of percent; one that takes several times the row's
-# mean was held up, not long (the tail stall that launch/batch.py's PrefillAhead.steal_if_thin once caused was
+# mean was held up, not long (the tail stall that PrefillAhead.steal_if_thin once caused was
 # 5-15x). The table names such runs, so a spread is explained rather than averaged away.
 STALL_FACTOR = 3.0
 
 
 def predicted_tokens_per_s(batching: dict | None) -> float | None:
     """App. C over a batch: committed tokens per second of the run's mean round, every item of it: Theorem 4's
-    serial round for the batched engine (pipeline/batch_window.py), Theorem 6's for a pipelined batch, where
+    serial round for the batched engine (pipeline/cost.py), Theorem 6's for a pipelined batch, where
     the draft's gamma forwards overlap the target's verify (2 max(gamma T_q, T_p) per round pair, rollbacks
     counted)."""
     if not batching or not batching.get("t_p_s") or not batching.get("mean_batch"):

@@ -4,9 +4,9 @@ or many, every row in one forward per step.
 The draft rank drafts while the target rank verifies (roles/target.py), so the two overlap; with `--batch N` and
 `batching.pipelined: true` each of their forwards carries every item in flight. Per item: a JobStart from the
 target, the video read by the same request (read ahead while the previous items are drafted), the draft's vision
-tower, the kept indices from the pruner, the pruned prefill (batch 1, then a row of the draft's `BatchedCache`;
-a TABED item drafts from its own ensemble of views instead, roles/drafters.py), then chunks out and verdicts in,
-each applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs, rollback), until the
+tower, the kept indices from the pruner, the pruned prefill through the method's proposer (engine/proposers.py:
+a row of the draft model's batched cache, or TABED's ensemble of views), then chunks out and verdicts in, each
+applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs, rollback), until the
 target's ItemDone. What is batched is only the forward:
 
   step():  1. every row that may draft proposes its next token from its last logits row (greedy, or sampled
@@ -32,23 +32,20 @@ import numpy as np
 import torch
 
 from vpsd.config import RunConfig
+from vpsd.engine.proposers import ModelProposer, TabedProposer
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
-from vpsd.models.batch import BatchedCache
-from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.cost import running_mean
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
+from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Message, Shutdown, TensorAnnounce, VerifyResult
-from vpsd.pipeline.sampling import probs_from_logits, sample
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
-from vpsd.pipeline.window import running_mean
 from vpsd.roles.context import RoleContext
-from vpsd.roles.drafters import TabedDrafter
 from vpsd.roles.link import Link, RankLink, recv_announced
 from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
 from vpsd.video.prefetch import FramePrefetcher
-from vpsd.models.timing import settled_clock
 
 log = get_logger()
 
@@ -63,23 +60,16 @@ class FrameSource(Protocol):
 
 @dataclass
 class DraftRow:
-    """One item being drafted for: its machine, its cache's bookkeeping and its random stream. A TABED item
-    drafts from its own batch of views (`views`, roles/drafters.py) instead of a row of the shared cache."""
+    """One item being drafted for: its machine, its cache's bookkeeping and its random stream."""
 
     job: JobStart
     machine: DraftMachine
     cursor: CacheCursor
     gen: torch.Generator
-    last: torch.Tensor | None  # logits row for position len(cursor.fed): what the next proposal reads
     probs: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q, when sampling
-    views: TabedDrafter | None = None
 
     def stopped(self) -> bool:
         return done(self.machine.sequence, self.job.max_new_tokens, self.job.eos_token_ids)
-
-    def can_propose(self) -> bool:
-        return ((self.last is not None or self.views is not None) and len(self.cursor.fed) == len(self.machine.sequence)
-                and self.machine.may_draft() and not self.stopped())
 
 
 class DraftWorker:
@@ -88,17 +78,18 @@ class DraftWorker:
     def __init__(self, link: Link, draft: VideoLMAdapter, cfg: RunConfig, videos: FrameSource,
                  drafts_from: str = "pruned_input") -> None:
         self.link, self.draft, self.cfg, self.videos = link, draft, cfg, videos
-        self.tabed = drafts_from == "views"  # TABED: each item drafts from an ensemble of views (Method.draft)
-        # ...and, when its distance needs them, the target's p rows follow every verdict (pipeline/ensemble.py).
+        # What drafts (Method.draft): the draft model fed the kept video, or TABED's ensemble of views; and, when
+        # TABED's distance needs them, the target's p rows follow every verdict (pipeline/ensemble.py).
+        self.proposer = TabedProposer(draft, cfg.tabed_settings) if drafts_from == "views" else ModelProposer(draft)
+        self.kind = drafts_from
         self.target_probs = verdicts_carry_target_probs(drafts_from, cfg.tabed_settings, cfg.decoding.temperature)
-        self.batch = BatchedCache(draft)
         self.rows: dict[str, DraftRow] = {}
         self.waiting: dict[str, tuple[JobStart, SequenceEmbeddings | None]] = {}  # vision done, kept set not yet
         # Kept sets that arrived before their JobStart: the pruner's messages and the target's travel on separate
         # connections, ordered each on its own only, so the pruner's answer can overtake the target's JobStart.
         self.early: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.finished: set[str] = set()  # items ended by the target: a kept set arriving now is dropped
-        self.step_s = 0.0  # running mean of one batched step: T_q(B), sent with every chunk (pipeline/window.py)
+        self.step_s = 0.0  # running mean of one batched step: T_q(B), sent with every chunk (pipeline/cost.py)
         self.steps = 0
         self.stopped = False
 
@@ -110,7 +101,7 @@ class DraftWorker:
             self.link.send("target", Shutdown("draft: done"))
         elif isinstance(msg, JobStart):
             self.on_job(msg)
-        elif isinstance(msg, TensorAnnounce) and msg.tag.startswith("keep:"):
+        elif isinstance(msg, TensorAnnounce) and msg.tag == "keep":
             self.on_keep(msg)
         elif isinstance(msg, VerifyResult):
             self.on_verdict(msg)
@@ -144,7 +135,7 @@ class DraftWorker:
     def on_keep(self, announce: TensorAnnounce) -> None:
         """The pruner's kept indices: the item's pruned prefill becomes a row of the batch."""
         keep, grid = self.link.recv_tensors(announce)
-        item_id = announce.tag[len("keep:"):]
+        item_id = announce.item_id
         if item_id in self.finished:
             return
         if item_id not in self.waiting:
@@ -164,14 +155,9 @@ class DraftWorker:
         dec = self.cfg.decoding
         machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
         gen = torch.Generator().manual_seed(dec.seed + job.seed + 1)  # as the batch-1 draft role seeds it
-        with span("prefill", item=item_id, kept=int(keep.numel()), draft="views" if self.tabed else "pruned_input"):
-            if self.tabed:
-                views = TabedDrafter(self.draft, emb, keep, self.cfg.tabed_settings, job.gamma)
-                self.rows[item_id] = DraftRow(job, machine, CacheCursor(views.length), gen, None, views=views)
-                return
-            pre = self.draft.prefill(emb, keep=keep)
-        self.rows[item_id] = DraftRow(job, machine, CacheCursor(pre.state.length), gen, pre.logits)
-        self.batch.join(item_id, pre.state)
+        with span("prefill", item=item_id, kept=int(keep.numel()), draft=self.kind):
+            length = self.proposer.admit(item_id, emb, keep, job.gamma)
+        self.rows[item_id] = DraftRow(job, machine, CacheCursor(length), gen)
 
     def on_verdict(self, v: VerifyResult) -> None:
         # TABED's p rows are on the wire after every verdict (pipeline/ensemble.py)
@@ -181,32 +167,26 @@ class DraftWorker:
             return  # the tail of an item that has left
         machine = row.machine
         dec = self.cfg.decoding
-        if row.views is not None and v.epoch >= machine.epoch:  # the verified positions label the views
+        if v.epoch >= machine.epoch:  # the verified positions and their labels (TABED weighs its views by them)
             labels = machine.sequence[v.start : v.start + v.num_accepted]
-            row.views.observe(v.start, labels + ([v.next_token] if v.rollback else []), target_probs)
+            self.proposer.observe(v.item_id, v.start, labels + ([v.next_token] if v.rollback else []), target_probs)
         if v.gamma and v.gamma != machine.gamma:  # the target re-matched the window (gamma auto)
             machine.set_gamma(v.gamma, dec.lookahead_for(v.gamma))
-            if row.views is not None:  # its drafting blocks are windows too
-                row.views.gamma = v.gamma
+            self.proposer.set_gamma(v.item_id, v.gamma)
         if machine.on_verdict(v.epoch, v.committed_len, v.next_token, v.rollback, Mode(v.mode)):
             mark("rollback", item=v.item_id, epoch=v.epoch, committed=v.committed_len)
             length, _ = row.cursor.sync(machine.sequence)  # the next step feeds what the cache lacks
-            if row.views is not None:
-                row.views.forget_from(v.committed_len - 1)
-                row.views.rollback(length)
-            else:
-                self.batch.rollback(v.item_id, length)
-            row.last = None  # the target's token replaced the rejected one: the cache lacks it
+            self.proposer.forget_from(v.item_id, v.committed_len - 1)
+            self.proposer.rollback(v.item_id, length)
 
     def on_item_done(self, msg: ItemDone) -> None:
         self.waiting.pop(msg.item_id, None)
         self.early.pop(msg.item_id, None)
         self.finished.add(msg.item_id)
-        row = self.rows.pop(msg.item_id, None)
-        if row is not None and row.views is not None:  # w* of every block: how the views were weighed
-            log.info("tabed_weights", item=msg.item_id, views=list(row.views.cfg.views), blocks=row.views.weight_log)
-        elif row is not None:
-            self.batch.leave(msg.item_id)
+        if self.rows.pop(msg.item_id, None) is not None:
+            weights = self.proposer.leave(msg.item_id)
+            if weights is not None:  # w* of every block: how TABED's views were weighed
+                log.info("tabed_weights", item=msg.item_id, views=list(self.cfg.tabed_settings.views), blocks=weights)
 
     # ---- work ---------------------------------------------------------------------------------------
 
@@ -216,15 +196,9 @@ class DraftWorker:
         temperature = self.cfg.decoding.temperature
         proposed = 0
         for item_id, row in self.rows.items():
-            if row.can_propose():
+            if self._can_propose(item_id, row):
                 pos = len(row.machine.sequence)
-                if row.views is not None:
-                    token, q = row.views.propose(pos, temperature, row.gen)
-                elif temperature == 0.0:
-                    token, q = int(row.last.argmax()), None
-                else:
-                    q = probs_from_logits(row.last, temperature)
-                    token = sample(q, row.gen)
+                token, q = self.proposer.propose(item_id, pos, temperature, row.gen)
                 if q is not None:
                     row.probs[pos] = q
                 row.machine.record_proposal(token)
@@ -235,27 +209,21 @@ class DraftWorker:
             length, pending = row.cursor.sync(row.machine.sequence)
             if not pending or row.stopped():  # a finished row's last proposal is never fed (as sd.draft_chunk)
                 continue
-            if row.views is not None:  # its own forward, over its views (rolled back in on_verdict)
-                with span("draft_step", items=[item_id], rows=len(pending), views=row.views.batch.num_views):
-                    row.views.feed(pending)
-                row.cursor.feed(pending)
-                proposed += 1
-            else:
-                self.batch.rollback(item_id, length)
-                feed[item_id] = pending
+            self.proposer.rollback(item_id, length)
+            feed[item_id] = pending
         if not feed:
             return proposed > 0
-        t0 = settled_clock(self.draft.device)
         with span("draft_step", items=list(feed), rows=sum(len(t) for t in feed.values())):
-            logits = self.batch.step(feed)
-            dt = settled_clock(self.draft.device) - t0  # the span, too, times the forward and not its launch
-        for item_id, rows in logits.items():
-            row = self.rows[item_id]
-            row.cursor.feed(feed[item_id])
-            row.last = rows[-1].clone()  # a copy: a view would keep the whole step's (B, k, V) logits alive
+            _, dt = self.proposer.feed(feed)  # the span, too, times the forward and not its launch
+        for item_id, pending in feed.items():
+            self.rows[item_id].cursor.feed(pending)
         self.step_s = running_mean(self.step_s or None, dt)  # 0.0: nothing measured yet
         self.steps += 1
         return True
+
+    def _can_propose(self, item_id: str, row: DraftRow) -> bool:
+        return (self.proposer.ready(item_id) and len(row.cursor.fed) == len(row.machine.sequence)
+                and row.machine.may_draft() and not row.stopped())
 
     def _send_ready(self, item_id: str, row: DraftRow) -> None:
         machine = row.machine

@@ -40,7 +40,8 @@ class Link(Protocol):
 
     def send(self, dst: str, msg: Message) -> None: ...
 
-    def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> Pending: ...
+    def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0, item_id: str = "",
+                     names: Sequence[str] = ()) -> Pending: ...
 
     def poll(self, src: str | None = None, timeout_s: float = 0.0) -> bool:
         """Whether a message from `src` (any role if None) is ready, waiting up to `timeout_s` for one."""
@@ -75,8 +76,9 @@ class RankLink:
     def send(self, dst: str, msg: Message) -> None:
         self.ctx.send(dst, msg)
 
-    def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> Pending:
-        return self.ctx.tensors.send(self.ctx.ranks[dst], tensors, tag=tag, epoch=epoch)
+    def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0, item_id: str = "",
+                     names: Sequence[str] = ()) -> Pending:
+        return self.ctx.tensors.send(self.ctx.ranks[dst], tensors, tag=tag, epoch=epoch, item_id=item_id, names=names)
 
     def poll(self, src: str | None = None, timeout_s: float = 0.0) -> bool:
         return self.ctx.ctrl.poll(timeout_s, src=None if src is None else self.ctx.ranks[src])
@@ -128,11 +130,12 @@ class MemoryLink:
         self.hub.inbox[dst].append((self.role, encode(msg)))
         self.hub.sent += 1
 
-    def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0) -> Pending:
+    def send_tensors(self, dst: str, tensors: Sequence[torch.Tensor], tag: str, epoch: int = 0, item_id: str = "",
+                     names: Sequence[str] = ()) -> Pending:
         wire = [t.detach().clone().contiguous() for t in tensors]
         self.send(dst, TensorAnnounce(tag=tag, shapes=[list(t.shape) for t in wire],
                                       dtypes=[dtype_name(t.dtype) for t in wire], src=self.hub.rank[self.role],
-                                      epoch=epoch, devices=["cpu"] * len(wire)))
+                                      epoch=epoch, devices=["cpu"] * len(wire), item_id=item_id, names=list(names)))
         self.hub.tensors.setdefault((self.role, dst), deque()).append(wire)
         return _Sent()
 

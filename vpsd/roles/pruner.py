@@ -1,7 +1,8 @@
 """The pruner role: turns the target's signals into kept video-token indices for the draft.
 
 Loop: JobStart (from the target) -> signals announced by the target -> strategy.select -> kept
-indices sent to the draft (with the target's token grid, which the draft checks) -> a KeepIndices report (the count) to the target. The target streams the
+indices sent to the draft (with the target's token grid, which the draft checks) -> a KeepIndices report (the
+count) to the target. The target streams the
 signals from inside its prefill (right after layer L), so this runs while the target is still
 prefilling and the draft's pruned prefill overlaps the target's full one (synchronous draft-target
 prefill). Before anything leaves, the kept set is checked against the contract of
@@ -57,7 +58,7 @@ class PrunerWorker:
     def on_signals(self, announce: TensorAnnounce) -> None:
         job, self.job = self.job, None
         tensors = self.link.recv_tensors(announce)
-        signals, layout = unpack(announce.tag, tensors)
+        signals, layout = unpack(announce.names, tensors)
         cfg = self.cfg
         ratio = cfg.applied_ratio
         with span("prune", item=job.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
@@ -70,7 +71,7 @@ class PrunerWorker:
         with span("send", item=job.item_id, what="keep"):
             # With the target's token grid, which the draft checks its own against.
             grid = torch.tensor(layout.grid, dtype=torch.long)
-            self.link.send_tensors("draft", [keep, grid], tag=f"keep:{job.item_id}").wait()
+            self.link.send_tensors("draft", [keep, grid], tag="keep", item_id=job.item_id).wait()
         self.link.send("target", KeepIndices(job.item_id, int(keep.numel())))
         if self.out is not None:
             append_kept(self.out, KeptRecord(job.item_id, cfg.strategy, ratio, keep, layout))

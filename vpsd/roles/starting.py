@@ -1,42 +1,23 @@
-"""How the target starts an item (roles/target.py), one at a time or in a batch, on the role's thread or ahead: the
-item as the launcher hands it over, the JobStart the draft and the pruner are told, and the full prefill that
-streams the pruner its signals."""
+"""How the target starts an item with its draft on its own rank (roles/target.py), on the engine's thread or ahead:
+the JobStart the draft and the pruner are told, and the full prefill that streams the pruner its signals."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
 from vpsd.config import PruningConfig
+from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.prompt import ControlText
 from vpsd.models.signals import prefill_for_strategy, signals_needed
 from vpsd.pipeline.messages import JobStart
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.link import Link
-from vpsd.roles.signals_wire import pack
+from vpsd.roles.signals_wire import TAG, pack
 from vpsd.tracing import span
 
 
-@dataclass
-class WorkItem:
-    """One manifest item as the target needs it (the launcher builds these, video already read)."""
-
-    id: str
-    prompt: str
-    max_new_tokens: int
-    frames: np.ndarray  # (T, H, W, 3) uint8, read, scaled and fitted to the context by the launcher
-    # How the draft reads the same frames, and the next item's so it can read that one ahead
-    # (vpsd.video.item.FrameRequest.to_wire; see vpsd.video.prefetch).
-    video: dict = field(default_factory=dict)
-    next_video: dict | None = None
-    extra: dict = field(default_factory=dict)
-    frame_times: np.ndarray | None = None  # (T,) seconds each frame was taken (None: the family's default rate)
-
-
-def job_start(job_id: str, item: WorkItem, seed: int, gamma: int, target: VideoLMAdapter) -> JobStart:
+def job_start(job_id: str, item: Request, seed: int, gamma: int, target: VideoLMAdapter) -> JobStart:
     """What the draft and the pruner are told of a new item: how to read its video (and the next one's, to
     read ahead), its prompt, its budget and the target's EOS set, the window to draft with."""
     return JobStart(job_id=job_id, item_id=item.id, seed=seed, max_new_tokens=item.max_new_tokens, gamma=gamma,
@@ -62,9 +43,9 @@ def prefill_streaming_signals(link: Link, cfg: PruningConfig, target: VideoLMAda
     in_flight = []
 
     def send(measured: dict[str, torch.Tensor]) -> None:
-        tag, tensors = pack({**base, **measured}, emb.layout)
+        names, tensors = pack({**base, **measured}, emb.layout)
         with span("send", item=item_id, what="signals"):
-            in_flight.append(link.send_tensors("pruner", tensors, tag=tag))
+            in_flight.append(link.send_tensors("pruner", tensors, tag=TAG, item_id=item_id, names=names))
 
     attention, hidden = signals_needed(cfg)
     if not (attention or hidden):
@@ -84,17 +65,18 @@ class HeldSignals:
     little latency, never the batch a round."""
 
     def __init__(self) -> None:
-        self.held: list[tuple[str, list[torch.Tensor]]] = []
+        self.held: list[dict] = []
 
-    def send_tensors(self, dst: str, tensors, tag: str, epoch: int = 0) -> "HeldSignals":
-        self.held.append((tag, list(tensors)))
+    def send_tensors(self, dst: str, tensors, tag: str, epoch: int = 0, item_id: str = "",
+                     names=()) -> "HeldSignals":
+        self.held.append({"tensors": list(tensors), "tag": tag, "item_id": item_id, "names": list(names)})
         return self
 
     def wait(self, timeout_s: float | None = None) -> None:
         pass  # nothing is on the wire yet
 
     def release(self, link: Link, timeout_s: float) -> None:
-        handles = [link.send_tensors("pruner", tensors, tag=tag) for tag, tensors in self.held]
+        handles = [link.send_tensors("pruner", **held) for held in self.held]
         for handle in handles:
             handle.wait(timeout_s)
         self.held.clear()

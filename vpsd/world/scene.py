@@ -51,7 +51,7 @@ DIRECTIONS: dict[str, tuple[float, float]] = {"left": (-1, 0), "right": (1, 0), 
 EventKind = Literal["appears", "disappears", "leaves", "turns"]
 EVENT_KINDS: tuple[EventKind, ...] = ("appears", "disappears", "leaves", "turns")
 
-# Centres snap to this many pixels (the world model's vision patch side, vpsd.world.train.VISION).
+# Centres snap to this many pixels (the world model's vision patch side, training.world_short.VISION).
 LATTICE = 7
 # Keeps objects off the frame border, and labelled positions off the lines between quadrants, so a location
 # word is never a coin flip between two cells: an appearing object is first sampled up to 2 frames after

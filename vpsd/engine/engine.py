@@ -1,0 +1,262 @@
+"""The engine: one target, up to N requests in flight, any drafter (or none), one round at a time.
+
+Every method that drafts a chain runs here, at any batch size, with its draft in this process or on its own
+rank (`Drafter`, engine/drafter.py); `ar` is the same engine with no drafter. A request is prefilled (on any
+thread), joins the target's `BatchedCache` (its first token drawn from the prefill's logits, as its batch-1
+decoder draws it), and from then on every round is
+
+    1. proposals: the drafter's windows for the drafted requests (a local drafter drafts them now; a remote
+       one hands over the chunks that arrived); a plain request's proposal is its next token alone;
+    2. ONE target forward: each request feeds the committed tokens its cache lacks and its window
+       (`CacheCursor.verify_feed`; ragged rows padded with holes), the rows that score each window cut out
+       (`window_rows`, with the row the request held from the last round when the window starts there);
+    3. commit (`commit_window`, the one rule for every place and batch size): `verify_chunk` (greedy, or
+       the speculative-sampling rule on the request's own random stream) and the request's `TargetMachine`
+       decide what is committed; the verdict goes to the drafter;
+    4. the requests that are done (budget, EOS) or failed leave; their results are final.
+
+The window: a local drafter's rounds take the serial window (draft and target take turns: goodput per round,
+falling back to plain batched steps where speculation does not pay), a remote drafter's the parallel one
+(Eq. 6 / Theorem 6: the draft runs beside the target); both read one cost model (pipeline/cost.py). With one
+request in flight every forward is the batch-1 forward itself (models/batch.py), so the engine at --batch 1
+is each method's batch-1 decoder, bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from vpsd.config import RunConfig
+from vpsd.engine.drafter import Drafter, Proposal
+from vpsd.engine.report import EngineReport
+from vpsd.engine.request import Request
+from vpsd.models.base import VideoLMAdapter
+from vpsd.models.batch import BatchedCache
+from vpsd.models.timing import settled_clock
+from vpsd.pipeline.cost import ParallelWindow, SerialWindow
+from vpsd.pipeline.drafting_policy import ItemMeans
+from vpsd.pipeline.sampling import next_token
+from vpsd.pipeline.state_machine import TargetMachine
+from vpsd.pipeline.verification import verify_chunk, window_rows
+from vpsd.tracing import get_logger, record_span, span
+
+log = get_logger()
+
+
+class EngineFailure(RuntimeError):
+    """The target's cache and a request's committed tokens disagree: a bug, never an item's fault."""
+
+
+class Engine:
+    def __init__(self, target: VideoLMAdapter, cfg: RunConfig, size: int, drafter: Drafter | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"batch size must be >= 1, got {size}")
+        self.target, self.cfg, self.size, self.drafter = target, cfg, size, drafter
+        dec = cfg.decoding
+        self.parallel = drafter is not None and drafter.streams_signals
+        if self.parallel:
+            self.window: SerialWindow | ParallelWindow = dec.parallel_window()
+        else:  # one item at a time, draft and target taking turns: serial SD with the baselines' window
+            self.window = dec.serial_window(fixed=size == 1)
+        self.batch = BatchedCache(target)
+        self.requests: dict[str, Request] = {}
+        self.means = ItemMeans()
+        self.report = EngineReport(size=size, pipelined=self.parallel)
+        self.eos = frozenset(target.eos_token_ids)
+        self.lock = threading.Lock()  # the drafting decision is asked from the prefill thread too
+
+    @property
+    def full(self) -> bool:
+        return len(self.requests) >= self.size
+
+    # ---- a request's start -------------------------------------------------------------------------
+
+    def prefill(self, request: Request, on_engine_thread: bool) -> Request:
+        """The request's vision and full prefill (and the drafter's side of its start, when drafted), on any
+        thread; `join` it on the engine's. `on_engine_thread`: a remote drafter streams the pruner its signals
+        from inside the prefill; elsewhere they are held until the join. Raises ValueError (or a VideoError)
+        for an item that cannot be decoded."""
+        t0, request.started = time.perf_counter(), time.time()
+        inputs, request.inputs = request.inputs, None
+        if inputs is None:
+            inputs = self.target.prepare(request.frames, request.prompt, request.frame_times)
+        drafted = request.drafted and self.drafter is not None
+        if drafted and on_engine_thread:
+            self.drafter.start(request, self._gamma_now())  # the draft reads and embeds the video meanwhile
+        try:
+            with span("vision", item=request.id):
+                emb = self.target.embed(inputs)
+            request.num_video_tokens = emb.layout.num_tokens
+            with span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted):
+                request.prefill = (self.drafter.prefill(request, emb, on_engine_thread) if drafted
+                                   else self.target.prefill(emb))
+        except ValueError as e:
+            if drafted and on_engine_thread:
+                self.drafter.finish(request, str(e))  # it was announced: the draft's side lets it go
+            raise
+        request.prefill_s = time.perf_counter() - t0
+        if request.draft_prefill_s is not None:
+            with self.lock:
+                self.means.observe_draft_prefill(request.draft_prefill_s)
+        return request
+
+    def join(self, request: Request) -> Request | None:
+        """The prefilled request joins the batch; returns it when its first token already ends it (it never
+        joined), else None."""
+        pre, request.prefill = request.prefill, None
+        drafted = request.drafted and self.drafter is not None
+        machine = TargetMachine(request.max_new_tokens, self.eos, item_id=request.id, defer_bonus=self.parallel)
+        gen = torch.Generator().manual_seed(int(self.cfg.decoding.seed))
+        if drafted and self.parallel:  # the draft proposes the first token; the prefill's row verifies it
+            request.kept_row = pre.logits
+        else:  # drawn from the prefill's row, as the item's batch-1 decoder draws it
+            machine.committed.append(next_token(pre.logits, self.cfg.decoding.temperature, gen))
+            machine.holds_next_row = False
+        if not drafted:
+            request.stats.record(0, 0)  # as decode_ar counts its first token
+            self.report.plain_items += self.drafter is not None
+        request.start_decoding(machine, pre.state.length, gen, self.report.rounds)
+        if request.done:  # a first token that ends it (EOS, or a budget of one)
+            self._trace_item(request)
+            return request
+        if drafted:
+            self.drafter.join(request, self._gamma_now())
+        self.requests[request.id] = request
+        self.batch.join(request.id, pre.state)
+        log.info("item_admitted", item=request.id, in_flight=len(self.requests), drafted=request.drafted,
+                 need_mib=request.kv_bytes / 2**20)
+        return None
+
+    def _gamma_now(self) -> int:
+        """The window a request starts drafting with (a local drafter is told each round's instead)."""
+        return self.window.gamma if self.parallel else 0
+
+    # ---- one round ----------------------------------------------------------------------------------
+
+    def round(self) -> tuple[bool, list[Request]]:
+        """One round over the requests in flight (module docstring). Returns whether a forward ran, and the
+        requests that left (`request.error` set for a failed one)."""
+        proposals, plain = self._proposals()
+        ran = bool(proposals or plain)
+        if ran:
+            self._verify(proposals, plain)
+        left = []
+        for r in [r for r in self.requests.values() if r.done or self._error(r)]:
+            left.append(self._leave(r))
+        return ran, left
+
+    def _proposals(self) -> tuple[dict[str, Proposal], list[Request]]:
+        plain = [r for r in self.requests.values() if not (r.drafted and self.drafter is not None)]
+        drafted = [r for r in self.requests.values() if r.drafted and self.drafter is not None and not self._error(r)]
+        if self.drafter is None or not drafted:
+            return {}, plain
+        if self.parallel:
+            self.window.batch = len(self.requests)  # T_p is read at the rows the round's forward carries
+            gamma = self.window.gamma
+        else:
+            gamma = self.window.gamma(len(self.requests), len(drafted))
+        if gamma == 0:  # a plain batched round: every request commits one token
+            return {}, plain + drafted
+        proposals = self.drafter.proposals(drafted, gamma)
+        if (step := self.drafter.draft_step()) is not None:
+            self._observe_draft_step(*step)
+        if not self.parallel:  # a request whose budget leaves no room for a window takes a plain step
+            plain += [r for r in drafted if r.id not in proposals]
+        return proposals, plain
+
+    def _verify(self, proposals: dict[str, Proposal], plain: list[Request]) -> None:
+        feed, first = {}, {}
+        for r in plain:
+            length, feed[r.id], first[r.id] = r.cursor.verify_feed(r.committed, [])
+            self.batch.rollback(r.id, length)
+        for rid, p in proposals.items():
+            r = self.requests[rid]
+            length, feed[rid], first[rid] = r.cursor.verify_feed(r.committed, p.token_ids)
+            if r.machine.holds_next_row != (first[rid] < 0):
+                raise EngineFailure(f"the target's cache of item {rid} disagrees with its committed tokens")
+            self.batch.rollback(rid, length)
+        rows = max(len(t) for t in feed.values())
+        gamma = max((p.gamma for p in proposals.values()), default=0)
+        with span("verify", round=self.report.rounds, items=list(feed), tokens=sum(map(len, feed.values())),
+                  rows=rows, gamma=gamma) as fields:
+            t0 = settled_clock(self.target.device)
+            logits = (self.batch.step_rowwise if self.cfg.decoding.exact_verify else self.batch.step)(feed)
+            seconds = settled_clock(self.target.device) - t0
+            self._observe_verify(len(feed), rows, seconds)
+            outcome = [self._commit_plain(r, logits[r.id]) for r in plain]
+            outcome += [self._commit_window(self.requests[rid], p, logits[rid], first[rid]) for rid, p in proposals.items()]
+            # Per row, in the order of `items`: what reports/acceptance.py reads.
+            names = ("drafted", "accepted", "committed", "mode", "start")
+            fields.update({name: list(col) for name, col in zip(names, zip(*outcome))})
+        self.report.observe_round(len(feed), gamma, seconds)
+
+    def _observe_verify(self, batch: int, rows: int, seconds: float) -> None:
+        if self.parallel:
+            self.window.observe_verify(rows, seconds)
+        else:
+            self.window.cost.observe_verify(batch * rows, seconds)
+
+    def _observe_draft_step(self, rows: int, seconds: float) -> None:
+        if self.parallel:
+            self.window.observe_draft_step(seconds)
+        else:
+            self.window.cost.observe_draft_step(rows, seconds)
+        self.report.t_q_s = self.window.cost.t_q(rows)
+
+    def _observe_window(self, accepted: int, drafted: int) -> None:
+        if self.parallel:
+            self.window.observe_round(accepted, drafted)
+        else:
+            self.window.cost.observe_round(accepted, drafted)
+        self.report.observe_window(accepted, accepted == drafted)
+
+    def _commit_plain(self, r: Request, logits: torch.Tensor) -> tuple:
+        """A plain step: the next token from the last row, drawn as `ar` draws it."""
+        r.machine.committed.append(next_token(logits[-1], self.cfg.decoding.temperature, r.gen))
+        r.machine.holds_next_row = False
+        r.kept_row = None
+        r.stats.record(0, 0)
+        return 0, 0, 1, None, None
+
+    def _commit_window(self, r: Request, p: Proposal, logits: torch.Tensor, first: int) -> tuple:
+        """Verifies one request's window on its rows and commits what its batch-1 run would; the verdict goes to
+        the drafter. Returns (drafted, accepted, committed) tokens, the mode it was verified in, its start."""
+        mode = r.machine.mode.value
+        rows = window_rows(logits, first, r.kept_row)
+        v = verify_chunk(p.token_ids, p.q, rows, self.cfg.decoding.temperature, r.gen)
+        self._observe_window(v.num_accepted, v.num_drafted)
+        before = len(r.committed)
+        pre_verify, gamma = (self.window.pre_verify(), self.window.gamma) if self.parallel else (True, 0)
+        verdict = r.machine.on_verified(p.token_ids, v.num_accepted, v.next_token, pre_verify, gamma)
+        r.kept_row = rows[-1].clone() if r.machine.holds_next_row else None  # not a view of the round's logits
+        r.stats.record(v.num_accepted, v.num_drafted, verdict.committed_len - before)
+        r.stats.rollbacks += int(verdict.rollback)
+        r.windows.append(p.gamma)
+        self.drafter.verified(r, verdict, rows)
+        return v.num_drafted, v.num_accepted, verdict.committed_len - before, mode, p.start
+
+    def _error(self, r: Request) -> str | None:
+        if r.error is None and r.drafted and self.drafter is not None:
+            r.error = self.drafter.error(r)
+        return r.error
+
+    def _leave(self, r: Request) -> Request:
+        del self.requests[r.id]
+        self.batch.leave(r.id)
+        drafted = r.drafted and self.drafter is not None
+        if drafted:
+            self.drafter.finish(r, r.error)
+        if r.error is None:
+            with self.lock:
+                self.means.observe_item(drafted, len(r.committed), time.perf_counter() - r.decode_start,
+                                        self.report.rounds - r.joined_round)
+            self.report.drafted_rate = self.means.drafted_rate
+        self._trace_item(r)
+        return r
+
+    def _trace_item(self, r: Request) -> None:
+        """The item's span on the timeline: from its prefill's start to its last round."""
+        record_span("item", r.started, time.time() - r.started, item=r.id, drafted=r.drafted, error=r.error)

@@ -1,0 +1,106 @@
+"""The draft model in the target's process: draft and target take turns on the same rank.
+
+Asked for windows, it drafts them now: each request's draft row is first brought in line with what the
+request committed (its `CacheCursor`, a per-row rollback), then every row proposes its next token from one
+batched forward per token (`ModelProposer`), until each has its window (never past its max_new_tokens). An
+item's draft side starts with the target's prefill: the signals its strategy reads, the kept video tokens,
+the draft's vision and its pruned prefill (`prefill_pair`, the serial reference's own), on whatever thread
+prefills the item; its row joins the draft's batch with the request. Each request drafts from its own
+random stream, seeded as its batch-1 run seeds it (`seed + 1`), so a sampled item's tokens never depend on
+the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vpsd.config import DecodingConfig, PruningConfig
+from vpsd.decoders.keep import keep_policy_for
+from vpsd.decoders.sd import prefill_pair
+from vpsd.engine.drafter import Proposal
+from vpsd.engine.proposers import ModelProposer
+from vpsd.engine.request import Request
+from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.messages import VerifyResult
+from vpsd.tracing import span
+
+
+class LocalDrafter:
+    streams_signals = False
+
+    def __init__(self, target: VideoLMAdapter, draft: VideoLMAdapter, decoding: DecodingConfig,
+                 pruning: PruningConfig, parallel_signals: bool = False) -> None:
+        """parallel_signals: prune from the layers a parallel method's pipeline streams, so hippo here keeps
+        exactly the video tokens hippo through the ranks keeps."""
+        self.target, self.draft, self.decoding, self.pruning = target, draft, decoding, pruning
+        self.parallel_signals = parallel_signals
+        self.keep_policy = keep_policy_for(pruning, target.family)
+        self.proposer = ModelProposer(draft)
+        self.cursors: dict[str, CacheCursor] = {}
+        self.gens: dict[str, torch.Generator] = {}
+        self._step: tuple[int, float] | None = None
+
+    def start(self, request: Request, gamma: int) -> None:
+        pass
+
+    def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
+        pair = prefill_pair(self.target, self.draft, request.frames, request.prompt, self.keep_policy, self.pruning,
+                            request.frame_times, target_emb=emb, parallel_signals=self.parallel_signals)
+        request.draft_handle = pair.draft
+        request.num_kept, request.kept, request.layout = pair.num_kept, pair.kept_indices(), emb.layout
+        request.draft_prefill_s = pair.draft_s
+        return pair.target
+
+    def join(self, request: Request, gamma: int) -> None:
+        pre, request.draft_handle = request.draft_handle, None
+        self.cursors[request.id] = CacheCursor(self.proposer.join(request.id, pre))
+        self.gens[request.id] = torch.Generator().manual_seed(self.decoding.seed + 1)
+
+    def proposals(self, requests: list[Request], gamma: int) -> dict[str, Proposal]:
+        windows = {r.id: max(0, min(gamma, r.max_new_tokens - len(r.committed) - 1)) for r in requests}
+        active = {r.id: r for r in requests if windows[r.id] > 0}
+        if not active:
+            return {}
+        feed = {}
+        for item, r in active.items():
+            length, feed[item] = self.cursors[item].sync(r.committed)
+            self.proposer.rollback(item, length)
+        tokens: dict[str, list[int]] = {item: [] for item in active}
+        probs: dict[str, list[torch.Tensor]] = {item: [] for item in active}
+        steps, spent = 0, 0.0
+        with span("draft", items=list(active), gamma=gamma):
+            while feed:
+                _, dt = self.proposer.feed(feed)
+                steps, spent = steps + 1, spent + dt
+                for item, pending in feed.items():
+                    self.cursors[item].feed(pending)
+                feed = {}
+                for item in active:
+                    if len(tokens[item]) >= windows[item]:
+                        continue
+                    token, q = self.proposer.propose(item, 0, self.decoding.temperature, self.gens[item])
+                    tokens[item].append(token)
+                    if q is not None:
+                        probs[item].append(q)
+                    if len(tokens[item]) < windows[item]:  # the last proposal is never fed (sd.draft_chunk)
+                        feed[item] = [token]
+        self._step = (len(active), spent / steps)
+        return {item: Proposal(tokens[item], torch.stack(probs[item]) if probs[item] else None,
+                               len(r.committed), gamma) for item, r in active.items()}
+
+    def verified(self, request: Request, verdict: VerifyResult, target_rows: torch.Tensor) -> None:
+        pass  # the next proposals bring the row in line with what was committed
+
+    def error(self, request: Request) -> str | None:
+        return None
+
+    def finish(self, request: Request, error: str | None) -> None:
+        if request.id in self.cursors:
+            del self.cursors[request.id], self.gens[request.id]
+            self.proposer.leave(request.id)
+
+    def draft_step(self) -> tuple[int, float] | None:
+        step, self._step = self._step, None
+        return step
+

@@ -1,0 +1,130 @@
+"""The next items, read (and at batch > 1 prefilled) ahead on a thread of their own, in manifest order.
+
+The thread is pinned to the draft's cores when the config pins roles: where the draft runs in the target's
+process those cores are free, and a pipelined batch's draft rank leaves them mostly idle between its short
+forwards. So a joining item costs the batch its join, not its vision and prefill. Two items more than the free
+slots are prepared, so a slot that frees is taken at once. While the batch is under half full the decode thread
+prefills too (`steal_if_thin`): it drains its batch faster than one thread can prefill when speculation makes
+decoding cheap, and a half-empty batch wastes the forwards it runs. A thread that must wait for the next item
+(nothing is decoding: the job's start) prefills a later one meanwhile. Once every prefill of the job has run
+(the manifest's tail), the thread's cores may go to the decode thread's forwards (`lend_cores_when_drained`)
+until `close`. `prepare(item, next item)` runs on either thread and must not touch the transport.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+
+from vpsd.video.errors import VideoError
+
+T = TypeVar("T")
+
+
+def _pin_thread(cpus: list[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # this thread only
+    # Below the roles in priority: on the draft's cores a pipelined batch's draft must answer a verdict at once
+    # (a late chunk costs its item a round), and a prefill loses nothing by yielding for a few ms.
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+class PrefillAhead(Generic[T]):
+    def __init__(self, todo: list[T], size: int, prepare: Callable[[T, T | None], Any], cpus: list[int] | None) -> None:
+        self.queue, self.size, self.prepare, self.cpus = list(todo), size, prepare, cpus
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(cpus,))
+        self.ahead: deque[tuple[T, Future]] = deque()
+        self.stolen_s = 0.0  # time the decode thread spent preparing
+        self.lent: tuple[set[int], int] | None = None  # the decode thread's own cores and threads, while lent
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue or self.ahead)
+
+    @property
+    def drained(self) -> bool:
+        """Every prepare of the job has run: the thread has nothing left to do."""
+        return not self.queue and all(future.done() for _, future in self.ahead)
+
+    def lend_cores_when_drained(self) -> int | None:
+        """At the manifest's tail the prefill thread's core idles while the last items decode (9-20% of a 32-item
+        job's wall at B = 8-16 on the scaled default). Once drained, the calling (decode) thread takes those cores
+        and one intra-op thread each, so its forwards run on both (the scaled target's forward at B = 8 runs
+        1.3-1.6x faster on two cores here; the results are bitwise those of one thread,
+        tests/test_batch_units.py). Returns the intra-op threads now, once; else None. Call it only where the
+        prefill cores are otherwise idle (the draft runs in this process), not where a draft rank works on them."""
+        if self.lent is not None or not self.drained:
+            return None
+        mine = os.sched_getaffinity(0)
+        threads = torch.get_num_threads()
+        self.lent = (mine, threads)
+        if self.cpus:
+            cores = mine | set(self.cpus)
+            os.sched_setaffinity(0, cores)  # this thread; the intra-op threads it starts now inherit it
+            extra = len(cores) - len(mine)
+        else:
+            extra = 1  # unpinned: the prefill thread ran one thread's worth wherever there was room
+        torch.set_num_threads(threads + extra)
+        return torch.get_num_threads()
+
+    def top_up(self, in_flight: int) -> None:
+        while self.queue and len(self.ahead) < self.size - in_flight + 2:
+            it = self.queue.pop(0)
+            self.ahead.append((it, self.pool.submit(self.prepare, it, self.queue[0] if self.queue else None)))
+
+    def next_ready(self, block: bool) -> tuple[T, Any] | None:
+        """The next item in order and what `prepare` returned, if it is done (or `block`: nothing is decoding,
+        so wait for it, preparing a later item on this thread meanwhile). An item that failed (VideoError,
+        ValueError) comes with its error instead, and is taken off the queue; a prepared one stays first until
+        `pop`."""
+        if not (self.ahead and (block or self.ahead[0][1].done())):
+            return None
+        if block and not self.ahead[0][1].done():
+            self._steal()
+        it, future = self.ahead[0]
+        try:
+            return it, future.result()
+        except (VideoError, ValueError) as e:
+            self.pop()
+            return it, e
+
+    def pop(self) -> None:
+        self.ahead.popleft()
+
+    def steal_if_thin(self, in_flight: int) -> bool:
+        """Runs on this thread the last queued prepare that has not started, when the batch is under half full and
+        the next item is not ready; True when it did. False when every one left has started or finished (the
+        manifest's tail): the caller decodes what it has meanwhile (returning True there made the loop spin
+        without a round, holding the GIL, so the prefill it waited for ran 10-15x slower)."""
+        if not self.ahead or in_flight >= max(1, self.size // 2) or self.ahead[0][1].done():
+            return False
+        return self._steal()
+
+    def _steal(self) -> bool:
+        for i in range(len(self.ahead) - 1, -1, -1):
+            it, future = self.ahead[i]
+            if future.cancel():
+                t0 = time.perf_counter()
+                done: Future = Future()
+                try:
+                    done.set_result(self.prepare(it, self.queue[0] if self.queue else None))
+                except Exception as e:  # noqa: BLE001 - delivered where the pool's would be: future.result()
+                    done.set_exception(e)
+                self.ahead[i] = (it, done)
+                self.stolen_s += time.perf_counter() - t0
+                return True
+        return False
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        if self.lent is not None:  # the decode thread's own cores and threads again
+            mine, threads = self.lent
+            os.sched_setaffinity(0, mine)
+            torch.set_num_threads(threads)
+            self.lent = None

@@ -1,0 +1,175 @@
+"""What drafts, whatever the place it runs in: the draft model fed the kept video, or TABED's ensemble of views.
+
+A proposer holds the draft's side of every item it drafts for, by item id, and answers four questions the
+drivers ask (engine/local_drafter.py in the target's process, roles/draft.py on the draft rank):
+
+    admit(item, emb, keep, gamma)       prefill the item's draft (pruned input, or TABED's views)
+    ready(item)                         whether it holds logits for the item's next position
+    propose(item, pos, temperature, gen)   the next token from them (and its q when sampling)
+    feed({item: tokens})                append tokens to the items' caches: ONE forward for every model row
+    rollback(item, length)              crop an item's cache (nothing when it holds no more than that)
+    leave(item)
+
+and what the verdicts teach (`observe` the verified positions, `forget_from` the rejected ones, `set_gamma`
+the window): TABED weighs its views by them; the model proposer has nothing to learn. Adding a proposer
+touches no driver.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.batch import BatchedCache
+from vpsd.models.timing import settled_clock
+from vpsd.models.views import prefill_views, step_views
+from vpsd.pipeline.ensemble import AdaptiveWeights, TabedConfig, weighted_average
+from vpsd.pipeline.sampling import probs_from_logits, sample
+
+
+def draw(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """The draft's token from a logits row: the argmax, or drawn from q (returned, the target verifies with it)."""
+    if temperature == 0.0:
+        return int(logits.argmax()), None
+    q = probs_from_logits(logits, temperature)
+    return sample(q, gen), q
+
+
+class ModelProposer:
+    """Each item a row of the draft model's `BatchedCache`, prefilled on its kept video tokens; every row is
+    fed in one forward."""
+
+    def __init__(self, draft: VideoLMAdapter) -> None:
+        self.draft = draft
+        self.batch = BatchedCache(draft)
+        self.last: dict[str, torch.Tensor | None] = {}  # item -> logits row for the next position
+
+    def admit(self, item: str, emb: SequenceEmbeddings, keep: torch.Tensor | None, gamma: int) -> int:
+        return self.join(item, self.draft.prefill(emb, keep=keep))
+
+    def join(self, item: str, pre: PrefillResult) -> int:
+        """An item whose draft prefill ran elsewhere (another thread) becomes a row; returns its cache length."""
+        self.batch.join(item, pre.state)
+        self.last[item] = pre.logits
+        return pre.state.length
+
+    def ready(self, item: str) -> bool:
+        return self.last.get(item) is not None
+
+    def propose(self, item: str, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        return draw(self.last[item], temperature, gen)
+
+    def feed(self, feeds: dict[str, list[int]]) -> tuple[int, float]:
+        """One forward of every row's tokens; returns (rows, seconds) for the cost model."""
+        t0 = settled_clock(self.draft.device)  # not the joins' copies still queued on a GPU
+        logits = self.batch.step(feeds)
+        dt = settled_clock(self.draft.device) - t0
+        for item, rows in logits.items():
+            self.last[item] = rows[-1].clone()  # a copy: a view would keep the whole step's (B, k, V) logits
+        return len(feeds), dt
+
+    def rollback(self, item: str, length: int) -> None:
+        if length < self.batch.length(item):
+            self.batch.rollback(item, length)
+            self.last[item] = None  # the row for what replaces the dropped tokens comes from feeding them
+
+    def observe(self, item: str, start: int, labels: list[int], target_probs: torch.Tensor | None) -> None:
+        pass
+
+    def forget_from(self, item: str, pos: int) -> None:
+        pass
+
+    def set_gamma(self, item: str, gamma: int) -> None:
+        pass
+
+    def leave(self, item: str) -> None:
+        if self.last.pop(item, None) is not None or item in self.batch.keys:
+            self.batch.leave(item)
+
+
+class TabedProposer:
+    """TABED (Algorithm 1): each item drafts from its own batch of views of the draft model (multimodal,
+    text-only, pooled), ensembled with weights chosen once per drafting block from the verified tokens.
+
+    A block is the gamma tokens drafted after the weights were chosen; a rollback starts a new one. Each view's
+    distribution is kept per drafted position until the target's verdict turns it into a distance
+    (AdaptiveWeights.observe) or a rollback discards it. Greedy: each view's q is its softmax at temperature 1
+    (a one-hot view could not be weighed) and the token is the ensemble's argmax; sampling: views at the run's
+    temperature and the token drawn from q, which the target verifies with, so sampling stays exact whatever
+    the ensemble is."""
+
+    def __init__(self, draft: VideoLMAdapter, cfg: TabedConfig) -> None:
+        self.draft, self.cfg = draft, cfg
+        self.items: dict[str, _Views] = {}
+
+    def admit(self, item: str, emb: SequenceEmbeddings, keep: torch.Tensor | None, gamma: int) -> int:
+        views = _Views(self.draft, emb, keep, self.cfg, gamma)
+        self.items[item] = views
+        return views.batch.state.length
+
+    def ready(self, item: str) -> bool:
+        return item in self.items
+
+    def propose(self, item: str, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        return self.items[item].propose(pos, temperature, gen)
+
+    def feed(self, feeds: dict[str, list[int]]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for item, tokens in feeds.items():  # each item's own forward, over its views
+            views = self.items[item]
+            views.logits = step_views(self.draft, views.batch, torch.tensor(tokens))[:, -1]
+        return sum(v.batch.num_views for v in (self.items[i] for i in feeds)), time.perf_counter() - t0
+
+    def rollback(self, item: str, length: int) -> None:
+        views = self.items[item]
+        if length < views.batch.state.length:
+            self.draft.rollback(views.batch.state, length)
+
+    def observe(self, item: str, start: int, labels: list[int], target_probs: torch.Tensor | None) -> None:
+        views = self.items[item]
+        for i, token in enumerate(labels):
+            q = views.probs.pop(start + i, None)
+            if q is not None:  # positions the target filled itself were never drafted
+                views.adaptive.observe(q, token, None if target_probs is None else target_probs[i])
+
+    def forget_from(self, item: str, pos: int) -> None:
+        """Positions >= pos were rejected: their distributions go, and the next proposal starts a new block."""
+        views = self.items[item]
+        for p in [p for p in views.probs if p >= pos]:
+            del views.probs[p]
+        views.block_start = None
+
+    def set_gamma(self, item: str, gamma: int) -> None:
+        self.items[item].gamma = gamma  # its drafting blocks are windows too
+
+    def leave(self, item: str) -> list[list[float]] | None:
+        """Drops the item; returns w* of every block it drafted (how its views were weighed)."""
+        views = self.items.pop(item, None)
+        return None if views is None else views.weight_log
+
+
+class _Views:
+    """One TABED item: its views' batch, their last logits, the block's weights and the pending distributions."""
+
+    def __init__(self, draft: VideoLMAdapter, emb: SequenceEmbeddings, keep, cfg: TabedConfig, gamma: int) -> None:
+        self.cfg, self.gamma = cfg, gamma
+        self.batch, self.logits = prefill_views(draft, emb, keep, cfg.views, cfg.pool)
+        self.adaptive = AdaptiveWeights(cfg, len(cfg.views))
+        self.weights = self.adaptive.weights()
+        self.block_start: int | None = None
+        self.probs: dict[int, torch.Tensor] = {}  # position -> (m, V), until verified or rejected
+        self.weight_log: list[list[float]] = []
+
+    def propose(self, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        if self.block_start is None or pos >= self.block_start + self.gamma:
+            self.weights = self.adaptive.weights()  # line 3: w* from the verified window, once per block
+            self.block_start = pos
+            self.weight_log.append([round(float(w), 4) for w in self.weights])
+        views = probs_from_logits(self.logits, temperature if temperature > 0 else 1.0)  # line 5
+        self.probs[pos] = views
+        q = weighted_average(views, self.weights)  # line 6
+        if temperature == 0.0:
+            return int(q.argmax()), None
+        return sample(q, gen), q  # line 7

@@ -1,0 +1,224 @@
+"""The scheduler: which request runs when. One loop for every method, batch size and drafter place.
+
+    run(items): until every item is done
+        read (and at batch > 1 prefill) the next items ahead on a thread of their own   (PrefillAhead)
+        admit what is ready while there is a free slot and its KV fits the budget        (`_admit`)
+        at a thin batch, prefill on this thread too; at the manifest's tail, lend this thread the prefill cores
+        with a remote drafter: take its messages; wait for a straggler's chunk while that costs less than
+                                leaving it a round behind                                  (`patience_s`)
+        one engine round; the requests that left are reported                            (engine/engine.py)
+
+Admission: a request's KV cache (prompt + video + max_new_tokens + one window, the target's and, where the
+draft runs in this process, the draft's) is reserved when it joins; one that does not fit beside the requests
+in flight waits for a round to free some, and one that could not fit even alone fails with that error.
+
+Whether a request drafts: `DraftingPolicy` (pipeline/drafting_policy.py), decided when its prefill starts,
+with the prediction for where its draft runs (serial batch, pipelined batch, batch 1), and one explore
+budget shared with the serial window's rounds.
+
+At batch 1 nothing is prefilled ahead: a request is prefilled on the engine's thread when it is admitted, so
+a remote drafter streams the pruner its signals from inside the prefill (HIPPO's synchronous prefill), and
+every method's batch-1 timing is its batch-1 decoder's; the next items' videos are read ahead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Generic, Protocol, TypeVar
+
+from vpsd.engine.engine import Engine
+from vpsd.engine.prefill_ahead import PrefillAhead
+from vpsd.engine.request import Request
+from vpsd.models.base import VideoLMAdapter
+from vpsd.pipeline.cost import ExploreBudget
+from vpsd.pipeline.drafting_policy import DraftingPolicy, Prediction, batch1_loss, parallel_loss, serial_loss
+from vpsd.tracing import get_logger, span
+from vpsd.video.errors import VideoError
+
+T = TypeVar("T")
+log = get_logger()
+
+
+class JobEvents(Protocol[T]):
+    """What the launcher is told, item by item."""
+
+    def request(self, item: T, next_item: T | None) -> Request:
+        """The item as a request: its video read, scaled and fitted (any thread; raises VideoError / ValueError)."""
+
+    def started(self, item: T) -> None: ...
+
+    def finished(self, item: T, request: Request) -> None:
+        """A request left the engine: done, or failed (`request.error`)."""
+
+    def failed(self, item: T, error: Exception) -> None:
+        """An item that could not become a request (its video, its size)."""
+
+
+def kv_bytes_per_token(adapter: VideoLMAdapter) -> int:
+    """Bytes one token takes in a model's KV cache: keys and values, every layer, every KV head."""
+    text = adapter.model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * adapter.model.dtype.itemsize
+
+
+class Scheduler(Generic[T]):
+    def __init__(self, engine: Engine, kv_budget_bytes: int | None = None, local_draft: VideoLMAdapter | None = None,
+                 prefill_cpus: list[int] | None = None, lend_cores: bool = False) -> None:
+        """local_draft: the draft model when it runs in this process (its KV counts against the budget);
+        prefill_cpus: where the prefill thread runs; lend_cores: give the decode thread those cores at the
+        manifest's tail (only where nothing else uses them: no draft rank)."""
+        self.engine, self.kv_budget, self.prefill_cpus, self.lend_cores = engine, kv_budget_bytes, prefill_cpus, lend_cores
+        self.models = [engine.target] + ([local_draft] if local_draft is not None else [])
+        dec = engine.cfg.decoding
+        budget = getattr(engine.window, "budget", None) or ExploreBudget()  # the serial window's rounds share it
+        self.policy = DraftingPolicy(budget, always=dec.temperature > 0 or engine.window.fixed)
+        self.round_end = 0.0
+        self.rounds_s = 0.0  # the engine thread's time in rounds
+        self._items: dict[str, T] = {}  # request id -> the launcher's item, while in flight
+
+    # ---- admission -----------------------------------------------------------------------------------
+
+    def kv_need(self, request: Request, prompt_tokens: int) -> int:
+        tokens = prompt_tokens + request.max_new_tokens + self.engine.cfg.decoding.gamma_max + 1
+        return sum(tokens * kv_bytes_per_token(m) for m in self.models)
+
+    def reserved(self) -> int:
+        return sum(r.kv_bytes for r in self.engine.requests.values())
+
+    def fits(self, need: int) -> bool:
+        """Whether `need` bytes fit beside the requests in flight (always on an empty batch)."""
+        return self.kv_budget is None or not self.engine.requests or self.reserved() + need <= self.kv_budget
+
+    def _prediction(self) -> Prediction:
+        e = self.engine
+        batch = max(1, min(e.size, len(e.requests) + 1))
+        if not e.parallel:
+            return serial_loss(e.window, batch, e.means)
+        return batch1_loss(e.window, e.means) if e.size == 1 else parallel_loss(e.window, batch, e.means)
+
+    def decide(self, request: Request) -> None:
+        """Whether the request drafts (module docstring)."""
+        e = self.engine
+        with e.lock:
+            prediction = self._prediction() if e.drafter is not None else None
+            request.drafted = e.drafter is not None and self.policy.decide(prediction)
+
+    def prepare(self, request: Request, on_engine_thread: bool) -> Request:
+        """Checks the request's KV need and, unless it is prefilled at admission, decides and prefills it."""
+        e = self.engine
+        if self.kv_budget is not None:  # the need is the prompt's tokens: prepared once, kept for the prefill
+            request.inputs = e.target.prepare(request.frames, request.prompt, request.frame_times)
+            request.kv_bytes = self.kv_need(request, request.inputs.seq_len)
+        if self.kv_budget is not None and request.kv_bytes > self.kv_budget:
+            raise ValueError(f"item needs {request.kv_bytes / 2**20:.1f} MiB of KV cache, over the budget of "
+                             f"{self.kv_budget / 2**20:.1f} MiB (batching.kv_budget_mib)")
+        if on_engine_thread:
+            return request  # decided and prefilled at admission, once it fits
+        self.decide(request)
+        return e.prefill(request, on_engine_thread=False)
+
+    # ---- straggler patience --------------------------------------------------------------------------
+
+    def patience_s(self, ready: int, waiting: int) -> float:
+        """How long a round may wait for the requests whose chunk has not come yet (after a rollback the draft
+        needs a step or two to answer). Leaving now costs each of them a whole round, T_p; waiting w costs each
+        ready request w: waiting pays while w ready < T_p waiting, capped at half a round. Not in the papers: at
+        batch 1 the target has nothing else to do but wait."""
+        recent = self.engine.report.verify_s[-8:]
+        if not recent or ready == 0:
+            return 0.0
+        return sum(recent) / len(recent) * min(0.5, waiting / ready)
+
+    def _wait_for_stragglers(self) -> bool:
+        """Whether a message came while waiting for a straggler (then look again before the round)."""
+        e = self.engine
+        rows = list(e.requests.values())
+        ready = sum(not r.drafted or e.drafter.has_proposal(r) for r in rows)
+        if not 0 < ready < len(rows):
+            return False
+        left = self.patience_s(ready, len(rows) - ready) - (time.perf_counter() - self.round_end)
+        return left > 0 and e.drafter.pump(timeout_s=left)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def run(self, items: list[T], events: JobEvents[T]) -> None:
+        e = self.engine
+        at_admission = e.size == 1  # batch 1: prefilled on this thread when admitted (module docstring)
+
+        def prepare(item: T, nxt: T | None) -> Request:
+            return self.prepare(events.request(item, nxt), on_engine_thread=at_admission)
+
+        ahead: PrefillAhead[T] = PrefillAhead(items, e.size, prepare, self.prefill_cpus)
+        started = time.perf_counter()
+        try:
+            while ahead.pending or e.requests:
+                ahead.top_up(len(e.requests))
+                self._lend_at_tail(ahead, started)
+                self._admit(ahead, events, at_admission)
+                if ahead.steal_if_thin(len(e.requests)):
+                    continue  # a thin batch: prefilling here beats decoding it
+                if e.parallel:
+                    e.drafter.pump()
+                    if self._wait_for_stragglers():
+                        continue
+                t0 = time.perf_counter()
+                ran, left = e.round()
+                self.round_end = time.perf_counter()
+                self.rounds_s += self.round_end - t0
+                for r in left:
+                    events.finished(self._item(r), r)
+                if not ran and e.requests and e.parallel:
+                    e.drafter.wait()  # nothing to verify: the draft's next chunk
+        finally:
+            ahead.close()
+        # Decoding: a pipeline's loop outside admission (it waits for chunks as part of decoding); rounds else.
+        elapsed = time.perf_counter() - started
+        e.report.decode_s = elapsed - e.report.admit_s - ahead.stolen_s if e.parallel else self.rounds_s
+
+    def _lend_at_tail(self, ahead: PrefillAhead, started: float) -> None:
+        if self.lend_cores and (threads := ahead.lend_cores_when_drained()) is not None:
+            self.engine.report.tail_from_s, self.engine.report.tail_threads = time.perf_counter() - started, threads
+            log.info("prefill_cores_lent", in_flight=len(self.engine.requests), tail_from_s=self.engine.report.tail_from_s,
+                     tail_threads=threads)
+
+    def _admit(self, ahead: PrefillAhead[T], events: JobEvents[T], at_admission: bool) -> None:
+        """Joins what is ready, in order; blocks on a prefill only when nothing is decoding."""
+        e = self.engine
+        while not e.full:
+            t0 = time.perf_counter()
+            if e.requests:
+                nxt = ahead.next_ready(block=False)
+            else:  # nothing is decoding: wait for it (what reading and prefilling ahead did not hide)
+                with span("video_wait") as waited:
+                    nxt = ahead.next_ready(block=True)
+                    waited["item"] = None if nxt is None else getattr(nxt[0], "id", None)
+            if nxt is None:
+                return
+            item, request = nxt
+            events.started(item)
+            if isinstance(request, Exception):
+                events.failed(item, request)
+                continue
+            request.timings.setdefault("video_wait", time.perf_counter() - t0)
+            if not self.fits(request.kv_bytes):
+                log.info("item_deferred", item=request.id, need_mib=request.kv_bytes / 2**20,
+                         reserved_mib=self.reserved() / 2**20, budget_mib=self.kv_budget / 2**20)
+                return  # after a round frees some (never on an empty batch)
+            ahead.pop()
+            if at_admission:
+                t0 = time.perf_counter()
+                try:
+                    self.decide(request)
+                    e.prefill(request, on_engine_thread=True)
+                except (VideoError, ValueError) as err:
+                    events.failed(item, err)
+                    continue
+                finally:
+                    e.report.admit_s += time.perf_counter() - t0
+            self._items[request.id] = item
+            if (done := e.join(request)) is not None:
+                events.finished(self._items.pop(done.id), done)
+
+    def _item(self, request: Request) -> T:
+        return self._items.pop(request.id)
