@@ -150,7 +150,7 @@ def test_a_disappearing_object_vanishes_away_from_the_borders() -> None:
 
 def test_quadrant_lines_are_video_token_boundaries() -> None:
     """A location word is then a fact about whole tokens (train.py: one token per 28-pixel cell)."""
-    from vpsd.world.train import MERGED_CELL, SIZE
+    from training.world_short import MERGED_CELL, SIZE
 
     for side in SIZE:
         assert (side / 2) % MERGED_CELL == 0

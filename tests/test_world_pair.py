@@ -13,13 +13,13 @@ from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter
 from vpsd.video.item import load_item_frames
-from vpsd.world.evaluate import parts_right, word_accuracy
+from training.evaluate import parts_right, word_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
 EXAMPLES = ROOT / "examples" / "world" / "manifest.jsonl"
 # The shipped weights reach 95.7% word accuracy on 100 held-out videos and 91% on these 4
-# (python -m vpsd.world.evaluate; README): a floor that catches a broken checkpoint, loader or
+# (python -m training.evaluate; README): a floor that catches a broken checkpoint, loader or
 # preprocessing, not a claim of quality.
 WORD_ACCURACY_FLOOR = 0.75
 

@@ -17,7 +17,7 @@ from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors
 from vpsd.video.sampling import uniform_indices
 from vpsd.world.render import render
 from vpsd.world.scene import COLOURS, sample_scene
-from vpsd.world.train import (
+from training.world_short import (
     BACKGROUND_CLASSES,
     MERGED_CELL,
     NUM_FRAMES,

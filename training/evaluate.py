@@ -1,7 +1,8 @@
 """Held-out evaluation of a world-trained pair: caption accuracy of each model and the draft's agreement.
+(`--kind long`: the long world's pair, training/evaluate_long.py.)
 
 Contract:
-- `python -m vpsd.world.evaluate --config configs/world_qwen2_5_vl.yaml --count N` writes N held-out videos
+- `python -m training.evaluate --config configs/world_qwen2_5_vl.yaml --count N` writes N held-out videos
   (seeds from `HELD_OUT_SEEDS`, never trained on) as mp4, reads them back through the real decode path,
   and reports for the target and the draft alone: exact-match rate and mean word accuracy against the
   generated reference caption; then for serial speculative decoding with the draft: mean accepted tokens
@@ -29,7 +30,7 @@ from vpsd.tracing import configure_tracing
 from vpsd.video.item import load_item_frames
 from vpsd.world.caption import words
 from vpsd.world.dataset import write_manifest
-from vpsd.world.train import HELD_OUT_SEEDS
+from training.world_short import HELD_OUT_SEEDS
 
 
 def word_accuracy(hypothesis: str, reference: str) -> float:
@@ -103,18 +104,7 @@ def summarize(rows: list[dict], settings: list[str]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/world_qwen2_5_vl.yaml")
-    p.add_argument("--count", type=int, default=50)
-    p.add_argument("--workdir", type=Path, default=Path("runs/world_eval"))
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. target.path=DIR")
-    p.add_argument("--json", type=Path, help="write items and summary here")
-    a = p.parse_args(argv)
-    cfg = load_config(a.config, parse_overrides(a.set))
-    configure_tracing(None, "evaluate", 0)  # spans of the decoders are trace data, not console output
-    report = evaluate(cfg, a.workdir, a.count)
-    s = report["summary"]
+def print_short(s: dict) -> None:
     print(f"held-out items: {s['count']}")
     for name in ("target", "draft"):
         parts = "  ".join(f"{k} {v:.0%}" for k, v in s[name]["parts"].items())
@@ -123,6 +113,30 @@ def main(argv: list[str] | None = None) -> None:
     for key, v in s.items():
         if key.startswith("sd_"):
             print(f"{key:>14}: MAT {v['mat']:.2f}   acceptance {v['acceptance']:.1%}   (outputs identical to the target's)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kind", choices=("short", "long"), default="short", help="which world's pair and items")
+    p.add_argument("--config", help="default: configs/world_qwen2_5_vl.yaml, or world_long_qwen2_5_vl.yaml for long")
+    p.add_argument("--count", type=int, default=50)
+    p.add_argument("--workdir", type=Path, help="where the held-out videos are written (default runs/world_eval[_long])")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. target.path=DIR")
+    p.add_argument("--json", type=Path, help="write items and summary here")
+    a = p.parse_args(argv)
+    long = a.kind == "long"
+    config = a.config or f"configs/world_{'long_' if long else ''}qwen2_5_vl.yaml"
+    workdir = a.workdir or Path(f"runs/world_eval{'_long' if long else ''}")
+    cfg = load_config(config, parse_overrides(a.set))
+    configure_tracing(None, "evaluate", 0)  # spans of the decoders are trace data, not console output
+    if long:
+        from training.evaluate_long import evaluate_long, print_long
+
+        report = evaluate_long(cfg, workdir, a.count)
+        print_long(report["summary"])
+    else:
+        report = evaluate(cfg, workdir, a.count)
+        print_short(report["summary"])
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
 

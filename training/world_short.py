@@ -1,7 +1,7 @@
 """Trains the embedded default pair on the procedural world: a tiny Qwen2.5-VL target and a smaller draft.
 
 Contract:
-- `python -m vpsd.world.train --out checkpoints/world_qwen2_5_vl` trains both models from scratch on CPU
+- `python -m training.world_short --out checkpoints/world_qwen2_5_vl` trains both models from scratch on CPU
   (seeded; fresh examples every step, never a held-out seed) and writes `target/` and `draft/`, each a
   transformers checkpoint (safetensors, bfloat16 on disk to keep the repo small) with the shared tokenizer.
 - Training sees exactly what inference sees: every example goes through an mp4 encode and the real PyAV
@@ -16,7 +16,7 @@ Contract:
 - The draft also trains on pruned video (random video tokens dropped, each kept token at its original
   rotary position, as a pruned prefill feeds it), so it keeps agreeing with the target when the pruner
   leaves it 10% of the video. The target always sees the whole video.
-- Held-out seeds (`HELD_OUT_SEEDS`) are never trained on; `vpsd.world.evaluate` measures on them.
+- Held-out seeds (`HELD_OUT_SEEDS`) are never trained on; `training.evaluate` measures on them.
 """
 
 from __future__ import annotations
