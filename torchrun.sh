@@ -15,8 +15,10 @@ if [ -f "$here/.venv/bin/activate" ] && [ -z "${VIRTUAL_ENV:-}" ]; then . "$here
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's vpsd, wherever the command runs
 torchrun_args=()
 while [ $# -gt 0 ] && [ "$1" != "run" ]; do torchrun_args+=("$1"); shift; done
-[ "${1:-}" = "run" ] || { echo "usage: $0 [torchrun options] run --config C --manifest M --out DIR [...]" >&2; exit 2; }
+[ "${1:-}" = "run" ] || { echo "usage: $0 [torchrun options] run --config C --manifest M --out DIR [...] (run --help)" >&2; exit 2; }
 shift
+# --help: answered once, by one process, before any rank starts.
+for a in "$@"; do case "$a" in -h|--help) exec python -m vpsd.launch.arguments --help ;; esac; done
 if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   torchrun_args=(--standalone "${torchrun_args[@]}")
   # One node: a fresh secret for this job alone (ranks inherit it; other users cannot read it).

@@ -21,7 +21,8 @@ from tests.conftest import FAMILIES, random_frames, tiny_pair
 from tests.official_layout import official_checkpoint
 from vpsd.launch.grow import check_growth, compare_adapters, main
 from vpsd.models import grow as grow_module
-from vpsd.models.grow import RECORD, GrowthError, ensure_grown, grow_checkpoint, grow_model
+from vpsd.models.grow import GrowthError, grow_model
+from vpsd.models.grown_checkpoint import RECORD, ensure_grown, grow_checkpoint
 from vpsd.models.registry import ModelSpec, load_adapter
 from vpsd.video.item import load_item_frames
 
@@ -181,7 +182,7 @@ def test_a_config_names_its_scale_model_and_specs_stay_checked():
 def test_a_source_that_gains_a_side_file_makes_its_scale_model_stale(tiny_checkpoints, tmp_path):
     import shutil
 
-    from vpsd.models.grow import ensure_grown, is_grown
+    from vpsd.models.grown_checkpoint import ensure_grown, is_grown
 
     src = shutil.copytree(tiny_checkpoints["qwen2_5_vl"], tmp_path / "src")
     dst = ensure_grown(src, tmp_path / "grown", 2, 4)

@@ -266,3 +266,23 @@ def test_settings_every_item_would_fail_on_are_refused_at_launch():
         with pytest.raises(SystemExit):
             args("ar", "--timeout", timeout)
     assert args("ar", "--timeout", "2.5").timeout == 2.5
+
+
+def test_run_help_is_said_once_at_once_with_the_methods_strategies_and_tools():
+    """`./torchrun.sh run --help` is answered by one process before any rank starts: one usage block, not one per
+    rank after their imports, naming every method, every pruning strategy and the vpsd tools."""
+    import subprocess
+    import time
+
+    from vpsd.pipeline.methods import METHODS
+    from vpsd.pipeline.pruning.strategies import STRATEGIES
+
+    t0 = time.monotonic()
+    proc = subprocess.run([str(ROOT / "torchrun.sh"), "run", "--help"], capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage:") == 1 and "torch.distributed" not in proc.stdout + proc.stderr
+    assert all(re.search(rf"^  {re.escape(name)} ", proc.stdout, re.M) for name in METHODS)
+    assert all(name in proc.stdout for name in STRATEGIES)
+    assert "vpsd summary" in proc.stdout and "vpsd world" in proc.stdout
+    assert elapsed < 30  # no rank, no model: the imports of one light module

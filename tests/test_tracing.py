@@ -14,7 +14,9 @@ import structlog
 from structlog.testing import capture_logs
 
 from vpsd.reports import timeline
-from vpsd.reports.timeline import Row, breakdown, format_breakdown, load_spans, plot_timeline
+from vpsd.reports import timeline_plot
+from vpsd.reports.timeline import Row, breakdown, format_breakdown, load_spans
+from vpsd.reports.timeline_plot import plot_timeline
 from vpsd.tracing import close_tracing, configure_tracing, get_logger, mark, span, trace_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -361,7 +363,7 @@ def test_item_tracks_show_which_rows_each_batched_forward_carried(batch_dir):
     assert lifecycle == [("item_admitted", "a", 0.5), ("item_admitted", "b", 1.0), ("item_done", "a", 1.25),
                          ("item_done", "b", 1.75)]
     assert all(s.kind == "mark" and s.dur == 0.0 for s in spans if s.name in timeline.LIFECYCLE)
-    a, b = timeline.item_tracks(spans)
+    a, b = timeline_plot.item_tracks(spans)
     assert (a.item, a.joined - T, a.left - T) == ("a", 0.5, 1.25)
     assert (b.item, b.joined - T, b.left - T) == ("b", 1.0, 1.75)
     assert [(s.name, s.round) for s in a.carried_by] == [("verify", 0), ("draft_step", None), ("verify", 1),
@@ -377,7 +379,7 @@ def test_item_tracks_show_which_rows_each_batched_forward_carried(batch_dir):
 
 def test_a_batched_run_is_plotted_whole(batch_dir, capsys):
     spans = load_spans(batch_dir)
-    out = timeline.plot_batch_timeline(spans, batch_dir / "b.png")
+    out = timeline_plot.plot_batch_timeline(spans, batch_dir / "b.png")
     # two role lanes and two item lanes
     width, height = png_size(out)
     assert width == 1440 and abs(height - 120 * (1.4 + 0.6 * 2 + 0.22 * 2)) <= 1

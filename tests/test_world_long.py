@@ -12,7 +12,8 @@ import pytest
 from vpsd.world.caption import words
 from vpsd.world.dataset import LONG_HELD_OUT_FROM, main, make_long_example
 from vpsd.world.long_caption import LONG_VOCABULARY, dense_caption, event_clause, long_example_text, question
-from vpsd.world.long_scene import DURATION_S, FPS, MIN_GAP_S, SIZE, frame_of, sample_long_scene
+from vpsd.world.long_sampler import sample_long_scene
+from vpsd.world.long_scene import DURATION_S, FPS, MIN_GAP_S, SIZE, frame_of
 from vpsd.world.render import render
 from vpsd.world.scene import COLOURS
 

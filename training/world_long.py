@@ -55,7 +55,8 @@ from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals
 from vpsd.video.item import load_item_frames
 from vpsd.world.dataset import LONG_HELD_OUT_FROM, make_long_example, write_video
 from vpsd.world.long_caption import DENSE_PROMPTS, long_example_text
-from vpsd.world.long_scene import DURATION_S, FPS, sample_long_scene
+from vpsd.world.long_sampler import sample_long_scene
+from vpsd.world.long_scene import DURATION_S, FPS
 
 SHORT_PAIR = Path("checkpoints/world_qwen2_5_vl")
 TOKENS_PER_SECOND = 4  # the short pair's vision config; the temporal position of group g is int(g * 0.5 * 4)

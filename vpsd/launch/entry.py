@@ -22,13 +22,13 @@ from typing import Mapping
 import torch.distributed as dist
 
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
+from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.job import run_job
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
-from vpsd.launch.manifest import Shard
 from vpsd.launch.preflight import affinity_problems, checkpoint_problems, path_problems
 from vpsd.models.registry import load_adapter
-from vpsd.pipeline.methods import BATCHABLE, get_method
+from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import ROLES, RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
@@ -38,65 +38,6 @@ from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.tensors import TensorChannel, init_distributed
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """Every rank meets a bad argument: said once, as a refusal, not a usage block per rank and torchrun's
-        failure block after them."""
-        raise SystemExit(refuse([f"{message} (--help lists the options)"]))
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="vpsd.launch.entry", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--manifest", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--method", default="hippo")
-    p.add_argument("--pruning", default=None, help="override the method's pruning strategy")
-    p.add_argument("--ratio", type=float, default=None)
-    p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
-                   help="draft tokens per chunk, or auto: matched live to T_p / T_q (ParallelVLM Eq. 6)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds a role waits for a peer")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set draft=self --set video.num_frames=16")
-    p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
-                   help="run only shard I (0-based) of N of the manifest, for independent jobs splitting it; "
-                        "give each its own --out")
-    p.add_argument("--batch", type=int, default=None, metavar="N",
-                   help="items in flight at once (continuous batching; sets batching.size): "
-                        f"methods {', '.join(BATCHABLE)}")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
-    return p.parse_args(argv)
-
-
-def _gamma(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {text!r}") from None
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"need a number of seconds > 0, got {text!r}")
-    return value
-
-
-def _shard(text: str) -> Shard:
-    try:
-        return Shard.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
@@ -153,33 +94,6 @@ def restart_problem(env: Mapping[str, str]) -> str | None:
     return None
 
 
-# Set by ./torchrun.sh for a single-node job: a path where a rank that refuses to start leaves a mark, then
-# exits 0, so that torchrun does not print its failure block (a traceback-sized "ChildFailedError" report)
-# under vpsd's own lines; the launcher sees the mark and exits 2 itself. Only for refusals every rank reaches
-# on its own (on one node they read the same files): a rank exiting 0 while its peers go on would leave them
-# waiting for it. Started any other way, a refusing rank exits 2.
-REFUSAL_MARK = "VPSD_REFUSAL_MARK"
-INTERRUPTED = 130  # the shells' status for a command ended by SIGINT (128 + 2)
-# Set by ./torchrun.sh for a single-node job: the target rank marks it on Ctrl-C, and the launcher exits 130
-# (torchrun itself exits 1 after a SIGINT, whatever its ranks did).
-INTERRUPT_MARK = "VPSD_INTERRUPT_MARK"
-
-
-def refuse(problems: list[str], reporter: bool | None = None, every_rank: bool = True) -> int:
-    """A job that cannot start: one line per problem, said once (by rank 0: every rank finds the same ones,
-    before any model loads); exit status 2, or 0 after leaving the launcher's mark (REFUSAL_MARK)."""
-    if reporter is None:
-        reporter = os.environ.get("RANK", "0") == "0"
-    if reporter:
-        for problem in problems:
-            print(f"vpsd: {problem}", file=sys.stderr, flush=True)
-    mark = os.environ.get(REFUSAL_MARK)
-    if mark and every_rank:
-        Path(mark).touch()
-        return 0
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
         die_with_parent()
@@ -195,22 +109,52 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(str(e).splitlines())
     except SystemExit as e:  # check_method_settings' message
         return refuse([str(e.code).removeprefix("vpsd: ")])
-    method = get_method(args.method)
-    out = Path(args.out)
+    method, out = get_method(args.method), Path(args.out)
     is_target = int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]  # the rank that owns --out
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupted(is_target, out))
+    secret = preflight(args, cfg, method, out, is_target)
+    if isinstance(secret, int):
+        return secret  # refused
+    timeout_s = float(args.timeout or cfg.timeout_s)
+    rank, world, backend = init_distributed(timeout_s=timeout_s)
+    ranks = role_ranks(cfg)
+    role = next((r for r, k in ranks.items() if k == rank), "spare")
+    configure_tracing(out, role, rank)
+    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined) == "remote"
+    if in_roles and world < len(ROLES):
+        raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
+    if role == "spare" or (not in_roles and role != "target"):
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    ctx = start_role(rank, role, ranks, cfg, method, secret, timeout_s, out)
+    get_logger().info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
+                      pid=os.getpid(), host=os.uname().nodename)
+    if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
+        # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them.
+        ctx.ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
+    run_role(ctx, args, out)
+    ctx.ctrl.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
-    def on_sigint(signum, frame):
-        """Ctrl-C reaches every rank (the terminal's process group, and torchrun forwards it): one line from
-        the target rank, not a KeyboardInterrupt traceback from each. Results are whole lines (vpsd/storage.py),
-        so leaving at once keeps every finished item, and the same command resumes."""
-        if is_target:
-            print(f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest",
-                  file=sys.stderr, flush=True)
-            if os.environ.get(INTERRUPT_MARK):
-                Path(os.environ[INTERRUPT_MARK]).touch()
-        os._exit(INTERRUPTED)
 
-    signal.signal(signal.SIGINT, on_sigint)
+def interrupted(is_target: bool, out: Path) -> None:
+    """Ctrl-C reaches every rank (the terminal's process group, and torchrun forwards it): one line from the
+    target rank, not a KeyboardInterrupt traceback from each. Results are whole lines (vpsd/storage.py), so
+    leaving at once keeps every finished item, and the same command resumes."""
+    if is_target:
+        print(f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest",
+              file=sys.stderr, flush=True)
+        if os.environ.get(INTERRUPT_MARK):
+            Path(os.environ[INTERRUPT_MARK]).touch()
+    os._exit(INTERRUPTED)
+
+
+def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Path, is_target: bool) -> str | int:
+    """What every rank checks before any of them loads a model: paths, a restart's store, the job's secret,
+    the lock on --out (the target's), a resume's settings. Returns the secret, or the refusal's exit status."""
     problems = path_problems(Path(args.manifest), out)
     if problems:
         # Only the target rank reads them; on one node every rank sees the same files and refuses alike.
@@ -218,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
             return refuse(problems)
         if is_target:
             return refuse(problems, reporter=True, every_rank=False)
-    timeout_s = float(args.timeout or cfg.timeout_s)
     problem = restart_problem(os.environ)
     if problem is not None:
         return refuse([problem])
@@ -234,18 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([f"--out {out}: {e.strerror or e}"], reporter=True, every_rank=False)
     except (JobMismatch, MissingSecret, ValueError) as e:
         return refuse([str(e)])
-    rank, world, backend = init_distributed(timeout_s=timeout_s)
-    ranks = role_ranks(cfg)
-    role = next((r for r, k in ranks.items() if k == rank), "spare")
-    configure_tracing(out, role, rank)
-    log = get_logger()
-    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined) == "remote"
-    if in_roles and world < len(ROLES):
-        raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
-    if role == "spare" or (not in_roles and role != "target"):
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
+    return secret
+
+
+def start_role(rank: int, role: str, ranks: dict[str, int], cfg: RunConfig, method: Method, secret: str,
+               timeout_s: float, out: Path) -> RoleContext:
+    """The rank's control channel, affinity and context; torchrun's SIGTERM said as one line."""
     # The control channel first: its ZeroMQ I/O thread starts with the socket and keeps the affinity it
     # starts with. Pinned to the role's core it must preempt the role's own compute thread to move every
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
@@ -256,36 +193,35 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only
     ctx = RoleContext(rank, role, ranks, ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
                       idle_timeout_s=cfg.idle_timeout_s, job_id=out.name, out=out)
-    log.info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
-             pid=os.getpid(), host=os.uname().nodename)
 
     def on_sigterm(signum, frame):  # torchrun stops the survivors when a rank dies: say so, and where
         msg = f"{role} (rank {rank}) stopped by torchrun while on item {ctx.item_id or '-'}: another rank failed"
-        log.error("role_stopped", error=msg)
+        get_logger().error("role_stopped", error=msg)
         print(f"vpsd: {msg}", file=sys.stderr, flush=True)
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them (roles/context.py).
-    if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
-        ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
+    return ctx
+
+
+def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path) -> None:
+    """The role's work; a silent peer or a full disk ends the rank with one line."""
+    cfg, role, rank = ctx.config, ctx.role, ctx.rank
     try:
         if role == "target":
             run_job(ctx, args, cfg, out)
         elif role == "draft":
-            device_cfg = cfg.draft or cfg.target
-            adapter = load_adapter(cfg.family, device_cfg)
-            run_draft(ctx, adapter)
+            run_draft(ctx, load_adapter(cfg.family, cfg.draft or cfg.target))
         else:
             run_pruner(ctx)
     except (RoleFailure, PeerTimeout) as e:
         silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
         msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
-        log.error("role_failed", error=msg)
+        get_logger().error("role_failed", error=msg)
         print(f"vpsd: {msg}", file=sys.stderr, flush=True)
         if silent is not None:
             try:  # a stopped rank would hold torchrun 30 s past this report
-                end_silent_peer(ctrl.peer_record(silent))
+                end_silent_peer(ctx.ctrl.peer_record(silent))
             except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
                 pass
         os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
@@ -296,10 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) if isinstance(e, DiskFull) else f"no space left on the device of {out}: {e}"
         print(f"vpsd: {role} (rank {rank}): {msg}", file=sys.stderr, flush=True)
         os._exit(2)
-    ctrl.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

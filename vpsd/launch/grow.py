@@ -22,7 +22,7 @@ import numpy as np
 from vpsd.config import DecodingConfig
 from vpsd.decoders.ar import decode_ar
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.grow import checkpoint_family, grow_checkpoint, is_grown
+from vpsd.models.grown_checkpoint import checkpoint_family, grow_checkpoint, is_grown
 from vpsd.models.registry import ModelSpec, load_adapter
 
 # Largest |logit diff| allowed, relative to the source's largest |logit|. Growth only reorders float sums
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.config is not None:
             from vpsd.config import load_config
-            from vpsd.models.grow import ensure_grown
+            from vpsd.models.grown_checkpoint import ensure_grown
 
             spec = load_config(args.config).target
             if spec.grow is None:

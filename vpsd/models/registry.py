@@ -103,7 +103,7 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
         options = {**read_checkpoint(spec.path, family_name), **options}
         weights = spec.path
         if spec.grow is not None:
-            from vpsd.models.grow import ensure_grown  # grow imports this module
+            from vpsd.models.grown_checkpoint import ensure_grown  # it imports this module
 
             weights = str(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
         model = fam.model_class.from_pretrained(weights, dtype=dtype)

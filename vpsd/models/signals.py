@@ -130,78 +130,88 @@ def prefill_with_signals(
     unchanged (masks, rotary, Qwen3-VL deepstack injection), so the logits and cache are bit-identical to
     a plain prefill and nothing here re-implements a family's decoder loop.
     """
-    language_model = adapter.language_model
-    layers = language_model.layers
+    layers = adapter.language_model.layers
     attn_layers = len(layers) if num_layers is None else min(num_layers, len(layers))
     uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, len(layers))
-    last = max(attn_layers if attention else 0, uv_layers if hidden else 0)  # the signals are complete after it
-    text_pos = text_positions(emb).to(emb.embeds.device)
-    video_pos = emb.layout.seq_positions.to(text_pos.device)
     cache = adapter.new_cache()  # ours: the attention hooks read each layer's keys from it
-    rotary: list[tuple[torch.Tensor, torch.Tensor]] = []  # the (cos, sin) of this prefill's rows
-    attention_rows: list[torch.Tensor | None] = [None] * attn_layers
-    pending: dict[int, torch.Tensor] = {}  # layer -> its text queries, between its q_proj and its attention output
-    video_rows: list[torch.Tensor] = []  # hidden state 0 (input of layer 0), then L (output of layer L-1)
-    text_rows: list[torch.Tensor] = []
-    ready: list[PrefillSignals] = []
-    handles = []
-
-    def keep_rotary(module, args, out):
-        rotary.append(out)
-
-    def capture_queries(i: int, attn: torch.nn.Module):
-        def hook(module, args, out):
-            cos, sin = (t[:, text_pos] for t in rotary[-1])
-            pending[i] = _text_queries(attn, out[:, text_pos], cos, sin)
-
-        return hook
-
-    def score_layer(i: int):
-        def hook(module, args, out):
-            # The module has written this layer's keys to the cache: score, then drop the queries.
-            keys = cache.layers[i].keys[0]  # (Hkv, S, d), rotary applied
-            attention_rows[i] = layer_video_attention(pending.pop(i), keys, video_pos, text_pos, module.scaling)
-
-        return hook
-
-    def keep_rows(h: torch.Tensor) -> None:
-        video_rows.append(h[0, video_pos])
-        text_rows.append(h[0, text_pos])
-
-    def capture_output(module, args, out):
-        keep_rows(_layer_output(out))
-
-    def signals_done(module, args, out):
-        # Runs after the last layer needed (and after capture_output, registered earlier on the same layer).
-        signals = PrefillSignals()
-        if attention:
-            signals.video_attention = torch.stack(attention_rows)
-        if hidden:
-            signals.video_hidden = torch.stack(video_rows)
-            signals.text_hidden = torch.stack(text_rows)
-        ready.append(signals)
-        if on_ready is not None:
-            on_ready(signals)
-
+    hooks = _SignalHooks(emb, cache, attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
+    handles = hooks.install(adapter.language_model)
     try:
-        if attention:
-            handles.append(language_model.rotary_emb.register_forward_hook(_this_thread_only(keep_rotary)))
-            for i in range(attn_layers):
-                attn = layers[i].self_attn
-                handles.append(attn.q_proj.register_forward_hook(_this_thread_only(capture_queries(i, attn))))
-                handles.append(attn.register_forward_hook(_this_thread_only(score_layer(i))))
-        if hidden:
-            keep_rows(emb.embeds)  # layer 0's input: a full prefill feeds every row of the embeddings as they are
-            handles.append(layers[uv_layers - 1].register_forward_hook(_this_thread_only(capture_output)))
-        handles.append(layers[last - 1].register_forward_hook(_this_thread_only(signals_done)))
         result = adapter.prefill(emb, cache=cache)
     finally:
         for h in handles:
             h.remove()
-    if len(ready) != 1:
-        raise RuntimeError(f"layer {last - 1} ran {len(ready)} times in one prefill; expected once")
-    result.signals = ready[0]
+    if len(hooks.ready) != 1:
+        raise RuntimeError(f"layer {hooks.last - 1} ran {len(hooks.ready)} times in one prefill; expected once")
+    result.signals = hooks.ready[0]
     return result
+
+
+class _SignalHooks:
+    """The forward hooks of one prefill with signals (`prefill_with_signals`) and what they collect. Each hook
+    runs only on the thread that installed it (`_this_thread_only`)."""
+
+    def __init__(self, emb: SequenceEmbeddings, cache, attn_layers: int, uv_layers: int,
+                 on_ready: SignalsReady | None) -> None:
+        self.emb, self.cache, self.attn_layers, self.uv_layers, self.on_ready = emb, cache, attn_layers, uv_layers, on_ready
+        self.last = max(attn_layers, uv_layers)  # the signals are complete after this layer
+        self.text_pos = text_positions(emb).to(emb.embeds.device)
+        self.video_pos = emb.layout.seq_positions.to(self.text_pos.device)
+        self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []  # the (cos, sin) of this prefill's rows
+        self.attention_rows: list[torch.Tensor | None] = [None] * attn_layers
+        self.pending: dict[int, torch.Tensor] = {}  # layer -> text queries, between its q_proj and its attention
+        self.video_rows: list[torch.Tensor] = []  # hidden state 0 (input of layer 0), then L (output of layer L-1)
+        self.text_rows: list[torch.Tensor] = []
+        self.ready: list[PrefillSignals] = []
+
+    def install(self, language_model: torch.nn.Module) -> list:
+        layers, handles = language_model.layers, []
+
+        def hook(module: torch.nn.Module, fn: Callable) -> None:
+            handles.append(module.register_forward_hook(_this_thread_only(fn)))
+
+        if self.attn_layers:
+            hook(language_model.rotary_emb, lambda module, args, out: self.rotary.append(out))
+            for i in range(self.attn_layers):
+                attn = layers[i].self_attn
+                hook(attn.q_proj, self._capture_queries(i, attn))
+                hook(attn, self._score_layer(i))
+        if self.uv_layers:
+            self._keep_rows(self.emb.embeds)  # layer 0's input: a full prefill feeds the embeddings as they are
+            hook(layers[self.uv_layers - 1], lambda module, args, out: self._keep_rows(_layer_output(out)))
+        hook(layers[self.last - 1], self._signals_done)  # after the row capture registered on the same layer
+        return handles
+
+    def _capture_queries(self, i: int, attn: torch.nn.Module) -> Callable:
+        def capture(module, args, out):
+            cos, sin = (t[:, self.text_pos] for t in self.rotary[-1])
+            self.pending[i] = _text_queries(attn, out[:, self.text_pos], cos, sin)
+
+        return capture
+
+    def _score_layer(self, i: int) -> Callable:
+        def score(module, args, out):
+            # The module has written this layer's keys to the cache: score, then drop the queries.
+            keys = self.cache.layers[i].keys[0]  # (Hkv, S, d), rotary applied
+            self.attention_rows[i] = layer_video_attention(self.pending.pop(i), keys, self.video_pos, self.text_pos,
+                                                           module.scaling)
+
+        return score
+
+    def _keep_rows(self, h: torch.Tensor) -> None:
+        self.video_rows.append(h[0, self.video_pos])
+        self.text_rows.append(h[0, self.text_pos])
+
+    def _signals_done(self, module, args, out) -> None:
+        signals = PrefillSignals()
+        if self.attn_layers:
+            signals.video_attention = torch.stack(self.attention_rows)
+        if self.uv_layers:
+            signals.video_hidden = torch.stack(self.video_rows)
+            signals.text_hidden = torch.stack(self.text_rows)
+        self.ready.append(signals)
+        if self.on_ready is not None:
+            self.on_ready(signals)
 
 
 def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:

@@ -178,13 +178,14 @@ def summarize(rounds: Sequence[Round]) -> Summary:
 # --- plot --------------------------------------------------------------------------------------------
 
 
+OK, BAD, SHADE = "tab:blue", "tab:red", (1.0, 0.85, 0.6)
+
+
 def plot_acceptance(rounds: Sequence[Round], out_png: Path, gamma: int | None = None, title: str = "") -> Path:
     """The three panels of the module doc to `out_png`; returns the path."""
     # The Agg canvas directly, no pyplot: no global figure state, no display needed (as timeline.py).
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     if not rounds:
         raise ValueError("no verify rounds to plot")
@@ -193,62 +194,68 @@ def plot_acceptance(rounds: Sequence[Round], out_png: Path, gamma: int | None = 
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(2, 2, height_ratios=(3, 2))
     per_round, hist_ax, pos_ax = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
-
-    xs = range(len(rounds))
-    ok, bad, shade = "tab:blue", "tab:red", (1.0, 0.85, 0.6)
-    per_round.bar(
-        xs, [r.accepted for r in rounds], width=0.85,
-        color=[bad if r.rejected else ok for r in rounds], edgecolor="black", linewidth=0.3, zorder=2,
-    )
-    # A round that accepted nothing has no bar: rejections and modes are marked below and behind the
-    # bars instead, so every round shows them.
-    rejected = [i for i, r in enumerate(rounds) if r.rejected]
-    per_round.scatter(rejected, [-0.3] * len(rejected), marker="x", color=bad, s=18, zorder=3, label="rejection")
-    for i, r in enumerate(rounds):
-        if r.mode == CONSERVATIVE:
-            per_round.axvspan(i - 0.5, i + 0.5, color=shade, zorder=0, linewidth=0)
-    per_round.step(xs, [r.drafted for r in rounds], where="mid", color="black", linewidth=1.0, label="drafted",
-                   zorder=4)
-    handles = [Patch(color=ok, label="all accepted"), Patch(color=bad, label="rejected (rollback)")]
-    if summary.conservative_rounds:
-        handles.append(Patch(color=shade, label="conservative mode"))
-    handles += per_round.get_legend_handles_labels()[0]
-    if gamma is not None:
-        handles.append(per_round.axhline(gamma, color="grey", linestyle="--", linewidth=1.0, label=f"gamma {gamma}"))
-    for i in range(1, len(rounds)):
-        if rounds[i].item != rounds[i - 1].item:  # several items end to end
-            per_round.axvline(i - 0.5, color="grey", linewidth=0.8, alpha=0.6)
-    per_round.set_xlabel("verification round")
-    per_round.set_ylabel("accepted draft tokens")
-    per_round.set_xlim(-0.6, len(rounds) - 0.4)
-    per_round.set_ylim(-0.6, max([r.drafted for r in rounds] + [gamma or 0]) + 0.5)
-    per_round.axhline(0, color="black", linewidth=0.6)
-    per_round.yaxis.set_major_locator(MaxNLocator(integer=True))
-    per_round.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small")
-    per_round.set_title(
-        f"{title}  rounds {summary.rounds}, MAT {summary.mean_accepted_tokens:.2f}, "
-        f"acceptance {100 * summary.acceptance_rate:.1f}%, rollbacks {summary.rollbacks}".strip()
-    )
-
-    lengths = range(max(summary.histogram) + 1)
-    hist_ax.bar(lengths, [summary.histogram.get(k, 0) for k in lengths], color=ok, edgecolor="black", linewidth=0.3)
-    hist_ax.set_xticks(list(lengths))
-    hist_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    hist_ax.set_xlabel("accepted draft tokens in a round")
-    hist_ax.set_ylabel("rounds")
-
-    positions = range(1, len(summary.per_position) + 1)
-    pos_ax.bar(positions, summary.per_position, color=ok, edgecolor="black", linewidth=0.3)
-    pos_ax.set_xticks(list(positions))
-    pos_ax.set_ylim(0, 1.05)
-    pos_ax.set_xlabel("draft position")
-    pos_ax.set_ylabel("acceptance rate")
+    _plot_rounds(per_round, rounds, summary, gamma, title)
+    _plot_distributions(hist_ax, pos_ax, summary)
     for ax in (per_round, hist_ax, pos_ax):
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=110)
     return out_png
+
+
+def _plot_rounds(ax, rounds: Sequence[Round], summary, gamma: int | None, title: str) -> None:
+    """Accepted draft tokens per round: rejections, conservative mode, the drafted length and the window."""
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    xs = range(len(rounds))
+    ax.bar(xs, [r.accepted for r in rounds], width=0.85, color=[BAD if r.rejected else OK for r in rounds],
+           edgecolor="black", linewidth=0.3, zorder=2)
+    # A round that accepted nothing has no bar: rejections and modes are marked below and behind the
+    # bars instead, so every round shows them.
+    rejected = [i for i, r in enumerate(rounds) if r.rejected]
+    ax.scatter(rejected, [-0.3] * len(rejected), marker="x", color=BAD, s=18, zorder=3, label="rejection")
+    for i, r in enumerate(rounds):
+        if r.mode == CONSERVATIVE:
+            ax.axvspan(i - 0.5, i + 0.5, color=SHADE, zorder=0, linewidth=0)
+    ax.step(xs, [r.drafted for r in rounds], where="mid", color="black", linewidth=1.0, label="drafted", zorder=4)
+    handles = [Patch(color=OK, label="all accepted"), Patch(color=BAD, label="rejected (rollback)")]
+    if summary.conservative_rounds:
+        handles.append(Patch(color=SHADE, label="conservative mode"))
+    handles += ax.get_legend_handles_labels()[0]
+    if gamma is not None:
+        handles.append(ax.axhline(gamma, color="grey", linestyle="--", linewidth=1.0, label=f"gamma {gamma}"))
+    for i in range(1, len(rounds)):
+        if rounds[i].item != rounds[i - 1].item:  # several items end to end
+            ax.axvline(i - 0.5, color="grey", linewidth=0.8, alpha=0.6)
+    ax.set_xlabel("verification round")
+    ax.set_ylabel("accepted draft tokens")
+    ax.set_xlim(-0.6, len(rounds) - 0.4)
+    ax.set_ylim(-0.6, max([r.drafted for r in rounds] + [gamma or 0]) + 0.5)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small")
+    ax.set_title(f"{title}  rounds {summary.rounds}, MAT {summary.mean_accepted_tokens:.2f}, "
+                 f"acceptance {100 * summary.acceptance_rate:.1f}%, rollbacks {summary.rollbacks}".strip())
+
+
+def _plot_distributions(hist_ax, pos_ax, summary) -> None:
+    """Rounds by accepted length, and the acceptance rate per draft position."""
+    from matplotlib.ticker import MaxNLocator
+
+    lengths = range(max(summary.histogram) + 1)
+    hist_ax.bar(lengths, [summary.histogram.get(k, 0) for k in lengths], color=OK, edgecolor="black", linewidth=0.3)
+    hist_ax.set_xticks(list(lengths))
+    hist_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    hist_ax.set_xlabel("accepted draft tokens in a round")
+    hist_ax.set_ylabel("rounds")
+    positions = range(1, len(summary.per_position) + 1)
+    pos_ax.bar(positions, summary.per_position, color=OK, edgecolor="black", linewidth=0.3)
+    pos_ax.set_xticks(list(positions))
+    pos_ax.set_ylim(0, 1.05)
+    pos_ax.set_xlabel("draft position")
+    pos_ax.set_ylabel("acceptance rate")
 
 
 # --- command line ------------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vpsd bench --batch", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
     p.add_argument("--manifest", type=Path, help="required unless --report-only")
@@ -275,54 +275,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
     p.add_argument("--report-only", action="store_true",
                    help="re-read the runs already in --out, as the bench that ran them scheduled them; run nothing")
-    a = p.parse_args(argv)
+    return p
+
+
+def _plan(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Path, list[int], list[str], int]:
+    """(manifest, batch sizes, methods, repeats): a finished bench's schedule (--report-only), or this one's."""
     plan = read_schedule(a.out) if a.report_only else None
     if plan is not None:
-        manifest, batches, methods, repeats = Path(plan["manifest"]), plan["batches"], plan["methods"], plan["repeats"]
         a.config = plan["config"]
-    elif a.report_only and a.batch is None:
+        return Path(plan["manifest"]), plan["batches"], plan["methods"], plan["repeats"]
+    if a.report_only and a.batch is None:
         p.error(f"--report-only: no {a.out / SCHEDULE} (is --out a finished bench's directory? one written "
                 "before schedules were kept needs its --batch, --methods, --repeats and --manifest again)")
-    else:
-        if a.batch is None or a.manifest is None:
-            p.error("--batch and --manifest are required (unless --report-only)")
-        if not a.manifest.is_file():  # before a job runs: each would refuse it, one after another
-            p.error(f"--manifest {a.manifest}: no such file")
-        batches = a.batch
-        methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
-        unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
-        if unknown:
-            p.error(f"unknown variant in {', '.join(unknown)}; known: {', '.join(v for v in VARIANTS if v)}")
-        a.out.mkdir(parents=True, exist_ok=True)
-        manifest, repeats = tile_manifest(a.manifest, a.tile, a.out), a.repeats
-        if not a.report_only:
-            write_schedule(a.out, a.config, manifest, batches, methods, repeats)
+    if a.batch is None or a.manifest is None:
+        p.error("--batch and --manifest are required (unless --report-only)")
+    if not a.manifest.is_file():  # before a job runs: each would refuse it, one after another
+        p.error(f"--manifest {a.manifest}: no such file")
+    methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
+    unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant in {', '.join(unknown)}; known: {', '.join(v for v in VARIANTS if v)}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    manifest = tile_manifest(a.manifest, a.tile, a.out)
+    if not a.report_only:
+        write_schedule(a.out, a.config, manifest, a.batch, methods, a.repeats)
+    return manifest, a.batch, methods, a.repeats
+
+
+def _run_cells(a: argparse.Namespace, manifest: Path, batches: list[int], methods: list[str], repeats: int
+               ) -> tuple[dict[tuple[str, int], list[Cell]], dict[tuple[str, int], int]]:
+    """Every (method, batch) cell, repeats interleaved in rounds; with --report-only, read back instead."""
     torchrun = a.torchrun.split() + ["--nproc-per-node", str(a.nproc)]
     extra = [f"--set={kv}" for kv in a.set]
     schedule = [(rep, b, m) for rep in range(repeats) for b in batches for m in methods]
     cells: dict[tuple[str, int], list[Cell]] = {}
     codes: dict[tuple[str, int], int] = {}
-    t0 = time.time()
     for i, (rep, b, m) in enumerate(schedule, 1):
         t = time.time()
         path = a.out / f"{m.replace(':', '-')}_b{b}" / f"r{rep + 1}"
         if a.report_only:
             codes[m, b] = 0
-            cells.setdefault((m, b), []).append(read_cell(path))
-            continue
-        code = run_one(BenchRun(m, m.split(":")[0]), a.config, str(manifest), path, torchrun,
-                       extra + VARIANTS[m.partition(":")[2]] + ["--batch", str(b)])
-        codes[m, b] = max(codes.get((m, b), 0), code)
+        else:
+            code = run_one(BenchRun(m, m.split(":")[0]), a.config, str(manifest), path, torchrun,
+                           extra + VARIANTS[m.partition(":")[2]] + ["--batch", str(b)])
+            codes[m, b] = max(codes.get((m, b), 0), code)
+            print(f"[{i}/{len(schedule)}] {m} B={b} r{rep + 1}  exit {code}  ({time.time() - t:.0f} s)", flush=True)
         cells.setdefault((m, b), []).append(read_cell(path))
-        print(f"[{i}/{len(schedule)}] {m} B={b} r{rep + 1}  exit {code}  ({time.time() - t:.0f} s)", flush=True)
-    ar_1 = cells.get(("ar", 1)) or cells[("ar", batches[0])]
-    reference = ar_1[0].outputs
-    cores = len(os.sched_getaffinity(0))  # what the jobs' ranks share
-    rows = [summarize_cells(m, b, cells[m, b], cells["ar", b], ar_1, reference, cores) for b in batches for m in methods]
-    noise = {}
-    for b in batches:
-        v = [c.items_per_hour for c in cells["ar", b]]
-        noise[b] = (max(v) - min(v)) / statistics.median(v) if len(v) > 1 and statistics.median(v) else 0.0
+    return cells, codes
+
+
+def _write_report(a: argparse.Namespace, manifest: Path, repeats: int, rows: list, noise: dict) -> None:
     table = format_table(rows, noise)
     print()
     print(table)
@@ -335,6 +337,23 @@ def main(argv: list[str] | None = None) -> int:
                                                        "repeats": repeats, "noise": noise,
                                                        "rows": [asdict(r) for r in rows]}, indent=1))
     plot(rows, a.out / "throughput.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    manifest, batches, methods, repeats = _plan(p, a)
+    t0 = time.time()
+    cells, codes = _run_cells(a, manifest, batches, methods, repeats)
+    ar_1 = cells.get(("ar", 1)) or cells[("ar", batches[0])]
+    reference = ar_1[0].outputs
+    cores = len(os.sched_getaffinity(0))  # what the jobs' ranks share
+    rows = [summarize_cells(m, b, cells[m, b], cells["ar", b], ar_1, reference, cores) for b in batches for m in methods]
+    noise = {}
+    for b in batches:
+        v = [c.items_per_hour for c in cells["ar", b]]
+        noise[b] = (max(v) - min(v)) / statistics.median(v) if len(v) > 1 and statistics.median(v) else 0.0
+    _write_report(a, manifest, repeats, rows, noise)
     print(f"\nwrote {a.out}/throughput.txt, .csv, .json, .png  ({(time.time() - t0) / 60:.1f} min)")
     bad = [f"{r.method} B={r.batch}" for r in rows if r.identical != r.items or r.items == 0 or codes[r.method, r.batch]]
     if bad:

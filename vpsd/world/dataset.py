@@ -28,7 +28,8 @@ import numpy as np
 from vpsd.world.caption import PROMPTS, caption
 from vpsd.world.long_caption import long_example_text
 from vpsd.world.long_scene import FPS as LONG_FPS
-from vpsd.world.long_scene import LongScene, sample_long_scene
+from vpsd.world.long_sampler import sample_long_scene
+from vpsd.world.long_scene import LongScene
 from vpsd.world.render import render
 from vpsd.world.scene import Scene, sample_scene
 
