@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 import threading
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from transformers import AutoConfig
 from tests.conftest import FAMILIES, random_frames, tiny_pair
 from tests.official_layout import official_checkpoint
 from vpsd.launch.grow import check_growth, compare_adapters, main
-from vpsd.models import grow as grow_module
+from vpsd.models import grown_checkpoint as grow_module
 from vpsd.models.grow import GrowthError, grow_model
 from vpsd.models.grown_checkpoint import RECORD, ensure_grown, grow_checkpoint
 from vpsd.models.registry import ModelSpec, load_adapter
@@ -116,6 +117,7 @@ def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatc
     src = official_checkpoint(tiny_pair("llava_onevision")[0], "llava_onevision", tmp_path / "src")
     dst = tmp_path / "grown"
     built = []
+    in_tmp = set(Path(tempfile.gettempdir()).glob("vpsd-grow-*.lock"))
     real = grow_module.grow_checkpoint
     monkeypatch.setattr(grow_module, "grow_checkpoint", lambda *a, **k: built.append(a[2:4]) or real(*a, **k))
 
@@ -136,6 +138,9 @@ def test_ensure_grown_reuses_and_rebuilds(tiny_checkpoints, tmp_path, monkeypatc
     ensure_grown(src, dst, 4, 5)
     assert len(built) == 3
     assert not list(tmp_path.glob(".grown.tmp-*")) + list(tmp_path.glob(".grown.old-*"))  # none left behind
+    # Three builds, one lock: the file beside the destination, reused; nothing in the temporary directory.
+    assert [p.name for p in tmp_path.glob(".*.grow.lock")] == [".grown.grow.lock"]
+    assert set(Path(tempfile.gettempdir()).glob("vpsd-grow-*.lock")) == in_tmp
 
     other = tmp_path / "not_grown"  # a directory ensure_grown did not make is never overwritten
     other.mkdir()

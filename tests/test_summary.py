@@ -63,3 +63,27 @@ def test_summary_of_a_directory_that_is_no_job_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["summary", str(tmp_path / "nodir")])
     assert e.value.code == 2 and "holds no results.jsonl or summary.json" in capsys.readouterr().err
+
+
+def test_a_shared_out_sums_each_method_apart_and_the_status_reads_the_last_runs_method(tmp_path):
+    """Two methods in one --out (a bench's ar beside hippo): the top level and --status are the last run's
+    method's, `methods` holds each one's, `runs` each one's last run; one method's failures never count against
+    another's. A summary.json from before `methods` existed still reads (its top level: every row)."""
+    from vpsd.reports.summary import EXIT_ITEMS_FAILED, job_summary, main
+
+    err = {"type": "VideoError", "message": "corrupt"}
+    rows = [{**_row(i, [1, 2], 2, 0.5, 1.0, error=err if (m, i) == ("ar", "b") else None), "method": m}
+            for m in ("ar", "hippo") for i in ("a", "b")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps(job_summary(tmp_path, "ar", {"items": 2, "failed": 1})))
+    hippo = job_summary(tmp_path, "hippo", {"items": 2, "failed": 0})
+    (tmp_path / "summary.json").write_text(json.dumps(hippo))
+    assert hippo["method"] == "hippo" and (hippo["items_done"], hippo["items_failed"]) == (2, 0)
+    assert {m: s["items_failed"] for m, s in hippo["methods"].items()} == {"ar": 1, "hippo": 0}
+    assert set(hippo["runs"]) == {"ar", "hippo"} and hippo["run"] == {"items": 2, "failed": 0}
+    assert main([str(tmp_path), "--status"]) == 0  # hippo ran last: ar's failure is not its own
+    (tmp_path / "summary.json").write_text(json.dumps(job_summary(tmp_path, "ar", {"items": 1, "failed": 1})))
+    assert main([str(tmp_path), "--status"]) == EXIT_ITEMS_FAILED
+    (tmp_path / "summary.json").write_text(json.dumps({"items_done": 3, "run": {"items": 4}}))  # an old one
+    assert main([str(tmp_path), "--status"]) == EXIT_ITEMS_FAILED  # all rows, as before
+    assert main([str(tmp_path)]) == 0

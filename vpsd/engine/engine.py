@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from vpsd.activity import doing
 from vpsd.config import RunConfig
 from vpsd.engine.drafter import Drafter, Proposal
 from vpsd.engine.report import EngineReport
@@ -87,12 +88,13 @@ class Engine:
         if drafted and on_engine_thread:
             self.drafter.start(request, self._gamma_now())  # the draft reads and embeds the video meanwhile
         try:
-            with span("vision", item=request.id):
-                emb = self.target.embed(inputs)
-            request.num_video_tokens = emb.layout.num_tokens
-            with span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted):
-                request.prefill = (self.drafter.prefill(request, emb, on_engine_thread) if drafted
-                                   else self.target.prefill(emb))
+            with doing("prefill", request.id, inputs.seq_len):  # vision and prefill: what a peer sees it doing
+                with span("vision", item=request.id):
+                    emb = self.target.embed(inputs)
+                request.num_video_tokens = emb.layout.num_tokens
+                with span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted):
+                    request.prefill = (self.drafter.prefill(request, emb, on_engine_thread) if drafted
+                                       else self.target.prefill(emb))
         except ValueError as e:
             if drafted and on_engine_thread:
                 self.drafter.finish(request, str(e))  # it was announced: the draft's side lets it go
@@ -180,8 +182,9 @@ class Engine:
             self.batch.rollback(rid, length)
         rows = max(len(t) for t in feed.values())
         gamma = max((p.gamma for p in proposals.values()), default=0)
-        with span("verify", round=self.report.rounds, items=list(feed), tokens=sum(map(len, feed.values())),
-                  rows=rows, gamma=gamma) as fields:
+        tokens = sum(map(len, feed.values()))
+        with doing("verify", next(iter(feed)), tokens), \
+                span("verify", round=self.report.rounds, items=list(feed), tokens=tokens, rows=rows, gamma=gamma) as fields:
             t0 = settled_clock(self.target.device)
             logits = (self.batch.step_rowwise if self.cfg.decoding.exact_verify else self.batch.step)(feed)
             seconds = settled_clock(self.target.device) - t0

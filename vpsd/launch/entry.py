@@ -21,6 +21,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
+from vpsd.activity import ACTIVITY
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.job import run_job
@@ -188,6 +189,7 @@ def start_role(rank: int, role: str, ranks: dict[str, int], cfg: RunConfig, meth
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
     ctrl = ControlChannel.from_process_group(role, secret=secret)
+    ACTIVITY.own(role)  # this thread's phases are what the heartbeats report (vpsd/activity.py)
     cpus = (cfg.cpu_affinity or {}).get(role)
     if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only

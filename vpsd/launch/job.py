@@ -40,7 +40,7 @@ from vpsd.models.registry import load_adapter, load_draft
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.provenance import stack
 from vpsd.reports.kept_log import KeptRecord, append_kept
-from vpsd.reports.summary import summarize
+from vpsd.reports.summary import job_summary
 from vpsd.roles.context import RoleContext
 from vpsd.roles.link import RankLink
 from vpsd.roles.target import RemoteDrafter
@@ -77,7 +77,7 @@ class ItemEvents:
         self.ctx, self.cfg, self.reader, self.target = ctx, cfg, reader, target
         self.results, self.progress = results, progress
         self.loaded: dict[str, LoadedItem] = {}
-        self.failures = 0
+        self.failures = self.finished_items = 0
 
     def request(self, item: ManifestItem, nxt: ManifestItem | None) -> Request:
         loaded = self.reader.load(item)
@@ -96,6 +96,7 @@ class ItemEvents:
         if res.kept is not None and self.ctx.out is not None:  # chosen here; a pruner rank logs its own
             pruning = self.cfg.pruning
             append_kept(self.ctx.out, KeptRecord(item.id, pruning.strategy, pruning.applied_ratio, res.kept, res.layout))
+        self.finished_items += 1
         stats = {**res.stats_dict(), **loaded.timings, "num_frames": int(loaded.frames.shape[0]),
                  "batch": self.cfg.batching.size}
         self.record({**self.row(item), "token_ids": res.token_ids, "error": None, "stats": stats,
@@ -175,14 +176,14 @@ def run_job(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: Pat
     report = engine.report.as_dict() if cfg.batching.size > 1 else None
     if report is not None:
         log.info("batching_done", **report)
-    summary = summarize(out)
-    summary["run"] = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": events.failures,
-                      "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                      "loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": report, "stack": versions}
+    run = {"total_s": time.perf_counter() - started, "items": len(todo), "failed": events.failures,
+           "skipped": len(done), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+           "loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": report, "stack": versions}
+    summary = job_summary(out, method, run)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("job_done", **summary)
-    if not args.quiet:
-        print(f"vpsd: {summary['items_done']} items done, {summary['items_failed']} failed, "
-              f"{summary['tokens_per_s']:.1f} tokens/s, {summary['run']['total_s']:.1f} s; see {out / 'summary.json'}",
-              file=sys.stderr)
+    if not args.quiet:  # this run's items, whatever else the directory holds
+        print(f"vpsd: {method}: {events.finished_items} items done, {events.failures} failed"
+              f"{f' ({len(done)} done before)' if done else ''}, {summary['tokens_per_s']:.1f} tokens/s, "
+              f"{run['total_s']:.1f} s; see {out / 'summary.json'}", file=sys.stderr)
     return summary

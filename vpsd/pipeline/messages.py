@@ -225,12 +225,18 @@ class ItemDone(Message, tag="ItemDone/1"):
     error: dict[str, Any] | None
 
 
-class Heartbeat(Message, tag="Heartbeat/1"):
-    """Any role -> any role: I am alive at time `t` (time.time() of the sender)."""
+class Heartbeat(Message, tag="Heartbeat/2"):
+    """Any role -> any role: I am alive at time `t` (time.time() of the sender), and what my role's thread is
+    doing (vpsd/activity.py): `phase` ("" when in none) of `item` for `busy_s`; such work took at most
+    `typical_s` so far in this job (0: never done). v2: what it is doing."""
 
     role: str
     rank: Int
     t: float
+    phase: str = ""
+    item: str = ""
+    busy_s: float = 0.0
+    typical_s: float = 0.0
 
 
 class Shutdown(Message, tag="Shutdown/1"):

@@ -8,11 +8,16 @@ baseline's total wall time per item (vision + prefill + decode) over the run's, 
 the same for the decode phase alone (after the target's prefill); the lossless check counts ids whose
 tokens differ.
 
-`summarize` adds up the results file, whatever number of runs wrote it; reading the videos is
-reported apart from decoding: `video_read_s` (demux + decode), `preprocess_s` (scaling, patchify,
-fitting the context) and `video_wait_s` (the part of both that the model waited for, i.e. that the
-read-ahead did not hide). The launcher adds a `run` section about the run that wrote the file last
-(its total time, items, failures); the command keeps that section when it rewrites summary.json.
+`summarize(dir, method)` adds up the results file's rows of one method (all of them without one), whatever
+number of runs wrote them; reading the videos is reported apart from decoding: `video_read_s` (demux +
+decode), `preprocess_s` (scaling, patchify, fitting the context) and `video_wait_s` (the part of both that the
+model waited for, i.e. that the read-ahead did not hide).
+
+summary.json (`job_summary`): the top level adds up the method of the run that wrote it last; `methods` holds
+every method's sums when several share the directory (a bench's runs, ar beside hippo), and `runs` the last
+run of each method (its total time, items run, failures, restarts: the `run` section is the last of them).
+So one method's failures never count against another's, and `--status` reads the last run's method alone. A
+summary.json written before it had `methods` and `runs` still reads: its top level is all the rows'.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ VIDEO_TIMINGS = ("video_read_s", "preprocess_s", "video_wait_s")
 EXIT_ITEMS_FAILED = 3
 
 
-def summarize(run_dir: Path) -> dict:
-    rows = read_rows(run_dir)
+def summarize(run_dir: Path, method: str | None = None) -> dict:
+    rows = [r for r in read_rows(run_dir) if method is None or r.get("method") == method]
     ok = [r for r in rows if r.get("error") is None]
     rounds = sum(r["stats"]["rounds"] for r in ok)
     tokens = sum(len(r["token_ids"]) for r in ok)
@@ -56,8 +61,8 @@ def summarize(run_dir: Path) -> dict:
     accepted = sum(r["stats"].get("accepted_tokens", 0) for r in ok)
     rejections = sum(r["stats"].get("rejections", 0) for r in ok)
     gammas = [(r["stats"]["gamma"], r["stats"]["rounds"]) for r in ok if r["stats"].get("gamma") is not None]
-    # An item of a method with a draft that reports no kept set was decoded plain (gamma auto chose it: the
-    # target alone, as `ar`; TargetWorker.drafting_pays, BatchWindow.speculation_pays).
+    # An item of a method with a draft that reports no kept set was decoded plain (the drafting policy chose
+    # the target alone, as `ar`: pipeline/drafting_policy.py).
     drafting = [r for r in ok if r.get("method") in METHODS and METHODS[r["method"]].uses_draft]
     return {
         "items_done": len(ok),
@@ -79,6 +84,30 @@ def summarize(run_dir: Path) -> dict:
         "first_chunk_wait_s": sum(r["stats"].get("first_chunk_wait_s", 0.0) for r in ok),
         **{key: sum(float((r.get("stats") or {}).get(key, 0.0)) for r in rows) for key in VIDEO_TIMINGS},
     }
+
+
+def job_summary(run_dir: Path, method: str, run: dict) -> dict:
+    """summary.json after a run of `method` (module docstring): its sums, every method's, every method's last run."""
+    previous = read_summary(run_dir)
+    runs = {**(previous.get("runs") or {}), method: run}
+    methods = sorted({r.get("method") for r in read_rows(run_dir)} - {None})
+    out = {**summarize(run_dir, method), "method": method, "run": run, "runs": runs}
+    if len(methods) > 1:
+        out["methods"] = {m: summarize(run_dir, m) for m in methods}
+    return out
+
+
+def read_summary(run_dir: Path) -> dict:
+    path = Path(run_dir) / "summary.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def last_method(run_dir: Path) -> str | None:
+    """The method of the run that wrote summary.json last (None: an old summary, or none)."""
+    return read_summary(run_dir).get("method")
 
 
 def compare(baseline_dir: Path, run_dir: Path) -> dict:
@@ -116,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     for d in (args.run_dir, args.baseline):
         if d is not None and not any((d / f).is_file() for f in ("results.jsonl", "summary.json")):
             p.error(f"{d} holds no results.jsonl or summary.json: not a job's --out directory")
+    method = last_method(args.run_dir)
     if args.status:
-        return EXIT_ITEMS_FAILED if summarize(args.run_dir)["items_failed"] else 0
-    summary = summarize(args.run_dir)
-    previous = args.run_dir / "summary.json"
-    if previous.exists():
-        run = json.loads(previous.read_text()).get("run")
-        if run is not None:
-            summary["run"] = run
+        return EXIT_ITEMS_FAILED if summarize(args.run_dir, method)["items_failed"] else 0
+    summary = summarize(args.run_dir, method)
+    previous = read_summary(args.run_dir)
+    for key in ("method", "run", "runs"):
+        if previous.get(key) is not None:
+            summary[key] = previous[key]
+    methods = sorted({r.get("method") for r in read_rows(args.run_dir)} - {None})
+    if len(methods) > 1:
+        summary["methods"] = {m: summarize(args.run_dir, m) for m in methods}
     if args.baseline is not None:
         from vpsd.pipeline.methods import METHODS, get_method
         from vpsd.reports.accounting import predict  # it imports this module
@@ -136,15 +168,20 @@ def main(argv: list[str] | None = None) -> int:
             summary["theory_decode_speedup"] = theory
             summary["efficiency"] = summary["decode_speedup_vs_baseline"] / theory if theory else None
     (args.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    width = max(map(len, summary))
+    width = max(map(len, [*summary, *("method " + m for m in summary.get("methods") or {})]))
     for k, v in summary.items():
         if v is None:
             v = "-"
+        if k in ("methods", "runs"):
+            continue  # a line per method below
         if k == "run" and isinstance(v, dict):
             v = {name: x for name, x in v.items() if name != "stack"}  # printed on its own line below
         if isinstance(v, dict):
             v = " ".join(f"{name}={x:.3f}" if isinstance(x, float) else f"{name}={x}" for name, x in v.items())
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    for m, sums in (summary.get("methods") or {}).items():
+        print(f"{'method ' + m:<{width}}  items {sums['items_done']} done, {sums['items_failed']} failed, "
+              f"{sums['tokens_per_s']:.1f} tokens/s, MAT {sums['mean_accepted_tokens']:.2f}")
     mine = (summary.get("run") or {}).get("stack")
     print(f"{'stack':<{width}}  {describe(mine) if mine else 'not recorded (a run before vpsd recorded it)'}")
     if args.baseline is not None:

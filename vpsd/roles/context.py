@@ -4,8 +4,10 @@ Roles talk only through `ctrl` (ZeroMQ control messages) and `tensors` (torch.di
 importing each other. Every blocking wait goes through `wait` / `recv`: the wait ends in a RoleFailure naming
 the awaited role, its rank and the item as soon as that peer has been silent (not even a heartbeat: every
 rank sends them from a thread, ControlChannel.start_heartbeat) for `timeout_s`, so a dead or stopped peer
-ends the job within the timeout. A peer that is alive but busy (a long prefill, a video being read) is waited
-for, up to the wait's own limit (`idle_timeout_s` by default).
+ends the job within the timeout. A peer that is alive but stuck (its heartbeats say it has been in one phase,
+a prefill, a verify, a draft step, a pruning, far longer than such work took in this job: vpsd/activity.py)
+is named too, within that limit; a peer alive and busy but not in a phase (between items, reading a video)
+is waited for up to the wait's own limit (`idle_timeout_s` by default).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vpsd.activity import stuck_limit
 from vpsd.config import RunConfig
 from vpsd.pipeline.messages import Message
 from vpsd.pipeline.methods import Method
@@ -60,11 +63,28 @@ class RoleContext:
                     f"{e.waited_s:.0f} s while on item {self.item_id or '-'}: it is stopped, hung or dead",
                     silent_rank=e.rank,
                 ) from None
+            for rank in watched:
+                self.check_not_stuck(rank)
             if time.monotonic() >= deadline:
                 raise RoleFailure(
                     f"{self.role} (rank {self.rank}) waited {limit:.0f} s for {awaiting or 'any peer'} while on item "
                     f"{self.item_id or '-'}; it is alive but sent nothing"
                 )
+
+    def check_not_stuck(self, rank: int) -> None:
+        """RoleFailure naming `rank` when its heartbeats say it has been in one phase past `stuck_limit`."""
+        got = self.ctrl.doing(rank)
+        if got is None or not got[0].phase:
+            return
+        beat, age = got
+        busy = beat.busy_s + age
+        if busy <= stuck_limit(beat.typical_s, self.timeout_s, self.idle_timeout_s):
+            return
+        peer = next((k for k, r in self.ranks.items() if r == rank), beat.role)
+        measured = (f"such {beat.phase} work took at most {beat.typical_s:.2f} s in this job" if beat.typical_s > 0
+                    else f"none had finished yet, and idle_timeout_s is {self.idle_timeout_s:.0f} s")
+        raise RoleFailure(f"{self.role} (rank {self.rank}): {peer} (rank {rank}) has been in {beat.phase} of item "
+                          f"{beat.item or '-'} for {busy:.0f} s; {measured}: it is stuck", silent_rank=rank)
 
     def recv(self, src_role: str | None = None, timeout_s: float | None = None,
              awaiting: str | None = None) -> tuple[int, Message]:

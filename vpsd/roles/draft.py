@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from vpsd.activity import doing
 from vpsd.config import RunConfig
 from vpsd.engine.proposers import ModelProposer, TabedProposer
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
@@ -155,7 +156,8 @@ class DraftWorker:
         dec = self.cfg.decoding
         machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
         gen = torch.Generator().manual_seed(dec.seed + job.seed + 1)  # as the batch-1 draft role seeds it
-        with span("prefill", item=item_id, kept=int(keep.numel()), draft=self.kind):
+        with doing("prefill", item_id, int(keep.numel())), span("prefill", item=item_id, kept=int(keep.numel()),
+                                                                draft=self.kind):
             length = self.proposer.admit(item_id, emb, keep, job.gamma)
         self.rows[item_id] = DraftRow(job, machine, CacheCursor(length), gen)
 
@@ -213,7 +215,8 @@ class DraftWorker:
             feed[item_id] = pending
         if not feed:
             return proposed > 0
-        with span("draft_step", items=list(feed), rows=sum(len(t) for t in feed.values())):
+        rows = sum(len(t) for t in feed.values())
+        with doing("draft", next(iter(feed)), rows), span("draft_step", items=list(feed), rows=rows):
             _, dt = self.proposer.feed(feed)  # the span, too, times the forward and not its launch
         for item_id, pending in feed.items():
             self.rows[item_id].cursor.feed(pending)

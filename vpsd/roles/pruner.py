@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from vpsd.activity import doing
 from vpsd.decoders.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
@@ -61,7 +62,8 @@ class PrunerWorker:
         signals, layout = unpack(announce.names, tensors)
         cfg = self.cfg
         ratio = cfg.applied_ratio
-        with span("prune", item=job.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
+        with doing("prune", job.item_id, layout.num_tokens), \
+                span("prune", item=job.item_id, strategy=cfg.strategy, tokens=layout.num_tokens):
             if ratio == 0.0:
                 keep = torch.arange(layout.num_tokens)
             else:

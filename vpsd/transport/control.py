@@ -15,8 +15,9 @@ Contract:
   rank (messages from others stay queued for later calls), and raises `PeerTimeout` naming the rank and
   role waited on. A malformed, unknown or oversized message is logged (structlog event `bad_message`,
   with the sender) and dropped: it never reaches the caller and is never acted on.
-- `Heartbeat` messages are consumed by the channel: they only refresh `last_seen`; `check_alive` turns
-  a silent peer into a `PeerTimeout`. Every valid message counts as a sign of life. `start_heartbeat(dsts,
+- `Heartbeat` messages are consumed by the channel: they refresh `last_seen` and say what the peer's role is
+  doing (`doing`: vpsd/activity.py); `check_alive` turns a silent peer into a `PeerTimeout`. Every valid
+  message counts as a sign of life. `start_heartbeat(dsts,
   interval_s)` sends them from a thread of its own (own sockets, routing identity `<rank>/hb`), so a rank busy in
   a long forward still shows it is alive, and one that is stopped or dead falls silent.
 - The store record also holds the rank's pid and host (`peer_record`), to name and end a silent peer.
@@ -42,6 +43,7 @@ import structlog
 import torch.distributed as dist
 import zmq
 
+from vpsd.activity import ACTIVITY
 from vpsd.pipeline.messages import Heartbeat, Message, MessageError, decode, encode
 from vpsd.transport.auth import ZAP_DOMAIN, RankAuthenticator, job_secret, rank_keypair
 
@@ -116,6 +118,7 @@ class ControlChannel:
         self._roles: dict[int, str] = {rank: role}
         self._inbox: deque[tuple[int, Message]] = deque()
         self._last_seen: dict[int, float] = {}
+        self._beats: dict[int, tuple[float, Heartbeat]] = {}  # rank -> (when it came, the last heartbeat)
         self._started = time.monotonic()
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -142,10 +145,14 @@ class ControlChannel:
             raise PeerTimeout(dst, self._roles.get(dst), self._send_timeout_s, "room in the send queue to") from None
 
     def heartbeat(self, dsts: Iterable[int]) -> None:
-        """Tell each rank in `dsts` that this rank is alive."""
-        hb = Heartbeat(self.role, self.rank, time.time())
+        """Tell each rank in `dsts` that this rank is alive, and what its role is doing."""
+        hb = self._heartbeat()
         for dst in dsts:
             self.send(dst, hb)
+
+    def _heartbeat(self) -> Heartbeat:
+        now = ACTIVITY.report()
+        return Heartbeat(self.role, self.rank, time.time(), now.phase, now.item, now.busy_s, now.typical_s)
 
     def start_heartbeat(self, dsts: Iterable[int], interval_s: float) -> None:
         """Send each rank in `dsts` a Heartbeat every `interval_s` from a background thread, until close()."""
@@ -158,7 +165,7 @@ class ControlChannel:
         socks = {dst: self._connect(dst, address, f"{self.rank}/hb") for dst, address in peers.items()}
         try:
             while not self._beat_stop.is_set():
-                data = encode(Heartbeat(self.role, self.rank, time.time()))
+                data = encode(self._heartbeat())
                 for sock in socks.values():
                     try:
                         sock.send(data, zmq.NOBLOCK)
@@ -278,10 +285,17 @@ class ControlChannel:
             return
         self._last_seen[src] = time.monotonic()
         if isinstance(msg, Heartbeat):
+            self._beats[src] = (time.monotonic(), msg)
             return
         self._inbox.append((src, msg))
 
     # --- liveness ---------------------------------------------------------------------------------------
+
+    def doing(self, rank: int) -> tuple[Heartbeat, float] | None:
+        """`rank`'s last heartbeat and how long ago it came (what its role was doing then), if any came."""
+        self._drain()
+        got = self._beats.get(rank)
+        return None if got is None else (got[1], time.monotonic() - got[0])
 
     def last_seen(self, rank: int) -> float | None:
         """time.monotonic() of the last valid message from `rank`, None if none yet."""
