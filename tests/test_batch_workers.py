@@ -315,3 +315,28 @@ def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
     with pytest.raises(ValueError, match="over the budget"):
         tight.scheduler.prepare(fresh(todo)[0], on_engine_thread=False)
     assert not tight.hub.inbox["draft"] and not tight.hub.inbox["pruner"]
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_without_synchronous_prefill_the_draft_hears_of_an_item_after_the_targets_prefill(size):
+    """`decoding.sync_prefill: false` (PEARL-video, HIPPO Table 3's first row): the draft and the pruner are told
+    of an item only when it joins, after the target's whole prefill, where HIPPO's synchronous prefill tells them
+    before its vision tower runs. Outputs are the same either way."""
+    todo = work_items(3, max_new=10)
+    for sync in (True, False):
+        pipe = Pipeline("qwen2_5_vl", "pearl", size, todo,
+                        {"decoding.gamma": 3, "decoding.temperature": 0.0, "decoding.sync_prefill": sync}, False)
+        first = pipe.queue[0]
+        pipe.scheduler.prepare(first, on_engine_thread=True)
+        pipe.scheduler.decide(first)
+        pipe.engine.prefill(first, on_engine_thread=True)
+        told = [type(decode(data)).__name__ for _, data in pipe.hub.inbox["draft"]]
+        assert told == (["JobStart"] if sync else []), sync
+        assert pipe.engine.join(first) is None
+        pipe.queue.pop(0)
+        assert [type(decode(data)).__name__ for _, data in pipe.hub.inbox["draft"]] == ["JobStart"]
+        got = pipe.run(seed=3)
+        for it in todo:
+            one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+            assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, (sync, it.id)
+        assert pipe.draft_idle()

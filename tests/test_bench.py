@@ -15,6 +15,28 @@ def test_default_runs_cover_every_method_then_every_other_strategy():
                     BenchRun("hippo+random", "hippo", "random"), BenchRun("hippo+none", "hippo", "none")]
 
 
+def test_pearl_brings_its_table3_row_and_the_four_rows_read_as_steps():
+    """HIPPO Table 3: pearl-video (the draft told after the target's prefill), pearl, hippo+specvlm, hippo.
+    Each step names the terms that moved: here the prefill overlap, then MAT, then T_q and gamma."""
+    from vpsd.reports.bench import PEARL_VIDEO, BenchRow, format_table3
+
+    runs = default_runs("hippo", methods=["ar", "pearl", "hippo"], strategies=["specvlm"])
+    assert [r.label for r in runs] == ["ar", "pearl-video", "pearl", "hippo", "hippo+specvlm"]
+    assert PEARL_VIDEO.args() == ["--method", "pearl", "--set=decoding.sync_prefill=false"]
+
+    def row(label, first, t_q, gamma, mat, wall):
+        return BenchRow(label, "x", "x", True, 4, 4, mat, 0.5, 0.8, gamma, wall, wall, None, None, 100.0, 50.0, t_q,
+                        0.1, first, 1, 0)
+
+    rows = [row("pearl-video", 400, 10.0, 8.0, 3.0, 1.5), row("pearl", 20, 10.0, 8.0, 3.0, 1.8),
+            row("hippo+specvlm", 20, 10.0, 8.0, 3.6, 2.0), row("hippo", 20, 5.0, 12.0, 3.6, 2.4)]
+    text = format_table3(rows).splitlines()
+    assert "1st chunk wait x0.05" in text[3] and "T_q" not in text[3]
+    assert text[4].endswith("MAT x1.20")
+    assert text[5].endswith("T_q x0.50, gamma x1.50")
+    assert format_table3(rows[1:]) == ""  # not all four ran: no decomposition
+
+
 def test_bench_runs_ar_and_a_parallel_baseline_losslessly(tmp_path):
     manifest = world_manifest(str(tmp_path), 2)
     out = tmp_path / "bench"

@@ -78,6 +78,13 @@ class DecodingConfig:
     # when the target has nothing to verify (off: on a CPU the extra short rounds cost more than the idle time).
     lookahead: int | None = None
     eager_when_idle: bool = False
+    # HIPPO's synchronous draft-target prefill (Sec. 3.3): a draft on its own rank reads the video, prunes and
+    # prefills while the target prefills, and drafts before the target is done. false: the draft hears of the
+    # item only once the target's prefill is done (PEARL-video, HIPPO Table 3's first row), kept for that
+    # comparison. The draft's head start is capped at `lookahead` tokens where HIPPO lets it run until the
+    # target is done: in a target-bound pipeline the tokens past two windows are drafted again before a
+    # verdict needs them.
+    sync_prefill: bool = True
 
     def __post_init__(self) -> None:
         parse_tree(self.tree)  # a bad shape fails here, with the reason

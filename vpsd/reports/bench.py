@@ -3,8 +3,10 @@
     python -m vpsd.reports.bench --config configs/world_qwen2_5_vl_scaled.yaml --manifest M --out runs/bench [--repeats 3]
 
 Each row is a real torchrun job of `vpsd.launch.entry` (the same launcher users run), writing its own run
-directory under --out. Rows: the methods, then each pruning strategy in the parallel pipeline
-(`--baseline-method`, default `hippo`) at the config's ratio. Timing is measured side by side, never
+directory under --out. Rows: the methods (pearl preceded by `pearl-video`, its draft told of an item only
+after the target's prefill), then each pruning strategy in the parallel pipeline (`--baseline-method`, default
+`hippo`) at the config's ratio; with pearl, hippo and specvlm pruning among them, HIPPO Table 3 follows as
+steps (`format_table3`). Timing is measured side by side, never
 claimed: the whole list runs `--repeats` times in rounds, each round opening with an `ar` run, and one more
 `ar` run closes the bench, so `ar` brackets every row in time; the baseline is the per-item median over
 those `ar` runs, their spread (max - min over median of the totals) is printed as this run's timing noise,
@@ -48,9 +50,17 @@ class BenchRun:
     label: str
     method: str
     strategy: str | None = None  # None: the method's own default
+    settings: tuple[str, ...] = ()  # KEY=VALUE config settings of this row alone
 
     def args(self) -> list[str]:
-        return ["--method", self.method] + (["--pruning", self.strategy] if self.strategy else [])
+        return (["--method", self.method] + (["--pruning", self.strategy] if self.strategy else [])
+                + [f"--set={kv}" for kv in self.settings])
+
+
+# HIPPO Table 3 (VideoMME, wall speedup over AR): each row adds one of HIPPO's parts to PEARL-video.
+TABLE3 = [("pearl-video", "PEARL-video", 2.24), ("pearl", "+ synchronous prefill", 2.46),
+          ("hippo+specvlm", "+ SpecVLM's selection", 2.52), ("hippo", "HIPPO", 2.85)]
+PEARL_VIDEO = BenchRun("pearl-video", "pearl", settings=("decoding.sync_prefill=false",))
 
 
 @dataclass
@@ -81,7 +91,12 @@ class BenchRow:
 def default_runs(baseline_method: str = "hippo", methods: list[str] | None = None,
                  strategies: list[str] | None = None) -> list[BenchRun]:
     names = methods if methods is not None else list(METHODS)
-    runs = [BenchRun("ar", "ar")] + [BenchRun(m, m) for m in names if m != "ar"]
+    runs = [BenchRun("ar", "ar")]
+    for m in names:
+        if m == "pearl":  # with its row of HIPPO Table 3 before it: the draft told of an item after the prefill
+            runs.append(PEARL_VIDEO)
+        if m != "ar":
+            runs.append(BenchRun(m, m))
     default = get_method(baseline_method).default_strategy
     for s in strategies if strategies is not None else list(STRATEGIES):
         if s != default:
@@ -173,6 +188,33 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+def format_table3(rows: list[BenchRow]) -> str:
+    """HIPPO Table 3 as a decomposition of this bench's rows, when it ran all four: each step's wall speedup
+    next to the paper's, and which term of App. C it moved: the draft's cost (T_q, and the window gamma that
+    follows it under auto) or its agreement (MAT); the first step moves neither, only the first chunk's wait."""
+    by = {r.label: r for r in rows}
+    if not all(label in by for label, _, _ in TABLE3):
+        return ""
+    lines = ["HIPPO Table 3 as steps (paper: VideoMME, video-SALMONN2+ 7B/72B)",
+             f"{'step':<24}{'wall x':>8}{'paper':>7}{'1st ms':>8}{'T_q ms':>8}{'gamma':>7}{'MAT':>6}  moved"]
+    prev = None
+    for label, name, paper in TABLE3:
+        r = by[label]
+        moved = "" if prev is None else _moved(prev, r)
+        lines.append(f"{name:<24}{r.speedup:>7.2f}x{paper:>6.2f}x{r.first_chunk_ms or 0:>8.0f}"
+                     f"{r.t_draft_ms or 0:>8.1f}{r.gamma or 0:>7.1f}{r.mat:>6.2f}  {moved}")
+        prev = r
+    return "\n".join(lines)
+
+
+def _moved(before: BenchRow, after: BenchRow) -> str:
+    """The terms that changed by more than 5% from one step to the next, as ratios after / before."""
+    terms = {"1st chunk wait": (before.first_chunk_ms, after.first_chunk_ms), "T_q": (before.t_draft_ms, after.t_draft_ms),
+             "gamma": (before.gamma, after.gamma), "MAT": (before.mat, after.mat)}
+    out = [f"{name} x{b / a:.2f}" for name, (a, b) in terms.items() if a and b and abs(b / a - 1) > 0.05]
+    return ", ".join(out) or "none above 5%"
+
+
 def plot(rows: list[BenchRow], path: Path) -> None:
     import matplotlib
 
@@ -236,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows)
     table += (f"\nbaseline: median of {len(dirs['ar'])} interleaved ar runs ({1000 * base.step_s:.1f} ms per token); "
               f"their totals spread {base.noise:.0%} (this run's timing noise)")
+    if table3 := format_table3(rows):
+        table += "\n\n" + table3
     print()
     print(table)
     (a.out / "bench.txt").write_text(table + "\n")

@@ -6,8 +6,9 @@ Per request: a JobStart to both (before the target's vision tower, when the requ
 engine's thread, so the draft reads the video and runs its tower while the target does), the target's full
 prefill with the pruner's signals leaving from inside it once layer L has run (`prefill_streaming_signals`:
 the pruning and the draft's pruned prefill overlap the rest of it, HIPPO's synchronous prefill), then chunks
-in and verdicts out, and an ItemDone when the request leaves. A request prefilled on another thread holds its
-signals (`HeldSignals`) and sends them, with its JobStart, when it joins.
+in and verdicts out, and an ItemDone when the request leaves. A request prefilled on another thread, or under
+`decoding.sync_prefill: false` (PEARL-video), holds its signals (`HeldSignals`) and sends them, with its JobStart,
+when it joins.
 
 Chunks arrive whenever the draft sends them (`handle`); asked for windows, the drafter hands over the
 first chunk of each request that its `TargetMachine` can verify now (a chunk from before a rollback, or not
@@ -52,21 +53,27 @@ class RemoteDrafter:
     # ---- an item's start ----------------------------------------------------------------------------
 
     def start(self, request: Request, gamma: int) -> None:
+        if not self.cfg.decoding.sync_prefill:
+            return  # PEARL-video: the draft hears of the item at its join, once the target's prefill is done
+        self._start(request, gamma)
+
+    def _start(self, request: Request, gamma: int) -> None:
         job = job_start(self.job_id, request, int(self.cfg.decoding.seed), gamma, self.target)
         self.link.send("draft", job)
         self.link.send("pruner", job)
         self.chunks[request.id] = deque()
 
     def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
-        sink = self.link if on_engine_thread else HeldSignals()
-        if not on_engine_thread:
+        streaming = on_engine_thread and self.cfg.decoding.sync_prefill
+        sink = self.link if streaming else HeldSignals()
+        if not streaming:
             request.draft_handle = sink
         return prefill_streaming_signals(sink, self.cfg.pruning, self.target, emb, request.id, self.timeout_s)
 
     def join(self, request: Request, gamma: int) -> None:
         held, request.draft_handle = request.draft_handle, None
-        if isinstance(held, HeldSignals):  # prefilled on another thread: its start and signals go out now
-            self.start(request, gamma)
+        if isinstance(held, HeldSignals):  # prefilled on another thread, or not in sync: start and signals go now
+            self._start(request, gamma)
             held.release(self.link, self.timeout_s)
 
     # ---- messages -----------------------------------------------------------------------------------
@@ -138,7 +145,8 @@ class RemoteDrafter:
         return self.errors.get(request.id)
 
     def finish(self, request: Request, error: str | None) -> None:
-        self.chunks.pop(request.id, None)
+        if self.chunks.pop(request.id, None) is None:
+            return  # never started (failed in a prefill that did not stream): the draft never heard of it
         self.errors.pop(request.id, None)
         tokens = [] if error is not None else request.machine.output()
         done = ItemDone(request.id, tokens, None if error is None else {"type": "ValueError", "message": error})
