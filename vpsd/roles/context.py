@@ -13,7 +13,7 @@ is waited for up to the wait's own limit (`idle_timeout_s` by default).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from vpsd.activity import stuck_limit
@@ -40,7 +40,6 @@ class RoleContext:
     job_id: str = ""
     out: Path | None = None  # the run directory (kept-token log), when the job has one
     item_id: str = ""  # the item in flight, for error messages
-    report: dict = field(default_factory=dict)  # what the job's summary reports of this rank (a batch's accounting)
 
     def wait(self, src_role: str | None = None, limit_s: float | None = None, awaiting: str | None = None) -> None:
         """Block until a message from `src_role` (any peer if None) is ready.
