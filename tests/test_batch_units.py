@@ -13,7 +13,7 @@ import pytest
 import media
 from tests.conftest import tiny_pair
 from vpsd.launch.progress import Progress, wants_bar
-from vpsd.launch.results import ResultsFile
+from vpsd.launch.results import ResultRow, ResultsFile
 from vpsd.video import VideoError, read_video
 from vpsd.video.fit import fit_to_context
 from vpsd.video.item import FrameRequest, cap_frames, load_frames
@@ -134,20 +134,20 @@ def test_frame_prefetcher_reuses_a_read_ahead_clip_and_applies_the_cap(gray_mp4,
 
 def test_resume_cuts_a_torn_last_line_so_the_next_append_stands_alone(tmp_path):
     f = ResultsFile(tmp_path)
-    f.append({"id": "a", "method": "m", "error": None})
+    f.append(ResultRow.from_json({"id": "a", "method": "m", "error": None}))
     with f.path.open("a") as h:
         h.write('{"id": "b", "method": "m", "tok')  # the crash came mid-write
     assert f.resume("m") == {"a"}
-    f.append({"id": "b", "method": "m", "error": None})
+    f.append(ResultRow.from_json({"id": "b", "method": "m", "error": None}))
     rows = [json.loads(line) for line in f.path.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "b"]
 
 
 def test_retry_failed_leaves_one_line_per_id(tmp_path):
     f = ResultsFile(tmp_path)
-    f.append({"id": "a", "method": "m", "error": None})
-    f.append({"id": "b", "method": "m", "error": {"type": "VideoError", "message": "x"}})
-    f.append({"id": "b", "method": "other", "error": {"type": "VideoError", "message": "x"}})
+    f.append(ResultRow.from_json({"id": "a", "method": "m", "error": None}))
+    f.append(ResultRow.from_json({"id": "b", "method": "m", "error": {"type": "VideoError", "message": "x"}}))
+    f.append(ResultRow.from_json({"id": "b", "method": "other", "error": {"type": "VideoError", "message": "x"}}))
     assert f.resume("m") == {"a", "b"}
     assert f.resume("m", retry_failed=True) == {"a"}
     rows = [json.loads(line) for line in f.path.read_text().splitlines()]

@@ -6,7 +6,7 @@ import pytest
 
 from vpsd.config import load_config
 from vpsd.launch.job_identity import JobMismatch, check_resume, differences, record
-from vpsd.launch.results import ResultsFile
+from vpsd.launch.results import ResultRow, ResultsFile
 from tests.torchrun_jobs import ROOT
 
 CONFIG = ROOT / "configs" / "tiny_qwen2_5_vl.yaml"
@@ -15,7 +15,7 @@ CONFIG = ROOT / "configs" / "tiny_qwen2_5_vl.yaml"
 def _with_results(out, method="hippo", overrides=None):
     cfg = load_config(CONFIG, overrides or {})
     record(out, method, cfg)
-    ResultsFile(out).append({"id": "a", "method": method, "token_ids": [1], "text": "x", "stats": {}})
+    ResultsFile(out).append(ResultRow("a", method, [1], "x", {}))
     return cfg
 
 
@@ -76,7 +76,7 @@ def test_weights_replaced_in_place_stop_the_rerun(tmp_path):
     out = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "world_qwen2_5_vl.yaml", {"target.path": str(ckpt)})
     record(out, "ar", cfg)
-    ResultsFile(out).append({"id": "a", "method": "ar", "token_ids": [1], "text": "x", "stats": {}})
+    ResultsFile(out).append(ResultRow("a", "ar", [1], "x", {}))
     check_resume(out, "ar", cfg)
     weights = ckpt / "model.safetensors"
     data = bytearray(weights.read_bytes())

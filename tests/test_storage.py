@@ -12,7 +12,7 @@ import os
 import pytest
 
 import vpsd.storage
-from vpsd.launch.results import ResultsFile
+from vpsd.launch.results import ResultRow, ResultsFile
 from vpsd.storage import DiskFull, LineFile
 from vpsd.tracing import close_tracing, configure_tracing, get_logger, span
 
@@ -37,11 +37,11 @@ def full_disk(monkeypatch):
 
 def test_results_stay_whole_and_the_error_names_the_directory(tmp_path, full_disk):
     results = ResultsFile(tmp_path)
-    results.append({"id": "a", "method": "ar", "error": None})
+    results.append(ResultRow.from_json({"id": "a", "method": "ar", "error": None}))
     before = (tmp_path / "results.jsonl").read_bytes()
     full_disk()
     with pytest.raises(DiskFull) as info:
-        results.append({"id": "b", "method": "ar", "error": None, "text": "x" * 1000})
+        results.append(ResultRow.from_json({"id": "b", "method": "ar", "error": None, "text": "x" * 1000}))
     assert str(tmp_path) in str(info.value) and "rerun the same command" in str(info.value)
     assert info.value.errno == errno.ENOSPC
     assert (tmp_path / "results.jsonl").read_bytes() == before

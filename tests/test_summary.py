@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vpsd.launch.cli import main as cli_main
-from vpsd.launch.results import ResultsFile
+from vpsd.launch.results import ResultRow, ResultsFile
 from vpsd.reports.summary import compare, summarize
 
 
@@ -24,7 +24,7 @@ def test_summary_and_comparison(tmp_path):
                _row("c", [], 0, 0.0, 0.0, error={"type": "VideoError", "message": "x"})]),
     ]:
         for r in rows:
-            ResultsFile(d).append(r)
+            ResultsFile(d).append(ResultRow.from_json(r))
     s = summarize(run)
     assert (s["items_done"], s["items_failed"], s["tokens"]) == (2, 1, 6)
     assert s["mean_accepted_tokens"] == 6 / 3
@@ -40,9 +40,9 @@ def test_summary_and_comparison(tmp_path):
 
 def test_resume_skips_finished_ids(tmp_path):
     f = ResultsFile(tmp_path)
-    f.append({"id": "a", "method": "hippo", "error": None})
-    f.append({"id": "b", "method": "hippo", "error": {"type": "VideoError", "message": "corrupt"}})
-    f.append({"id": "a", "method": "ar", "error": None})
+    f.append(ResultRow.from_json({"id": "a", "method": "hippo", "error": None}))
+    f.append(ResultRow.from_json({"id": "b", "method": "hippo", "error": {"type": "VideoError", "message": "corrupt"}}))
+    f.append(ResultRow.from_json({"id": "a", "method": "ar", "error": None}))
     with f.path.open("a") as h:
         h.write('{"id": "c", "method": "hip')  # a line cut by a crash
     assert f.finished("hippo") == {"a", "b"}
@@ -53,8 +53,8 @@ def test_summary_counts_the_items_a_drafting_method_decoded_plain(tmp_path):
     """gamma auto may decode an item plain (no draft, as `ar`): such an item reports no kept set."""
     rows = [_row("a", [1, 2], 1, 0.5, 0.5), _row("b", [3], 1, 0.0, 0.5), _row("c", [4], 1, 0.0, 0.5)]
     for r, kept in zip(rows, (6, None, None)):
-        ResultsFile(tmp_path / "hippo").append({**r, "method": "hippo", "stats": {**r["stats"], "num_kept": kept}})
-        ResultsFile(tmp_path / "ar").append({**r, "method": "ar", "stats": {**r["stats"], "num_kept": None}})
+        ResultsFile(tmp_path / "hippo").append(ResultRow.from_json({**r, "method": "hippo", "stats": {**r["stats"], "num_kept": kept}}))
+        ResultsFile(tmp_path / "ar").append(ResultRow.from_json({**r, "method": "ar", "stats": {**r["stats"], "num_kept": None}}))
     assert summarize(tmp_path / "hippo")["items_plain"] == 2
     assert summarize(tmp_path / "ar")["items_plain"] == 0
 

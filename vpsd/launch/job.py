@@ -34,7 +34,7 @@ from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.manifest import ManifestItem, load_manifest
 from vpsd.launch.progress import Progress, wants_bar
-from vpsd.launch.results import ResultsFile
+from vpsd.launch.results import ItemError, ResultRow, ResultsFile
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
@@ -59,13 +59,10 @@ def peak_rss_mib() -> float | None:
     return None
 
 
-def error_of(e: Exception | str) -> dict:
+def error_of(e: Exception | str) -> ItemError:
     if isinstance(e, str):
-        return {"type": "ValueError", "message": e}
-    err = {"type": type(e).__name__, "message": str(e)}
-    if isinstance(e, VideoError):
-        err["kind"] = e.kind
-    return err
+        return ItemError("ValueError", e)
+    return ItemError(type(e).__name__, str(e), e.kind if isinstance(e, VideoError) else None)
 
 
 class ItemEvents:
@@ -99,24 +96,26 @@ class ItemEvents:
         self.finished_items += 1
         stats = {**res.stats_dict(), **loaded.timings, "num_frames": int(loaded.frames.shape[0]),
                  "batch": self.cfg.batching.size}
-        self.record({**self.row(item), "token_ids": res.token_ids, "error": None, "stats": stats,
-                     "text": self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)})
+        self.record(self.row(item, res.token_ids, stats,
+                             self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)))
 
     def failed(self, item: ManifestItem, error: Exception | str) -> None:
         self.failures += 1
         loaded = self.loaded.pop(item.id, None)
         get_logger().error("item_failed", item=item.id, error=str(error))
-        self.record({**self.row(item), "token_ids": [], "text": "", "stats": loaded.timings if loaded else {},
-                     "error": error_of(error)})
+        self.record(self.row(item, [], loaded.timings if loaded else {}, "", error_of(error)))
 
-    def row(self, item: ManifestItem) -> dict:
-        return {"id": item.id, "method": self.ctx.method.name, "strategy": self.cfg.pruning.strategy, **item.extra}
+    def row(self, item: ManifestItem, token_ids: list[int], stats: dict, text: str,
+            error: ItemError | None = None) -> ResultRow:
+        return ResultRow(item.id, self.ctx.method.name, token_ids, text, stats, error, self.cfg.pruning.strategy,
+                         dict(item.extra))
 
-    def record(self, row: dict) -> None:
+    def record(self, row: ResultRow) -> None:
         """An item's result line, flushed as it finishes (exactly once: the resume skips its id)."""
         self.results.append(row)
-        self.progress.item_done(len(row["token_ids"]), failed=row["error"] is not None)
-        get_logger().info("item_done", item=row["id"], tokens=len(row["token_ids"]), error=row["error"])
+        self.progress.item_done(len(row.token_ids), failed=row.error is not None)
+        get_logger().info("item_done", item=row.id, tokens=len(row.token_ids),
+                          error=None if row.error is None else row.error.to_json())
 
 
 def build_engine(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter) -> tuple[Engine, Scheduler]:
@@ -163,8 +162,8 @@ def run_job(ctx: RoleContext, args: argparse.Namespace, cfg: RunConfig, out: Pat
         log.error("manifest_problem", line=p.line, message=p.message)
         if pid not in done:
             events.failures += 1
-            events.record({"id": pid, "method": method, "token_ids": [], "text": "", "stats": {},
-                           "error": {"type": "ManifestError", "message": f"{args.manifest}:{p.line}: {p.message}"}})
+            events.record(ResultRow(pid, method, [], "", {},
+                                    ItemError("ManifestError", f"{args.manifest}:{p.line}: {p.message}")))
     engine, scheduler = build_engine(ctx, cfg, target)
     todo = [it for it in items if it.id not in done]
     loop_start = time.perf_counter()

@@ -14,10 +14,53 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vpsd.storage import LineFile
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """Why an item has no output: the exception's type and message, and for a video that cannot be read the
+    kind (`missing`, `empty`, `corrupt`, `no_video_stream`, `too_long`)."""
+
+    type: str
+    message: str
+    kind: str | None = None
+
+    def to_json(self) -> dict[str, str]:
+        out = {"type": self.type, "message": self.message}
+        return out if self.kind is None else {**out, "kind": self.kind}
+
+
+@dataclass
+class ResultRow:
+    """One line of results.jsonl. `stats` holds the decode's counters and times (DecodeStats, the item's video
+    timings, frames, batch size); `extra`, the manifest line's own fields, carried through untouched."""
+
+    id: str
+    method: str
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any]
+    error: ItemError | None = None
+    strategy: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> "ResultRow":
+        known = {"id", "method", "strategy", "token_ids", "text", "stats", "error"}
+        err = row.get("error")
+        return cls(str(row["id"]), row["method"], list(row.get("token_ids", [])), row.get("text", ""),
+                   dict(row.get("stats", {})), None if err is None else ItemError(**err), row.get("strategy"),
+                   {k: v for k, v in row.items() if k not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        head = {"id": self.id, "method": self.method} | ({} if self.strategy is None else {"strategy": self.strategy})
+        return {**head, **self.extra, "token_ids": self.token_ids, "text": self.text, "stats": self.stats,
+                "error": None if self.error is None else self.error.to_json()}
 
 
 class ResultsFile:
@@ -40,10 +83,10 @@ class ResultsFile:
                 done.add(str(row["id"]))
         return done
 
-    def append(self, row: dict[str, Any]) -> None:
+    def append(self, row: ResultRow) -> None:
         """One whole line, on disk (fsync) before returning; DiskFull (vpsd/storage.py) leaves the file as it was."""
         with LineFile(self.path) as f:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(json.dumps(row.to_json(), ensure_ascii=False) + "\n")
             f.fsync()
 
     def _rows(self) -> list[dict[str, Any]]:

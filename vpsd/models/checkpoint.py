@@ -1,4 +1,4 @@
-"""A checkpoint directory laid out like the published ones, read as such (issue 13, point 1).
+"""A checkpoint directory laid out like the published ones, read as such.
 
 Published Qwen2.5-VL / Qwen3-VL / LLaVA-OneVision checkpoints hold, beside the weights:
   config.json, generation_config.json             the model and its EOS ids
