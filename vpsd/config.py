@@ -70,7 +70,7 @@ class DecodingConfig:
     # per-depth branching factors ([4, 2, 1]) or node paths ([[0], [1], [0, 0]]). Chain methods ignore it.
     tree: Any = None
     # The target verifies a chunk with one-token forwards, the kernels `ar` runs: greedy output then equals
-    # `ar`'s bit for bit in any dtype, even at near-ties (README "What lossless means"), at the price of
+    # `ar`'s bit for bit in any dtype, even at near-ties (docs/design.md, "Lossless"), at the price of
     # k target forwards per verify instead of one.
     exact_verify: bool = False
     # Parallel drafting (pipeline/state_machine.DraftMachine): how far past the last confirmed token the draft
@@ -178,7 +178,7 @@ class BatchingConfig:
     # A parallel method over a batch: false (the default) runs draft and target in turns on the target's rank
     # (engine/local_drafter.py), leaving the draft's core to prefill the next items; true runs them at the same
     # time on their own ranks (roles/target.py, roles/draft.py), each forward carrying the batch.
-    # Which is faster depends on where the draft runs: see the README's "Many items in flight".
+    # Which is faster depends on where the draft runs: see docs/design.md, "Many items in flight".
     pipelined: bool = False
 
     def __post_init__(self) -> None:

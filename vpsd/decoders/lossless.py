@@ -1,4 +1,4 @@
-"""What "lossless" can promise, checked with the target's own margins (README "What lossless means").
+"""What "lossless" can promise, checked with the target's own margins (docs/design.md, "Lossless").
 
 Greedy speculative decoding returns, at every position, the target's argmax of a logits row. `ar` computes
 that row with one-token forwards; a verify computes it inside a k-token forward. Same math, other kernel

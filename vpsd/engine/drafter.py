@@ -6,12 +6,12 @@ has for the requests in flight (`proposals`). The engine never knows which place
 
 - `LocalDrafter` (engine/local_drafter.py): the draft model in this process. Draft and target take turns:
   asked for windows, it drafts them now, every row in one batched forward per token.
-- `RemoteDrafter` (engine/remote_drafter.py): the draft rank and the pruner rank over the link. They draft
+- `RemoteDrafter` (roles/target.py): the draft rank and the pruner rank over the link. They draft
   while the target verifies; asked for windows, it hands over the chunks that have arrived and can be
   verified now (the item's `TargetMachine` drops stale ones), possibly none for some requests.
 
 What drafts on the draft's side (a row of the draft's batched cache, or TABED's ensemble of views) is the
-draft's own plug-in (roles/proposers.py), whichever place it runs in.
+draft's own plug-in (engine/proposers.py), whichever place it runs in.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from vpsd.models.grown_checkpoint import checkpoint_family, grow_checkpoint, is_
 from vpsd.models.registry import ModelSpec, load_adapter
 
 # Largest |logit diff| allowed, relative to the source's largest |logit|. Growth only reorders float sums
-# (over kD instead of D): in fp32 that measured ~1e-7 relative on the tiny models and the default (README,
+# (over kD instead of D): in fp32 that measured ~1e-7 relative on the tiny models and the default (docs/design.md,
 # "Scale models"), so 1e-5 leaves room for longer contexts and deeper sums. Half precisions round every
 # activation, so their bound is loose and greedy identity is the criterion that matters (a near-tie can flip).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}

@@ -10,7 +10,7 @@ Contract:
   world's rank keys and names the peer by the rank its key belongs to: the message's `User-Id` property is
   that rank. A peer without a rank key never completes the handshake, so it can neither deliver a message
   nor take over a rank's routing identity (ROUTER_HANDOVER acts only on peers that finished the handshake).
-- What this does not cover: torch.distributed's store and gloo/NCCL (see README "Security").
+- What this does not cover: torch.distributed's store and gloo/NCCL (see the README, "Security").
 """
 
 from __future__ import annotations
