@@ -20,7 +20,7 @@ from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.entry import restart_problem
 from vpsd.launch.manifest import check_manifest, load_manifest
-from vpsd.reports import timeline
+from vpsd.reports import timeline, timeline_plot
 from vpsd.reports.summary import EXIT_ITEMS_FAILED
 from vpsd.video.item import cap_frames, load_item_frames
 
@@ -209,7 +209,7 @@ def test_a_pipelined_batch_overlaps_draft_and_target_and_equals_batch1(tmp_path_
     assert max(len(s["items"]) for s in drafted) > 1
     # The timeline reads it back: each item was carried only while it was in flight, and the default plot of a
     # batched run is the whole batch.
-    tracks = {t.item: t for t in timeline.item_tracks(timeline.load_spans(out))}
+    tracks = {t.item: t for t in timeline_plot.item_tracks(timeline.load_spans(out))}
     assert set(tracks) == set(results(out))
     for t in tracks.values():
         verifies = [s for s in t.carried_by if s.name == "verify"]

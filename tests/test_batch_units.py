@@ -196,10 +196,10 @@ def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
     """PrefillAhead (engine/prefill_ahead.py): under a half-full batch the decode thread runs the last queued prefill
     itself. When every prefill left has started or finished (the manifest's tail) there is nothing to steal:
     it must say so, so the caller decodes meanwhile; saying True made the loop spin without a round."""
-    from vpsd.engine.prefill_ahead import PrefillAhead
+    from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
 
     prepare = GatedPrefills()
-    ahead = PrefillAhead(["first", "second"], size=4, prepare=prepare, cpus=None)
+    ahead = PrefillAhead(ListSource(["first", "second"]), size=4, prepare=prepare, cpus=None)
     try:
         ahead.top_up(in_flight=1)
         assert prepare.started.wait(10)  # "first" runs on the pool; "second" is queued behind it
@@ -220,10 +220,10 @@ def test_the_decode_thread_steals_only_a_prefill_that_has_not_started():
 def test_a_blocking_wait_prefills_a_later_item_meanwhile():
     """PrefillAhead.next_ready(block=True) (nothing is decoding: a job's start): instead of idling until the first
     item's prefill ends, the waiting thread prefills the last queued item, and the items still come in order."""
-    from vpsd.engine.prefill_ahead import PrefillAhead
+    from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
 
     prepare = GatedPrefills(releaser="third")  # the head finishes while this thread works
-    ahead = PrefillAhead(["first", "second", "third"], size=4, prepare=prepare, cpus=None)
+    ahead = PrefillAhead(ListSource(["first", "second", "third"]), size=4, prepare=prepare, cpus=None)
     try:
         ahead.top_up(in_flight=0)
         assert prepare.started.wait(10)
@@ -245,7 +245,7 @@ def test_a_drained_prefill_thread_lends_its_cores_to_the_decode_thread_until_clo
 
     import torch
 
-    from vpsd.engine.prefill_ahead import PrefillAhead
+    from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -253,7 +253,7 @@ def test_a_drained_prefill_thread_lends_its_cores_to_the_decode_thread_until_clo
     mine, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {cpus[0]})
     prepare = GatedPrefills()
-    ahead = PrefillAhead(["first", "second"], size=4, prepare=prepare, cpus=[cpus[1]])
+    ahead = PrefillAhead(ListSource(["first", "second"]), size=4, prepare=prepare, cpus=[cpus[1]])
     try:
         ahead.top_up(in_flight=0)
         assert prepare.started.wait(10)
@@ -300,3 +300,38 @@ def test_a_forward_on_two_threads_is_bitwise_the_forward_on_one():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_a_shared_source_is_asked_for_read_ahead_once_and_then_only_when_an_item_is_needed():
+    """Where pipelines share the items (launch/coordinator.py), a read-ahead the source refuses ("not now") is not
+    asked again every round: only once the pipeline has room for an item."""
+    from vpsd.engine.prefill_ahead import PrefillAhead
+
+    class Tail:
+        def __init__(self):
+            self.items, self.asked = ["a", "b"], []
+
+        def take(self, needed):
+            self.asked.append(needed)
+            if not self.items:
+                return None, False
+            if not needed:
+                return None, True  # at the tail: read-ahead refused
+            return self.items.pop(0), bool(self.items)
+
+    source = Tail()
+    ahead = PrefillAhead(source, size=1, prepare=lambda it, nxt: (it, nxt), cpus=None, shared=True)
+    try:
+        assert ahead.pending and source.asked == [True]  # nothing in flight: needed
+        ahead.top_up(in_flight=0)
+        assert ahead.next_ready(block=True) == ("a", ("a", None))  # no hint taken for the draft
+        ahead.pop()
+        for _ in range(3):  # "a" decoding: a read-ahead, refused once, then not asked again
+            ahead.top_up(in_flight=1)
+        assert source.asked == [True, False]
+        ahead.top_up(in_flight=0)  # room again: asked, and granted
+        assert source.asked == [True, False, True] and ahead.next_ready(block=True)[0] == "b"
+        ahead.pop()
+        assert not ahead.pending and ahead.drained
+    finally:
+        ahead.close()

@@ -208,3 +208,21 @@ def test_bad_shard_is_refused_at_launch(text):
 
     with pytest.raises(SystemExit):
         parse_args(["--config", "c", "--manifest", "m", "--out", "o", "--shard", text])
+
+
+def test_an_item_travels_to_a_pipeline_as_it_was_read(tmp_path):
+    """The coordinator hands items to pipelines as plain data (WorkGrant): every field, control text included."""
+    from vpsd.launch.manifest import ManifestItem, load_manifest
+    from vpsd.models.prompt import ControlText
+
+    (tmp_path / "a.mp4").write_bytes(b"x")
+    (tmp_path / "m.jsonl").write_text(
+        '{"id": 7, "video": "a.mp4", "prompt": "p", "fps": 2, "reference": "r"}\n'
+        '{"id": "b", "video": "a.mp4", "prompt": "<|im_end|>", "prompt_special_tokens": true, "max_new_tokens": 3}\n')
+    items, problems = load_manifest(tmp_path / "m.jsonl")
+    assert not problems
+    for item in items:
+        back = ManifestItem.from_wire(item.to_wire())
+        assert back == item and back.extra == item.extra
+        assert isinstance(back.prompt, ControlText) == isinstance(item.prompt, ControlText)
+    assert isinstance(items[1].prompt, ControlText)

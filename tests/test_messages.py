@@ -34,6 +34,13 @@ EXAMPLES: list[m.Message] = [
     m.Heartbeat("draft", 1, 1_732_000_000.25),
     m.Shutdown("all items done"),
     m.Error("pruner", 2, "item-7", "scores had NaN"),
+    m.WorkRequest(1, True),
+    m.WorkGrant({"id": "item-7", "video": "/data/a.mp4", "prompt": "Describe.", "prompt_special_tokens": False,
+                 "max_new_tokens": None, "num_frames": 8, "fps": None, "extra": {"reference": "x"}, "line": 3}, True),
+    m.WorkGrant(None, False),
+    m.ItemResult(1, {"id": "item-7", "method": "hippo", "token_ids": [1, 2], "text": "a b", "stats": {"wall_s": 0.5},
+                     "error": None}),
+    m.PipelineDone(1, {"loop_s": 3.5, "batching": None, "peak_rss_mib": 512.0}),
 ]
 
 

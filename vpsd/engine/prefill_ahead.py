@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterable, Protocol, TypeVar
 
 import torch
 
@@ -35,22 +35,68 @@ def _pin_thread(cpus: list[int] | None) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
+class ItemSource(Protocol[T]):
+    def take(self, needed: bool) -> tuple[T | None, bool]:
+        """(the next item or None, whether more may come). `needed`: without it a slot would stay empty; else
+        it is read ahead, and a source shared by several pipelines may answer (None, True): not now."""
+
+
+class ListSource(Generic[T]):
+    """A job's items when this pipeline has them all to itself."""
+
+    def __init__(self, items: Iterable[T]) -> None:
+        self.items = deque(items)
+
+    def take(self, needed: bool) -> tuple[T | None, bool]:
+        item = self.items.popleft() if self.items else None
+        return item, bool(self.items)
+
+
 class PrefillAhead(Generic[T]):
-    def __init__(self, todo: list[T], size: int, prepare: Callable[[T, T | None], Any], cpus: list[int] | None) -> None:
-        self.queue, self.size, self.prepare, self.cpus = list(todo), size, prepare, cpus
+    def __init__(self, todo: ItemSource[T], size: int, prepare: Callable[[T, T | None], Any], cpus: list[int] | None,
+                 shared: bool = False) -> None:
+        """todo: where the items come from, one at a time as they are needed (a job's coordinator hands them out
+        as pipelines ask: launch/coordinator.py). shared: other pipelines take from the same items, so take as
+        few as keep this one busy (one prepared beyond the free slots, not two, and none only to tell the draft
+        which video comes next): an item one pipeline holds, another may be idle for at the job's tail."""
+        self.source, self.size, self.prepare, self.cpus, self.shared = todo, size, prepare, cpus, shared
+        self.reserve = 1 if shared else 2
+        self.queue: deque[T] = deque()  # taken from the source, not yet submitted
+        self.exhausted = False  # the source has no more
+        self.later = False  # the source said "not now" to a read-ahead: ask again only when an item is needed
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(cpus,))
         self.ahead: deque[tuple[T, Future]] = deque()
         self.stolen_s = 0.0  # time the decode thread spent preparing
         self.lent: tuple[set[int], int] | None = None  # the decode thread's own cores and threads, while lent
 
+    def _take(self, needed: bool) -> T | None:
+        """The next item not yet submitted, taken from the source now if need be; None: none (now)."""
+        if self.queue:
+            return self.queue[0]
+        if self.exhausted or (self.later and not needed):
+            return None
+        item, more = self.source.take(needed)
+        self.exhausted, self.later = not more, item is None and more
+        if item is not None:
+            self.queue.append(item)
+        return item
+
+    def _hint(self) -> T | None:
+        """The item after the one being prepared, for the draft to read its video ahead (where items are shared,
+        only if it was taken already)."""
+        if self.queue:
+            return self.queue[0]
+        return None if self.shared else self._take(needed=False)
+
     @property
     def pending(self) -> bool:
-        return bool(self.queue or self.ahead)
+        """Whether items are left (ask it with nothing in flight: it takes the next item if need be)."""
+        return bool(self.ahead) or self._take(needed=True) is not None
 
     @property
     def drained(self) -> bool:
         """Every prepare of the job has run: the thread has nothing left to do."""
-        return not self.queue and all(future.done() for _, future in self.ahead)
+        return self.exhausted and not self.queue and all(future.done() for _, future in self.ahead)
 
     def lend_cores_when_drained(self) -> int | None:
         """At the manifest's tail the prefill thread's core idles while the last items decode (9-20% of a 32-item
@@ -74,9 +120,10 @@ class PrefillAhead(Generic[T]):
         return torch.get_num_threads()
 
     def top_up(self, in_flight: int) -> None:
-        while self.queue and len(self.ahead) < self.size - in_flight + 2:
-            it = self.queue.pop(0)
-            self.ahead.append((it, self.pool.submit(self.prepare, it, self.queue[0] if self.queue else None)))
+        while (len(self.ahead) < self.size - in_flight + self.reserve
+               and self._take(needed=in_flight + len(self.ahead) < self.size) is not None):
+            it = self.queue.popleft()
+            self.ahead.append((it, self.pool.submit(self.prepare, it, self._hint())))
 
     def next_ready(self, block: bool) -> tuple[T, Any] | None:
         """The next item in order and what `prepare` returned, if it is done (or `block`: nothing is decoding,
@@ -113,7 +160,7 @@ class PrefillAhead(Generic[T]):
                 t0 = time.perf_counter()
                 done: Future = Future()
                 try:
-                    done.set_result(self.prepare(it, self.queue[0] if self.queue else None))
+                    done.set_result(self.prepare(it, self._hint()))
                 except Exception as e:  # noqa: BLE001 - delivered where the pool's would be: future.result()
                     done.set_exception(e)
                 self.ahead[i] = (it, done)

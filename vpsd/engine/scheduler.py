@@ -24,10 +24,10 @@ every method's batch-1 timing is its batch-1 decoder's; the next items' videos a
 from __future__ import annotations
 
 import time
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Iterable, Protocol, TypeVar
 
 from vpsd.engine.engine import Engine
-from vpsd.engine.prefill_ahead import PrefillAhead
+from vpsd.engine.prefill_ahead import ItemSource, ListSource, PrefillAhead
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.cost import ExploreBudget
@@ -64,11 +64,13 @@ def kv_bytes_per_token(adapter: VideoLMAdapter) -> int:
 
 class Scheduler(Generic[T]):
     def __init__(self, engine: Engine, kv_budget_bytes: int | None = None, local_draft: VideoLMAdapter | None = None,
-                 prefill_cpus: list[int] | None = None, lend_cores: bool = False) -> None:
+                 prefill_cpus: list[int] | None = None, lend_cores: bool = False, shared_items: bool = False) -> None:
         """local_draft: the draft model when it runs in this process (its KV counts against the budget);
         prefill_cpus: where the prefill thread runs; lend_cores: give the decode thread those cores at the
-        manifest's tail (only where nothing else uses them: no draft rank)."""
+        manifest's tail (only where nothing else uses them: no draft rank); shared_items: other pipelines take
+        items from the same queue (launch/coordinator.py), so fewer are read ahead (PrefillAhead)."""
         self.engine, self.kv_budget, self.prefill_cpus, self.lend_cores = engine, kv_budget_bytes, prefill_cpus, lend_cores
+        self.shared_items = shared_items
         self.models = [engine.target] + ([local_draft] if local_draft is not None else [])
         dec = engine.cfg.decoding
         budget = getattr(engine.window, "budget", None) or ExploreBudget()  # the serial window's rounds share it
@@ -142,17 +144,19 @@ class Scheduler(Generic[T]):
 
     # ---- the loop ------------------------------------------------------------------------------------
 
-    def run(self, items: list[T], events: JobEvents[T]) -> None:
+    def run(self, items: ItemSource[T] | Iterable[T], events: JobEvents[T]) -> None:
+        """Decodes the items, taken one at a time as there is room for them, until every one is done."""
         e = self.engine
         at_admission = e.size == 1  # batch 1: prefilled on this thread when admitted (module docstring)
 
         def prepare(item: T, nxt: T | None) -> Request:
             return self.prepare(events.request(item, nxt), on_engine_thread=at_admission)
 
-        ahead: PrefillAhead[T] = PrefillAhead(items, e.size, prepare, self.prefill_cpus)
+        source = items if hasattr(items, "take") else ListSource(items)
+        ahead: PrefillAhead[T] = PrefillAhead(source, e.size, prepare, self.prefill_cpus, self.shared_items)
         started = time.perf_counter()
         try:
-            while ahead.pending or e.requests:
+            while e.requests or ahead.pending:  # pending asked with nothing in flight: it may take an item
                 ahead.top_up(len(e.requests))
                 self._lend_at_tail(ahead, started)
                 self._admit(ahead, events, at_admission)

@@ -13,6 +13,7 @@ exits 0 on every rank, failed items or not: torchrun takes any other code for a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -24,14 +25,16 @@ import torch.distributed as dist
 from vpsd.activity import ACTIVITY
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
-from vpsd.launch.job import run_job
+from vpsd.launch.coordinator import Coordinator
+from vpsd.launch.job import CoordinatorLink, run_pipeline
 from vpsd.launch.job_identity import JobMismatch, check_resume
+from vpsd.launch.layout import SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.preflight import affinity_problems, checkpoint_problems, path_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
-from vpsd.roles.context import ROLES, RoleContext, RoleFailure
+from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.draft import run_draft
 from vpsd.roles.pruner import run_pruner
 from vpsd.storage import FULL, DiskFull
@@ -76,10 +79,6 @@ def check_method_settings(method, cfg: RunConfig) -> None:
         raise SystemExit(f"vpsd: method {method.name}: {e}") from None
 
 
-def role_ranks(cfg: RunConfig) -> dict[str, int]:
-    return dict(cfg.roles)  # checked when the config was read
-
-
 def restart_problem(env: Mapping[str, str]) -> str | None:
     """Why this torchrun restart cannot work, if it cannot.
 
@@ -111,34 +110,53 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # check_method_settings' message
         return refuse([str(e.code).removeprefix("vpsd: ")])
     method, out = get_method(args.method), Path(args.out)
-    is_target = int(os.environ.get("RANK", "0")) == role_ranks(cfg)["target"]  # the rank that owns --out
-    signal.signal(signal.SIGINT, lambda signum, frame: interrupted(is_target, out))
-    secret = preflight(args, cfg, method, out, is_target)
+    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined) == "remote"
+    try:
+        layout = launch_layout(cfg, in_roles)
+    except ValueError as e:
+        return refuse([f"method {method.name}: {e}"])
+    rank = int(os.environ.get("RANK", "0"))
+    is_leader = rank == layout.leader.target  # holds --out's lock and runs the job's coordinator
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupted(is_leader, out))
+    secret = preflight(args, cfg, method, out, is_leader, layout)
     if isinstance(secret, int):
         return secret  # refused
     timeout_s = float(args.timeout or cfg.timeout_s)
     rank, world, backend = init_distributed(timeout_s=timeout_s)
-    ranks = role_ranks(cfg)
-    role = next((r for r, k in ranks.items() if k == rank), "spare")
+    placed = layout.of_rank(rank)
+    role = placed[1] if placed is not None else "spare"
     configure_tracing(out, role, rank)
-    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined) == "remote"
-    if in_roles and world < len(ROLES):
-        raise SystemExit(f"method {method.name!r} runs draft, target and pruner on separate ranks: launch 3 ranks, got {world}")
-    if role == "spare" or (not in_roles and role != "target"):
+    if is_leader and (line := layout.spare_line()) is not None:
+        print(f"vpsd: {line}", file=sys.stderr, flush=True)
+    if placed is None or (not in_roles and role != "target"):
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    ctx = start_role(rank, role, ranks, cfg, method, secret, timeout_s, out)
+    pipeline = placed[0]
+    ctx = start_role(rank, role, pipeline, cfg, method, secret, timeout_s, out)
     get_logger().info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
-                      pid=os.getpid(), host=os.uname().nodename)
+                      pid=os.getpid(), host=os.uname().nodename, pipeline=pipeline.index,
+                      pipelines=len(layout.pipelines))
     if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
         # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them.
-        ctx.ctrl.start_heartbeat([k for r, k in ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
-    run_role(ctx, args, out)
+        ctx.ctrl.start_heartbeat([k for r, k in pipeline.ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
+    run_role(ctx, args, out, layout, pipeline, secret if is_leader else None)
     ctx.ctrl.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def launch_layout(cfg: RunConfig, in_roles: bool) -> Layout:
+    """The launch's pipelines (launch/layout.py) from torchrun's environment. A launch smaller than one pipeline
+    runs the target alone where the method needs no other rank (serial methods, a batch drafting in-process)."""
+    roles = dict(cfg.roles)
+    # Outside torchrun (no world yet: init_distributed says so later), one pipeline, so what is checked first is.
+    world = int(os.environ.get("WORLD_SIZE", str(max(roles.values()) + 1)))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if not in_roles and world < max(roles.values()) + 1:
+        roles = dict(SOLO)
+    return plan(world, local, roles)
 
 
 def interrupted(is_target: bool, out: Path) -> None:
@@ -153,9 +171,14 @@ def interrupted(is_target: bool, out: Path) -> None:
     os._exit(INTERRUPTED)
 
 
-def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Path, is_target: bool) -> str | int:
-    """What every rank checks before any of them loads a model: paths, a restart's store, the job's secret,
-    the lock on --out (the target's), a resume's settings. Returns the secret, or the refusal's exit status."""
+def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Path, is_target: bool,
+              layout: Layout) -> str | int:
+    """What every rank checks before any of them loads a model: paths, the cores of every pipeline on a node, a
+    restart's store, the job's secret, the lock on --out (the leader's), a resume's settings. Returns the
+    secret, or the refusal's exit status."""
+    slots = max(p.node_slot for p in layout.pipelines) + 1
+    if slots > 1 and (pinning := affinity_problems(cfg, slots=slots)):
+        return refuse(pinning)
     problems = path_problems(Path(args.manifest), out)
     if problems:
         # Only the target rank reads them; on one node every rank sees the same files and refuses alike.
@@ -181,19 +204,23 @@ def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Pat
     return secret
 
 
-def start_role(rank: int, role: str, ranks: dict[str, int], cfg: RunConfig, method: Method, secret: str,
+def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method: Method, secret: str,
                timeout_s: float, out: Path) -> RoleContext:
-    """The rank's control channel, affinity and context; torchrun's SIGTERM said as one line."""
+    """The rank's control channel, affinity and context (its config pinning its pipeline's cores); torchrun's
+    SIGTERM said as one line."""
     # The control channel first: its ZeroMQ I/O thread starts with the socket and keeps the affinity it
     # starts with. Pinned to the role's core it must preempt the role's own compute thread to move every
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
     ctrl = ControlChannel.from_process_group(role, secret=secret)
     ACTIVITY.own(role)  # this thread's phases are what the heartbeats report (vpsd/activity.py)
+    if cfg.cpu_affinity:  # this pipeline's cores: the config's layout shifted to its place on the node
+        cfg = dataclasses.replace(cfg, cpu_affinity={r: pinned_cores(cfg.cpu_affinity, r, pipeline.node_slot) or []
+                                                     for r in cfg.cpu_affinity})
     cpus = (cfg.cpu_affinity or {}).get(role)
     if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only
-    ctx = RoleContext(rank, role, ranks, ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
+    ctx = RoleContext(rank, role, dict(pipeline.ranks), ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
                       idle_timeout_s=cfg.idle_timeout_s, job_id=out.name, out=out)
 
     def on_sigterm(signum, frame):  # torchrun stops the survivors when a rank dies: say so, and where
@@ -206,12 +233,20 @@ def start_role(rank: int, role: str, ranks: dict[str, int], cfg: RunConfig, meth
     return ctx
 
 
-def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path) -> None:
-    """The role's work; a silent peer or a full disk ends the rank with one line."""
+def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layout, pipeline: Pipeline,
+             leader_secret: str | None) -> None:
+    """The role's work (and in the leader's process, the job's coordinator); a silent peer, a coordinator that
+    failed or a full disk ends the rank with one line."""
     cfg, role, rank = ctx.config, ctx.role, ctx.rank
     try:
         if role == "target":
-            run_job(ctx, args, cfg, out)
+            coordinator = None
+            if leader_secret is not None:
+                coordinator = Coordinator(layout, args, cfg, ctx.method.name, out, leader_secret)
+                coordinator.start()
+            run_pipeline(ctx, cfg, CoordinatorLink(ctx, pipeline.index, layout.coordinator), len(layout.pipelines))
+            if coordinator is not None:
+                coordinator.join()
         elif role == "draft":
             run_draft(ctx, load_adapter(cfg.family, cfg.draft or cfg.target))
         else:

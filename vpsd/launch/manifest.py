@@ -52,6 +52,18 @@ class ManifestItem:
     extra: dict[str, Any] = field(hash=False)  # every field not listed in KNOWN_FIELDS, as parsed
     line: int  # 1-based line in the manifest
 
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for a control message (the coordinator hands items to pipelines with it)."""
+        return {"id": self.id, "video": str(self.video), "prompt": str(self.prompt),
+                "prompt_special_tokens": isinstance(self.prompt, ControlText), "max_new_tokens": self.max_new_tokens,
+                "num_frames": self.num_frames, "fps": self.fps, "extra": self.extra, "line": self.line}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "ManifestItem":
+        prompt = ControlText(data["prompt"]) if data["prompt_special_tokens"] else data["prompt"]
+        return cls(data["id"], Path(data["video"]), prompt, data["max_new_tokens"], data["num_frames"], data["fps"],
+                   dict(data["extra"]), data["line"])
+
 
 @dataclass(frozen=True)
 class ManifestProblem:

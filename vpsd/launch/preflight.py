@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from vpsd.launch.layout import pinned_cores
 from vpsd.config import RunConfig, nearest
 from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_sampling
 from vpsd.models.registry import FAMILY_MODULES
@@ -77,16 +78,24 @@ def sampling_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
-def affinity_problems(cfg: RunConfig, allowed: set[int] | None = None) -> list[str]:
+def affinity_problems(cfg: RunConfig, allowed: set[int] | None = None, slots: int = 1) -> list[str]:
     """The cores `cpu_affinity` names must be ones this process may use (`allowed`, default its own affinity): a
     config written for a bigger machine otherwise failed at the first pin with a bare OSError in one rank's
     traceback, or, with some of a role's cores present, ran silently on fewer. Every rank checks every role, so on
-    one node they all refuse alike; a job over several nodes whose core numbers differ pins nothing."""
+    one node they all refuse alike; a job over several nodes whose core numbers differ pins nothing. With
+    `slots` pipelines a node, each takes the layout shifted past the last (launch/layout.py: pinned_cores)."""
     allowed = os.sched_getaffinity(0) if allowed is None else allowed
     span = _ranges(sorted(allowed))
-    return [f"cpu_affinity.{role}: core{'s' if len(missing) > 1 else ''} {_ranges(missing)} not available to this job "
-            f"(it may run on {span}; pin to those, or set cpu_affinity: null)"
-            for role, cpus in (cfg.cpu_affinity or {}).items() if (missing := sorted(set(cpus) - allowed))]
+    problems = []
+    for slot in range(slots):
+        for role in cfg.cpu_affinity or {}:
+            cpus = pinned_cores(cfg.cpu_affinity, role, slot) or []
+            if missing := sorted(set(cpus) - allowed):
+                where = f" (pipeline {slot + 1} of {slots} on this node)" if slots > 1 else ""
+                problems.append(f"cpu_affinity.{role}: core{'s' if len(missing) > 1 else ''} {_ranges(missing)}{where} "
+                                f"not available to this job (it may run on {span}; pin to those, or set "
+                                f"cpu_affinity: null)")
+    return problems
 
 
 def _ranges(cores: list[int]) -> str:

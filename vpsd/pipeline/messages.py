@@ -253,3 +253,38 @@ class Error(Message, tag="Error/1"):
     rank: Int
     item_id: str
     message: str
+
+
+# --- the job: pipelines and their coordinator (launch/coordinator.py) ----------------------------------------
+
+
+class WorkRequest(Message, tag="WorkRequest/1"):
+    """A pipeline's target -> the coordinator: the next item for pipeline `pipeline`; `needed`: a slot of it
+    would stay empty without one (else it reads ahead)."""
+
+    pipeline: Int
+    needed: bool
+
+
+class WorkGrant(Message, tag="WorkGrant/1"):
+    """The coordinator -> a pipeline's target: the item to decode (a manifest item's fields, `video` an
+    absolute path), or None: none now (`more`: ask again when one is needed) or none left."""
+
+    item: dict[str, Any] | None
+    more: bool
+
+
+class ItemResult(Message, tag="ItemResult/1"):
+    """A pipeline's target -> the coordinator: an item's results line (launch/results.py ResultRow.to_json)."""
+
+    pipeline: Int
+    row: dict[str, Any]
+
+
+class PipelineDone(Message, tag="PipelineDone/1"):
+    """A pipeline's target -> the coordinator, after its last result: what its run adds up to (the item loop's
+    seconds, peak memory, the batch's accounting). Answered with a Shutdown once every result before it is
+    written."""
+
+    pipeline: Int
+    run: dict[str, Any]

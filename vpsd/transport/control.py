@@ -129,10 +129,12 @@ class ControlChannel:
     @classmethod
     def from_process_group(cls, role: str, **kwargs) -> "ControlChannel":
         """A channel for this rank of the default process group, published in its TCPStore; the secret
-        defaults to the job's (VPSD_JOB_SECRET, MissingSecret if unset)."""
+        defaults to the job's (VPSD_JOB_SECRET, MissingSecret if unset). The control plane holds one identity
+        more than torch.distributed: rank `world_size`, the job's coordinator (launch/coordinator.py), a
+        thread with a channel of its own."""
         store = kwargs.pop("store", None) or dist.distributed_c10d._get_default_store()
         secret = kwargs.pop("secret", None) or job_secret()
-        return cls(dist.get_rank(), dist.get_world_size(), role, store, secret=secret, **kwargs)
+        return cls(dist.get_rank(), dist.get_world_size() + 1, role, store, secret=secret, **kwargs)
 
     # --- sending ----------------------------------------------------------------------------------------
 
