@@ -78,12 +78,9 @@ class DecodingConfig:
     # when the target has nothing to verify (off: on a CPU the extra short rounds cost more than the idle time).
     lookahead: int | None = None
     eager_when_idle: bool = False
-    # HIPPO's synchronous draft-target prefill (Sec. 3.3): a draft on its own rank reads the video, prunes and
-    # prefills while the target prefills, and drafts before the target is done. false: the draft hears of the
-    # item only once the target's prefill is done (PEARL-video, HIPPO Table 3's first row), kept for that
-    # comparison. The draft's head start is capped at `lookahead` tokens where HIPPO lets it run until the
-    # target is done: in a target-bound pipeline the tokens past two windows are drafted again before a
-    # verdict needs them.
+    # HIPPO's synchronous prefill (Sec. 3.3): a draft on its own rank prunes, prefills and drafts while the target
+    # prefills (its head start capped at `lookahead`: in a target-bound pipeline more is never needed before a
+    # verdict). false: the draft hears of an item after the target's prefill (PEARL-video, HIPPO Table 3).
     sync_prefill: bool = True
 
     def __post_init__(self) -> None:
@@ -133,11 +130,9 @@ class PruningConfig:
     # strategies average over ALL layers (HIPPO Eq. 2, SpecVLM Eq. 5), UV-Prune compares layers 0 and 20
     # (ParallelVLM App. D). An int L: the first L layers (UV: layers 0 and L).
     layers: int | None = None
-    # Parallel runs only (ParallelVLM's streaming): the target sends the signals right after this layer,
-    # so they are of the first min(layers, stream_layers) layers and the draft's pruned prefill overlaps
-    # the rest of the target's. For attention strategies that departs from HIPPO / SpecVLM (all layers);
-    # it is the default because a parallel draft otherwise waits for the target's whole prefill.
-    # null: no streaming, the draft waits for the scores of `layers` (all layers by default).
+    # Parallel runs (ParallelVLM's streaming): the signals leave after this layer (of the first min(layers,
+    # stream_layers)), so the draft's pruned prefill overlaps the rest of the target's: for attention scores a
+    # departure from HIPPO / SpecVLM (all layers), made so a parallel draft need not wait. null: no streaming.
     stream_layers: int | None = 20
     crop: int = 5  # HIPPO spatial crop side (M = crop^2 tokens, Eq. 5-6)
     specvlm_lambda: float | None = None  # SpecVLM Eq. 6 top-P mass; null: the family's value from the paper
@@ -175,10 +170,9 @@ class BatchingConfig:
     # joins only while its cache (prompt + video + max_new_tokens + one window, both models) fits beside the
     # others'; one that does not fit alone fails with that error, and the job goes on.
     kv_budget_mib: float | None = None
-    # A parallel method over a batch: false (the default) runs draft and target in turns on the target's rank
-    # (engine/local_drafter.py), leaving the draft's core to prefill the next items; true runs them at the same
-    # time on their own ranks (roles/target.py, roles/draft.py), each forward carrying the batch.
-    # Which is faster depends on where the draft runs: see docs/design.md, "Many items in flight".
+    # A parallel method over a batch: false runs draft and target in turns on the target's rank (the draft's core
+    # prefills the next items); true on their own ranks at the same time, each forward carrying the batch
+    # (which is faster depends on where the draft runs: docs/design.md, "Many items in flight").
     pipelined: bool = False
 
     def __post_init__(self) -> None:

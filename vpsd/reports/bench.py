@@ -239,6 +239,26 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     plt.close(fig)
 
 
+def write_outputs(a: argparse.Namespace, rows: list[BenchRow], base: Baseline, ar_runs: list[str]) -> None:
+    """The table (printed, and OUT/bench.txt), OUT/bench.csv, bench.json and bench.png."""
+    table = format_table(rows)
+    table += (f"\nbaseline: median of {len(ar_runs)} interleaved ar runs ({1000 * base.step_s:.1f} ms per token); "
+              f"their totals spread {base.noise:.0%} (this run's timing noise)")
+    if table3 := format_table3(rows):
+        table += "\n\n" + table3
+    print()
+    print(table)
+    (a.out / "bench.txt").write_text(table + "\n")
+    with open(a.out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        w.writeheader()
+        w.writerows(asdict(r) for r in rows)
+    (a.out / "bench.json").write_text(json.dumps({"config": a.config, "manifest": a.manifest, "repeats": a.repeats,
+                                                  "ar_runs": ar_runs, "noise": base.noise, "ar_step_s": base.step_s,
+                                                  "rows": [asdict(r) for r in rows]}, indent=1))
+    plot(rows, a.out / "bench.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vpsd bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
@@ -275,23 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(schedule)}] {path.name:<24} exit {code}  ({time.time() - t:.0f} s)", flush=True)
     base = Baseline(dirs["ar"])
     rows = [measure(run, dirs[run.label], base, codes[run.label]) for run in runs]
-    table = format_table(rows)
-    table += (f"\nbaseline: median of {len(dirs['ar'])} interleaved ar runs ({1000 * base.step_s:.1f} ms per token); "
-              f"their totals spread {base.noise:.0%} (this run's timing noise)")
-    if table3 := format_table3(rows):
-        table += "\n\n" + table3
-    print()
-    print(table)
-    (a.out / "bench.txt").write_text(table + "\n")
-    with open(a.out / "bench.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        w.writeheader()
-        w.writerows(asdict(r) for r in rows)
-    (a.out / "bench.json").write_text(json.dumps({"config": a.config, "manifest": a.manifest, "repeats": a.repeats,
-                                                  "ar_runs": [d.name for d in dirs["ar"]], "noise": base.noise,
-                                                  "ar_step_s": base.step_s, "rows": [asdict(r) for r in rows]},
-                                                 indent=1))
-    plot(rows, a.out / "bench.png")
+    write_outputs(a, rows, base, [d.name for d in dirs["ar"]])
     print(f"\nwrote {a.out}/bench.txt, bench.csv, bench.json, bench.png  ({(time.time() - t0) / 60:.1f} min)")
     bad = [r.label for r in rows if r.identical != r.items or r.exit_code != 0 or r.items == 0]
     if not base.consistent:
