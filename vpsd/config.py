@@ -199,10 +199,9 @@ class RunConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     # TABED's settings (pipeline/ensemble.py), read by its draft and target; None: its defaults.
     tabed: TabedConfig | None = None
-    # Where and how the ranks run (none of these changes an output, so none is part of a job's identity):
-    # the rank of each role, the cores each role is pinned to (e.g. target and draft on separate cores for
-    # a fair CPU benchmark), how long a peer may be silent before the job ends naming it (--timeout wins),
-    # and how long a live peer may be waited for between items.
+    # Where and how the ranks run (no output depends on them, so they are not part of a job's identity): each
+    # role's rank in a pipeline and the cores it is pinned to (launch/layout.py), how long a peer may be silent
+    # before the job ends naming it (--timeout wins), and how long a live peer may be waited for.
     roles: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_ROLES))
     cpu_affinity: dict[str, list[int]] | None = None
     timeout_s: float = 120.0
