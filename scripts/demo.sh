@@ -5,7 +5,8 @@
 # (examples/world, 8 held-out videos) through the torchrun pipeline, three times each, interleaved
 # (ar, hippo, ar, hippo, ar, hippo, ar): the printed speedups are medians over those paired runs, every
 # hippo output is checked against ar's, and the hippo run's captions, timeline and Perfetto trace are written.
-#   Usage: ./scripts/demo.sh [OUT_DIR]        Environment: CONFIG, MANIFEST, REPEATS (default 3)
+#   Usage: ./scripts/demo.sh [OUT_DIR]        Environment: CONFIG, MANIFEST, REPEATS (default 3), METHODS (default
+#   hippo; pearl adds PEARL-video and pearl: HIPPO Table 3's rows), ITEMS (the manifest's first N items)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -13,11 +14,17 @@ out="${1:-runs/demo}"
 config="${CONFIG:-configs/world_qwen2_5_vl_scaled.yaml}"
 manifest="${MANIFEST:-examples/world/manifest.jsonl}"
 rm -rf "$out" && mkdir -p "$out"
-echo "== scale model (grown from the shipped target on first use, then checked against it)"
+if [ -n "${ITEMS:-}" ]; then  # the first ITEMS lines, their videos where the manifest's are
+  head -n "$ITEMS" "$manifest" | python -c "import json, os, sys; d = os.path.abspath(os.path.dirname(sys.argv[1]))
+for line in sys.stdin: r = json.loads(line); r['video'] = os.path.join(d, r['video']); print(json.dumps(r))" "$manifest" \
+    > "$out/manifest.jsonl"
+  manifest="$out/manifest.jsonl"
+fi
+echo "== scale models (grown from the shipped weights on first use, then checked against them)"
 python -m vpsd.launch.grow --config "$config" --manifest "$manifest" --items 2
-echo "== ar vs hippo, ${REPEATS:-3} paired runs, interleaved"
-python -m vpsd.reports.bench --config "$config" --manifest "$manifest" --out "$out" --methods hippo --strategies "" \
-  --repeats "${REPEATS:-3}"
+echo "== ar vs ${METHODS:-hippo}, ${REPEATS:-3} rounds, interleaved"
+python -m vpsd.reports.bench --config "$config" --manifest "$manifest" --out "$out" --methods "${METHODS:-hippo}" \
+  --strategies "" --repeats "${REPEATS:-3}"
 python -m vpsd.reports.timeline "$out/hippo" > /dev/null
 echo "== captions (hippo; = exact reference caption, ~ otherwise)"
 python - "$out/hippo/results.jsonl" <<'PY'

@@ -159,6 +159,18 @@ def test_grow_command(tiny_checkpoints, tmp_path, capsys):
     assert not (tmp_path / "h").exists()
 
 
+def test_grow_command_builds_and_checks_every_model_a_config_grows(tiny_checkpoints, tmp_path, capsys):
+    """`vpsd grow --config C`: the target and the draft a config grows (the long default grows both)."""
+    src = tiny_checkpoints["qwen2_5_vl"]
+    config = tmp_path / "c.yaml"
+    config.write_text(f"family: qwen2_5_vl\ntarget: {{path: {src}, grow: {{width: 2, layers: 5}}}}\n"
+                      f"draft: {{path: {src}, grow: {{width: 2, layers: 6}}}}\n")
+    assert main(["--config", str(config), "--items", "1", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical 1/1: OK") == 2 and "width x2, 5 layers" in out and "width x2, 6 layers" in out
+    assert main(["--config", str(config), "--no-check"]) == 0 and capsys.readouterr().out.count("reused") == 2
+
+
 def test_shipped_default_grown_x4_12_layers_decodes_identically():
     """The default target grown as the cost-realistic default is (width x4, 12 layers), kept in memory."""
     source = load_adapter("qwen2_5_vl", ModelSpec(path=str(SHIPPED_TARGET)))

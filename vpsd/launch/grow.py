@@ -114,7 +114,7 @@ def random_inputs(count: int, num_frames: int = 8, side: int = 112) -> list[tupl
     ]
 
 
-def manifest_inputs(path: Path, count: int, num_frames: int) -> list[tuple[np.ndarray, str]]:
+def manifest_inputs(path: Path, count: int, num_frames: int | None, fps: float | None = None) -> list[tuple[np.ndarray, str]]:
     from vpsd.launch.manifest import load_manifest
     from vpsd.video.item import load_item_frames
 
@@ -122,7 +122,8 @@ def manifest_inputs(path: Path, count: int, num_frames: int) -> list[tuple[np.nd
     if problems:
         raise ValueError(f"{path}: line {problems[0].line}: {problems[0].message}")
     return [
-        (load_item_frames(it.video, it.num_frames or num_frames, it.fps, None)[0], it.prompt) for it in items[:count]
+        (load_item_frames(it.video, it.num_frames or (None if it.fps else num_frames), it.fps or fps, None)[0], it.prompt)
+        for it in items[:count]
     ]
 
 
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("src", type=Path, nargs="?", help="source checkpoint directory (local)")
     p.add_argument("dst", type=Path, nargs="?", help="grown checkpoint directory to write (replaced only if grown before)")
     p.add_argument("--config", type=Path, default=None,
-                   help="instead of SRC DST: the target a run config names with `grow:` (built on first use into "
+                   help="instead of SRC DST: the models a run config names with `grow:` (each built on first use into "
                         "its grown path, reused while it matches its source, then checked)")
     p.add_argument("--width", type=int, help="width factor k >= 1 (powers of 2 split exactly)")
     p.add_argument("--layers", type=int, help="decoder layers N >= the source's")
@@ -144,37 +145,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.config is not None:
-            from vpsd.config import load_config
-            from vpsd.models.grown_checkpoint import ensure_grown
-
-            spec = load_config(args.config).target
-            if spec.grow is None:
-                raise ValueError(f"{args.config}: the target has no `grow:` section")
-            src, dst = Path(spec.path), Path(spec.grown_path())
-            width, layers, check_dtype = spec.grow["width"], spec.grow["layers"], spec.dtype
-            built = not is_grown(src, dst, width, layers)
-            ensure_grown(src, dst, width, layers)
-            what = "built" if built else "reused"
-        else:
-            if args.src is None or args.dst is None or args.width is None or args.layers is None:
-                p.error("give SRC DST --width K --layers N, or --config CONFIG")
-            src, dst, width, layers = args.src, args.dst, args.width, args.layers
-            check_dtype = args.dtype or "float32"
-            grow_checkpoint(src, dst, width, layers, args.dtype)
-            what = "wrote"
-        family = checkpoint_family(src)
-        print(f"{what} {dst} ({family}, width x{width}, {layers} layers, from {src})")
-        if args.no_check:
-            return 0
-        inputs = (
-            manifest_inputs(args.manifest, args.items, args.num_frames)
-            if args.manifest
-            else random_inputs(args.items)
-        )
-        result = check_growth(src, dst, family, inputs, args.max_new_tokens, check_dtype)
+            return max(grow_and_check(args, *grown) for grown in config_growths(args.config, args))
+        if args.src is None or args.dst is None or args.width is None or args.layers is None:
+            p.error("give SRC DST --width K --layers N, or --config CONFIG")
+        grow_checkpoint(args.src, args.dst, args.width, args.layers, args.dtype)
+        return grow_and_check(args, "wrote", args.src, args.dst, args.width, args.layers, args.dtype or "float32")
     except (ValueError, OSError) as err:  # GrowthError is a ValueError
         print(f"vpsd grow: {err}", file=sys.stderr)
         return 2
+
+
+def config_growths(config: Path, args: argparse.Namespace) -> list[tuple]:
+    """Builds (or reuses) every model of `config` that has `grow:`; (what, src, dst, width, layers, dtype) each.
+    The checks read the manifest at the config's frame sampling."""
+    from vpsd.config import load_config
+    from vpsd.models.grown_checkpoint import ensure_grown
+
+    cfg = load_config(config)
+    args.num_frames, args.fps = cfg.video.num_frames, cfg.video.fps
+    specs = [spec for spec in (cfg.target, cfg.draft) if spec is not None and spec.grow is not None]
+    if not specs:
+        raise ValueError(f"{config}: no model has a `grow:` section")
+    out = []
+    for spec in specs:
+        src, dst, width, layers = Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]
+        built = not is_grown(src, dst, width, layers)
+        ensure_grown(src, dst, width, layers)
+        out.append(("built" if built else "reused", src, dst, width, layers, spec.dtype))
+    return out
+
+
+def grow_and_check(args: argparse.Namespace, what: str, src: Path, dst: Path, width: int, layers: int,
+                   check_dtype: str) -> int:
+    """Says what was grown and checks it (unless --no-check): 0 when its outputs are the source's."""
+    family = checkpoint_family(src)
+    print(f"{what} {dst} ({family}, width x{width}, {layers} layers, from {src})")
+    if args.no_check:
+        return 0
+    inputs = (manifest_inputs(args.manifest, args.items, args.num_frames, getattr(args, "fps", None))
+              if args.manifest else random_inputs(args.items))
+    result = check_growth(src, dst, family, inputs, args.max_new_tokens, check_dtype)
     print(result.describe())
     return 0 if result.ok else 1
 
