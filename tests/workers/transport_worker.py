@@ -82,9 +82,9 @@ def main(out_dir: Path) -> dict:
     #    Strangers on raw sockets (no identity, a rank's identity) never pass the CURVE handshake: not even
     #    logged. Raw bytes from rank 2's own socket (a buggy peer) are attributed to sender 2.
     from_strangers = [b"\xc1not msgpack", pickle.dumps(Shutdown("pwned")),
-                      msgpack.packb({"type": "Shutdown", "v": 1, "reason": "not a rank"})]
-    from_rank2 = [b"\xc1not msgpack", pickle.dumps(Shutdown("pwned")), msgpack.packb({"type": "Nope", "v": 1}),
-                  msgpack.packb({"type": "Shutdown", "v": 1, "reason": "x", "exec": "rm -rf /"}), [b"a", b"b"]]
+                      msgpack.packb({"type": "Shutdown/1", "reason": "not a rank"})]
+    from_rank2 = [b"\xc1not msgpack", pickle.dumps(Shutdown("pwned")), msgpack.packb({"type": "Nope/1"}),
+                  msgpack.packb({"type": "Shutdown/1", "reason": "x", "exec": "rm -rf /"}), [b"a", b"b"]]
     if rank == 2:
         peer = msgpack.unpackb(ch._store.get("vpsd/ctrl/0"), raw=False)
         ctx = zmq.Context()
