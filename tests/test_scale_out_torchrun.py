@@ -88,31 +88,21 @@ def test_two_nodes_over_a_localhost_rendezvous_make_a_pipeline_each(tmp_path, un
     assert [p["ranks"]["target"] for p in pipes] == [0, 3] and all(p["items"] > 0 for p in pipes)
 
 
-def _pids(out) -> dict[int, int]:
-    """rank -> pid, from each rank's role_started event."""
-    pids = {}
-    for path in (out / "traces").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("event") == "role_started":
-                pids[ev["rank"]] = ev["pid"]
-    return pids
-
-
-@pytest.mark.parametrize("rank,role", [(4, "draft"), (3, "target")])
-def test_a_rank_of_one_pipeline_dies_and_the_restart_finishes_the_job(tmp_path, uneven, reference, rank, role):
-    """Torchrun stops every rank when one dies and restarts them all (--max-restarts 1); the coordinator wrote
-    each finished item as it came, so the restart does exactly the items that were in flight or not yet given."""
-    out = tmp_path / f"kill-{role}"
-    cmd = launcher_cmd(CONFIG, uneven, out, "pearl", "--quiet", torchrun_opts=("--max-restarts", "1"))
+def test_a_draft_rank_then_a_target_rank_die_and_the_restarts_finish_the_job(tmp_path, uneven, reference):
+    """Torchrun stops every rank when one dies and restarts them all (--max-restarts 2): the draft of pipeline 1
+    is killed, then, in the restarted job, the target of pipeline 1. The coordinator wrote each finished item
+    as it came, so each restart does exactly the items that were in flight or not yet given."""
+    out = tmp_path / "kills"
+    cmd = launcher_cmd(CONFIG, uneven, out, "pearl", "--quiet", torchrun_opts=("--max-restarts", "2"))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**job_env(), "NPROC": "6"})
     try:
-        deadline = time.monotonic() + 240
-        while len(results(out)) < 2 or rank not in _pids(out):
-            assert time.monotonic() < deadline and proc.poll() is None, "the job did not get going"
-            time.sleep(0.1)
-        os.kill(_pids(out)[rank], signal.SIGKILL)
+        for restart, (rank, done) in enumerate([(4, 2), (3, 5)]):
+            deadline = time.monotonic() + 240
+            while len(results(out)) < done or _pid(out, rank, restart) is None:
+                assert time.monotonic() < deadline and proc.poll() is None, "the job did not get going"
+                time.sleep(0.05)
+            os.kill(_pid(out, rank, restart), signal.SIGKILL)
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -120,4 +110,14 @@ def test_a_rank_of_one_pipeline_dies_and_the_restart_finishes_the_job(tmp_path, 
     assert proc.returncode == 0, stderr[-3000:]
     assert_done_once_and_lossless(out, reference)
     run = json.loads((out / "summary.json").read_text())["run"]
-    assert run["restart"] == 1 and run["skipped"] >= 2
+    assert run["restart"] == 2 and run["skipped"] >= 5
+
+
+def _pid(out, rank: int, restart: int) -> int | None:
+    """The pid of `rank` in the torchrun attempt `restart`, from its role_started event."""
+    for path in (out / "traces").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            ev = json.loads(line)
+            if ev.get("event") == "role_started" and ev.get("rank") == rank and ev.get("restart", 0) == restart:
+                return ev["pid"]
+    return None

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = start_role(rank, role, pipeline, cfg, method, secret, timeout_s, out)
     get_logger().info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
                       pid=os.getpid(), host=os.uname().nodename, pipeline=pipeline.index,
-                      pipelines=len(layout.pipelines))
+                      pipelines=len(layout.pipelines), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
         # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them.
         ctx.ctrl.start_heartbeat([k for r, k in pipeline.ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
