@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from training.evaluate import word_accuracy
 from vpsd.config import PruningConfig, RunConfig
@@ -70,7 +71,7 @@ def evaluate_long(cfg: RunConfig, workdir: Path, count: int) -> dict:
     draft = load_draft(cfg.family, cfg.draft, target)
     settings = {"unpruned": PruningConfig(strategy="none", ratio=0.0), cfg.pruning.strategy: cfg.pruning}
     rows = []
-    for item in items:
+    for item in tqdm(items, unit="item", disable=None):
         frames, times = load_item_frames(workdir / item["video"], cfg.video.num_frames, cfg.video.fps, cfg.video.max_side)
         dec = replace(cfg.decoding, temperature=0.0, max_new_tokens=item["max_new_tokens"])
         row = {"id": item["id"], "kind": item["kind"], "reference": item["reference"]}
