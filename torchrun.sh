@@ -29,8 +29,14 @@ if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--nnodes\|--rdzv'; then
   export VPSD_REFUSAL_MARK="$(mktemp -u "${TMPDIR:-/tmp}/vpsd-refused.XXXXXX")"
   # Ctrl-C: the target rank says so once and marks this file; the launcher then exits 130, as the shells do.
   export VPSD_INTERRUPT_MARK="$(mktemp -u "${TMPDIR:-/tmp}/vpsd-interrupted.XXXXXX")"
-  trap 'rm -f "$VPSD_REFUSAL_MARK" "$VPSD_INTERRUPT_MARK"' EXIT
 fi
+# torchrun keeps a log directory per launch (empty unless its output is redirected) and never removes it: without
+# --log-dir, give it one of ours and remove it with the marks, so a job leaves nothing outside --out.
+if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--log[-_]dir'; then
+  VPSD_TORCHRUN_LOGS="$(mktemp -d "${TMPDIR:-/tmp}/vpsd-torchrun.XXXXXX")"
+  torchrun_args+=(--log-dir "$VPSD_TORCHRUN_LOGS")
+fi
+trap 'rm -f "${VPSD_REFUSAL_MARK:-}" "${VPSD_INTERRUPT_MARK:-}"; [ -n "${VPSD_TORCHRUN_LOGS:-}" ] && rm -rf "$VPSD_TORCHRUN_LOGS"' EXIT
 # Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
 # attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
@@ -57,5 +63,9 @@ fi
 [ "$rc" -ne 0 ] && exit "$rc"
 # torchrun says 0 or 1. A job that ran to the end but has failed items exits 3, read from its summary
 # (on the node that holds the output directory; elsewhere 0).
-[ -n "$out" ] && [ -f "$out/summary.json" ] && exec python -m vpsd.reports.summary "$out" --status
+# (Not exec: the EXIT trap must still remove what this launcher made.)
+if [ -n "$out" ] && [ -f "$out/summary.json" ]; then
+  rc=0; python -m vpsd.reports.summary "$out" --status || rc=$?
+  exit "$rc"
+fi
 exit 0

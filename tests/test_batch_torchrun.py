@@ -114,8 +114,12 @@ def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory, batch
     assert set(problems) == {2, 3, 6, 7}  # missing, zero bytes, bad JSON, duplicate id
 
     out = d / "out"
-    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}", "--quiet", *batching)
+    tmp = d / "tmp"  # the job's temporary directory: it leaves nothing there (torchrun's log directory included)
+    tmp.mkdir()
+    proc = run_launcher(CONFIG, manifest, out, METHOD, "--set", f"video.context_limit={limit}", "--quiet", *batching,
+                        env_extra={"TMPDIR": str(tmp)})
     assert proc.returncode == EXIT_ITEMS_FAILED, proc.stderr[-3000:]
+    assert list(tmp.iterdir()) == []
     got = results(out)
     assert set(got) == {"good-0", "good-1", "missing", "zero", "corrupt", "audio", "long", "line:6", "line:7"}
     errors = {k: r["error"] for k, r in got.items() if r["error"] is not None}

@@ -52,9 +52,9 @@ def launcher_cmd(config: str, manifest: Path, out: Path, method: str, *more: str
 
 
 def run_launcher(config: str, manifest: Path, out: Path, method: str, *more: str, timeout: float = 180,
-                 cwd: Path = ROOT):
+                 cwd: Path = ROOT, env_extra: dict[str, str] | None = None):
     """./torchrun.sh from `cwd`: relative paths are the caller's, as for a user in their own directory."""
-    env = job_env()
+    env = {**job_env(), **(env_extra or {})}
     return subprocess.run(launcher_cmd(config, manifest, out, method, *more), capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)
 
