@@ -246,17 +246,21 @@ def write_outputs(a: argparse.Namespace, rows: list[BenchRow], base: Baseline, a
               f"their totals spread {base.noise:.0%} (this run's timing noise)")
     if table3 := format_table3(rows):
         table += "\n\n" + table3
+    write_report(a.out, "bench", table, rows, {"config": a.config, "manifest": a.manifest, "repeats": a.repeats,
+                                                "ar_runs": ar_runs, "noise": base.noise, "ar_step_s": base.step_s})
+    plot(rows, a.out / "bench.png")
+
+
+def write_report(out: Path, name: str, table: str, rows: list, meta: dict) -> None:
+    """A bench's table, printed and in OUT/NAME.txt, its rows in NAME.csv, and `meta` with the rows in NAME.json."""
     print()
     print(table)
-    (a.out / "bench.txt").write_text(table + "\n")
-    with open(a.out / "bench.csv", "w", newline="") as f:
+    (out / f"{name}.txt").write_text(table + "\n")
+    with open(out / f"{name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         w.writeheader()
         w.writerows(asdict(r) for r in rows)
-    (a.out / "bench.json").write_text(json.dumps({"config": a.config, "manifest": a.manifest, "repeats": a.repeats,
-                                                  "ar_runs": ar_runs, "noise": base.noise, "ar_step_s": base.step_s,
-                                                  "rows": [asdict(r) for r in rows]}, indent=1))
-    plot(rows, a.out / "bench.png")
+    (out / f"{name}.json").write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,18 +36,17 @@ Writes OUT/throughput.txt, .csv, .json and .png; exits 1 if an output differs or
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from vpsd.pipeline.cost import batch_token_time
 from vpsd.pipeline.theory import parallel_sd_rollback_token_time
-from vpsd.reports.bench import BenchRun, run_one
+from vpsd.reports.bench import BenchRun, run_one, write_report
 from vpsd.reports.summary import read_rows
 
 
@@ -325,17 +324,8 @@ def _run_cells(a: argparse.Namespace, manifest: Path, batches: list[int], method
 
 
 def _write_report(a: argparse.Namespace, manifest: Path, repeats: int, rows: list, noise: dict) -> None:
-    table = format_table(rows, noise)
-    print()
-    print(table)
-    (a.out / "throughput.txt").write_text(table + "\n")
-    with open(a.out / "throughput.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        w.writeheader()
-        w.writerows(asdict(r) for r in rows)
-    (a.out / "throughput.json").write_text(json.dumps({"config": a.config, "manifest": str(manifest),
-                                                       "repeats": repeats, "noise": noise,
-                                                       "rows": [asdict(r) for r in rows]}, indent=1))
+    write_report(a.out, "throughput", format_table(rows, noise), rows,
+                 {"config": a.config, "manifest": str(manifest), "repeats": repeats, "noise": noise})
     plot(rows, a.out / "throughput.png")
 
 
