@@ -109,10 +109,10 @@ SD = ["--pruning", "uniform", "--ratio", "0.5", "--set", "draft=self"]
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("method,extra", [
-    ("pearl", PEARL),
+    pytest.param("pearl", PEARL, marks=pytest.mark.slow),  # one commit path serves all four: two run in CI
     ("sd", SD),
     ("pearl", PEARL + ["--batch", "3", "--set", "batching.pipelined=true"]),
-    ("sd", SD + ["--batch", "3"]),
+    pytest.param("sd", SD + ["--batch", "3"], marks=pytest.mark.slow),
 ], ids=["pearl", "sd", "pearl-pipelined-batch", "sd-batch"])
 def test_trace_rounds_add_up_to_the_committed_tokens(tmp_path_factory, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))

@@ -81,7 +81,8 @@ def assert_same_results(out: Path, reference: Path) -> None:
             expected["token_ids"], expected["text"], expected["reference"])
 
 
-@pytest.mark.parametrize("batching", [[], ["--batch", "3", "--set", "batching.pipelined=true"]],
+@pytest.mark.parametrize("batching", [pytest.param([], marks=pytest.mark.slow),
+                                      ["--batch", "3", "--set", "batching.pipelined=true"]],
                          ids=["one-at-a-time", "pipelined-batch"])
 def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory, batching):
     world = world_manifest(str(tmp_path_factory.getbasetemp()), count=2)
@@ -170,7 +171,8 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
     assert json.loads((out / "summary.json").read_text())["run"]["skipped"] >= 2
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["serial-batch", "pipelined-batch"])
+@pytest.mark.parametrize("pipelined", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["serial-batch", "pipelined-batch"])
 def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_path_factory, six, uninterrupted,
                                                                           pipelined):
     """Continuous batching (3 items in flight; the parallel method's draft on the target's rank, or pipelined on

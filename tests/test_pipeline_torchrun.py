@@ -130,7 +130,9 @@ def _wait_for(pred, timeout: float) -> None:
 FAULT_TIMEOUT_S = 5
 
 
-@pytest.mark.parametrize("role,fault", [("draft", "kill"), ("target", "hang"), ("draft", "hang"), ("pruner", "hang")])
+@pytest.mark.parametrize("role,fault", [("draft", "kill"), ("target", "hang"),
+                                        pytest.param("draft", "hang", marks=pytest.mark.slow),
+                                        pytest.param("pruner", "hang", marks=pytest.mark.slow)])
 def test_a_dead_or_hung_rank_ends_the_job_naming_it(tmp_path_factory, role, fault):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=6)
     out = tmp_path_factory.mktemp(f"fault-{role}-{fault}")
@@ -167,6 +169,7 @@ def test_a_dead_or_hung_rank_ends_the_job_naming_it(tmp_path_factory, role, faul
     assert done and all(r["error"] is None for r in done.values())  # finished results are kept
 
 
+@pytest.mark.slow  # two nodes, a pipeline each, run in CI: test_scale_out_torchrun
 def test_two_node_launch_on_one_machine(tmp_path_factory):
     """Two torchrun agents (2 + 2 ranks), rendezvous on 127.0.0.1; the fourth rank is a spare."""
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))

@@ -28,10 +28,10 @@ def _run(tmp_path, manifest, env_extra: dict, name: str):
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("hang,role,phase,resume", [
-    ("target:prefill:2", "target", "prefill", False),  # the second item's vision and prefill
+    pytest.param("target:prefill:2", "target", "prefill", False, marks=pytest.mark.slow),  # the second item's vision and prefill
     ("target:verify:12", "target", "verify", False),  # a round of the second item
     ("draft:draft:12", "draft", "draft", True),  # (resuming is the same whichever role was stuck: checked once)
-    ("pruner:prune:2", "pruner", "prune", False),
+    pytest.param("pruner:prune:2", "pruner", "prune", False, marks=pytest.mark.slow),
 ], ids=["prefill", "verify", "draft", "prune"])
 def test_a_stuck_peer_is_named_within_its_limit_and_the_job_resumes(tmp_path_factory, tmp_path, hang, role, phase,
                                                                     resume):

@@ -1,5 +1,6 @@
 """Two held-out long-world items (1152 video tokens each: a question and a time-stamped caption) through real
-torchrun with the long pair: hippo and pearl, one item in flight and two, decode exactly what `ar` decodes."""
+torchrun with the long pair: hippo with both items in flight and pearl with one decode exactly what `ar` decodes.
+(Every method at both batch sizes is held to `ar` on the short world; these two check the long pair's path.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def reference(tmp_path_factory, manifest):
     return {k: r["token_ids"] for k, r in results(out).items()}
 
 
-@pytest.mark.parametrize("method,batch", [("hippo", 1), ("pearl", 1), ("hippo", 2), ("pearl", 2)])
+@pytest.mark.parametrize("method,batch", [("hippo", 2), ("pearl", 1)])
 def test_long_items_decode_as_ar_does(tmp_path, manifest, reference, method, batch):
     proc = run_job(CONFIG, manifest, tmp_path / "out", method, "--quiet", "--batch", str(batch), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
