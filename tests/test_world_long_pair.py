@@ -1,7 +1,8 @@
 """The long-video pair (checkpoints/world_long_qwen2_5_vl): small, loads through its config, reads held-out long
 videos (a time-stamped caption and a question about one moment), and its draft agrees with it with all of the
 video and with 10% of it, losslessly. Floors catch a broken checkpoint, loader or preprocessing; the quality
-itself is measured on 100 held-out items (docs/worlds.md, python -m training.evaluate --kind long)."""
+itself is measured on 100 held-out items (docs/worlds.md, python -m training.evaluate --kind long: the target
+states 85% of scenes right and 47% word accuracy, a blind one 0% and 1%; MAT 2.5 at worst over 75 captions)."""
 
 import json
 from dataclasses import replace
@@ -61,8 +62,9 @@ def test_the_long_pair_reads_held_out_videos_and_its_draft_agrees_pruned_or_not(
         ar = decode_ar(target, frames, item["prompt"], dec, times)
         text = target.tokenizer.decode(ar.token_ids, skip_special_tokens=True).strip()
         got = scores(item["kind"], text, item["reference"])
-        if item["kind"] == "caption":
-            assert got["word_accuracy"] >= 0.6 and got["events_named"] >= 0.5, (text, item["reference"])
+        if item["kind"] == "caption":  # the scene, read from the video (blind: 0% of held-out scenes right)
+            assert text.split(".")[0] == item["reference"].split(".")[0], (text, item["reference"])
+            assert got["word_accuracy"] >= 0.4, (text, item["reference"])
         for pruning in (PruningConfig(strategy="none", ratio=0.0), cfg.pruning):
             sd = decode_sd(target, draft, frames, item["prompt"], dec, keep_policy_for(pruning, target.family), pruning,
                            times)
