@@ -57,3 +57,16 @@ def test_a_slow_first_prefill_is_not_stuck(tmp_path_factory, tmp_path):
     proc, out, _ = _run(tmp_path, manifest, {"VPSD_TEST_SLOW": "target:prefill:1:8"}, "slow")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(results(out)) == 3 and "stuck" not in proc.stderr
+
+
+def test_ranks_a_method_leaves_idle_outlast_the_timeout(tmp_path_factory, tmp_path):
+    """`ar` on a 3-rank launch leaves the draft and pruner ranks idle; a job longer than --timeout (a first prefill
+    of 8 s against 4) finishes: idle ranks leave at once instead of waiting in a collective under the timeout."""
+    import subprocess
+
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=3)
+    out = tmp_path / "idle"
+    proc = subprocess.run(torchrun_cmd(3) + job_args(CONFIG, manifest, out, "ar", *ARGS[2:]), capture_output=True,
+                          text=True, timeout=240, env={**job_env(), "VPSD_TEST_SLOW": "target:prefill:1:8"}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(results(out)) == 3 and all(r["error"] is None for r in results(out).values())

@@ -128,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_tracing(out, role, rank)
     if is_leader and (line := layout.spare_line()) is not None:
         print(f"vpsd: {line}", file=sys.stderr, flush=True)
+    # A rank leaves when its own work is done, never in a collective: a barrier waits under the process group's
+    # timeout (--timeout, for a peer that stopped answering), so ranks a method leaves idle, or a pipeline that
+    # ran out of items while another decodes a long video, would time out a job that is still working. Nothing
+    # is in flight by then: the protocol's Shutdown exchange ends every pipeline's traffic first.
     if placed is None or (not in_roles and role != "target"):
-        dist.barrier()
         dist.destroy_process_group()
         return 0
     pipeline = placed[0]
@@ -142,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         ctx.ctrl.start_heartbeat([k for r, k in pipeline.ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     run_role(ctx, args, out, layout, pipeline, secret if is_leader else None)
     ctx.ctrl.close()
-    dist.barrier()
     dist.destroy_process_group()
     return 0
 
