@@ -151,6 +151,7 @@ def test_bad_items_fail_alone_and_retry_with_subsampling(tmp_path_factory, batch
     assert got["good-0"] == results(out)["good-0"]  # finished items were not run again
 
 
+@pytest.mark.slow  # CI: the batched kill below, ctrl-c and the scale-out restarts resume the same way
 def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninterrupted):
     out = tmp_path_factory.mktemp("killed")
     proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet"), cwd=ROOT,
@@ -233,6 +234,7 @@ def test_a_rerun_with_other_settings_is_refused_and_changes_nothing(six, uninter
     assert (uninterrupted / "results.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # CI: one launch over many pipelines (test_scale_out_torchrun) is the way to split a job
 def test_two_shard_jobs_split_the_manifest_and_together_equal_one_job(tmp_path_factory, six, uninterrupted):
     outs = [tmp_path_factory.mktemp(f"shard{i}") for i in range(2)]
     for i, out in enumerate(outs):
@@ -246,6 +248,7 @@ def test_two_shard_jobs_split_the_manifest_and_together_equal_one_job(tmp_path_f
     assert all(merged[k]["token_ids"] == reference[k]["token_ids"] for k in merged)
 
 
+@pytest.mark.slow  # CI: test_scale_out_torchrun's job restarts twice under --max-restarts
 def test_elastic_restart_resumes_after_a_rank_dies(tmp_path_factory, six, uninterrupted):
     out = tmp_path_factory.mktemp("elastic")
     cmd = launcher_cmd(CONFIG, six, out, METHOD, "--quiet", torchrun_opts=("--max-restarts", "1"))

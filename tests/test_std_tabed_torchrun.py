@@ -21,8 +21,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,method,extra", CASES,
-                         ids=[f"{f}-{m}" + ("-batch" if "--batch" in e else "") for f, m, e in CASES])
+@pytest.mark.parametrize("family,method,extra", [
+    # With --slow only: TABED's default settings alone (the batched case runs them in CI).
+    pytest.param(f, m, e, id=f"{f}-{m}" + ("-batch" if "--batch" in e else ""),
+                 marks=[pytest.mark.slow] if (m == "tabed" and not e) else [])
+    for f, m, e in CASES])
 def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp(f"{family}-{method}")

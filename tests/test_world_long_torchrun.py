@@ -4,10 +4,17 @@ torchrun with the long pair: hippo with both items in flight and pearl with one 
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
-from tests.test_world_long_pair import long_items
+from tests.test_world_long_pair import ROOT, long_items
 from tests.torchrun_jobs import results, run_job
+from vpsd.config import load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.models.registry import load_adapter
+from vpsd.video.item import load_item_frames
 
 CONFIG = "world_long_qwen2_5_vl.yaml"
 
@@ -18,11 +25,17 @@ def manifest(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, manifest):
-    out = tmp_path_factory.mktemp("long-ar")
-    proc = run_job(CONFIG, manifest, out, "ar", "--quiet", nproc=1, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {k: r["token_ids"] for k, r in results(out).items()}
+def reference(manifest):
+    """The reference decoder in this process (decoders/ar.py, greedy as the config says), not another launch."""
+    cfg = load_config(ROOT / "configs" / CONFIG)
+    target = load_adapter(cfg.family, cfg.target)
+    out = {}
+    for item in (json.loads(line) for line in manifest.read_text().splitlines()):
+        frames, times = load_item_frames(manifest.parent / item["video"], cfg.video.num_frames, cfg.video.fps,
+                                         cfg.video.max_side)
+        out[item["id"]] = decode_ar(target, frames, item["prompt"],
+                                    replace(cfg.decoding, max_new_tokens=item["max_new_tokens"]), times).token_ids
+    return out
 
 
 @pytest.mark.parametrize("method,batch", [("hippo", 2), ("pearl", 1)])
