@@ -109,8 +109,8 @@ SD = ["--pruning", "uniform", "--ratio", "0.5", "--set", "draft=self"]
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("method,extra", [
-    pytest.param("pearl", PEARL, marks=pytest.mark.slow),  # one commit path serves all four: two run in CI
-    ("sd", SD),
+    pytest.param("pearl", PEARL, marks=pytest.mark.slow),  # one commit path serves all four: CI runs one
+    pytest.param("sd", SD, marks=pytest.mark.slow),
     ("pearl", PEARL + ["--batch", "3", "--set", "batching.pipelined=true"]),
     pytest.param("sd", SD + ["--batch", "3"], marks=pytest.mark.slow),
 ], ids=["pearl", "sd", "pearl-pipelined-batch", "sd-batch"])

@@ -62,9 +62,9 @@ CASES = [
 ]
 
 
-# With --slow only: ar (every torchrun test's reference runs it) and pearl on the two other families (they run
-# hippo and specvlm through the same parallel path in CI).
-SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "pearl")}
+# With --slow only: ar (every torchrun test's reference runs it), pearl on the two other families (they run
+# hippo and specvlm through the same parallel path in CI) and hippo on the first (it runs pearl and parallelvlm).
+SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "pearl"), ("qwen2_5_vl", "hippo")}
 
 
 @pytest.mark.parametrize("family,method,extra", [
@@ -138,7 +138,7 @@ def _wait_for(pred, timeout: float) -> None:
 FAULT_TIMEOUT_S = 5
 
 
-@pytest.mark.parametrize("role,fault", [("draft", "kill"),
+@pytest.mark.parametrize("role,fault", [pytest.param("draft", "kill", marks=pytest.mark.slow),  # CI: scale-out kills
                                         pytest.param("target", "hang", marks=pytest.mark.slow),  # CI: stuck in verify
                                         pytest.param("draft", "hang", marks=pytest.mark.slow),
                                         pytest.param("pruner", "hang", marks=pytest.mark.slow)])

@@ -46,6 +46,7 @@ def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
             assert all(abs(sum(w) - 1.0) < 1e-3 and len(w) == len(e["views"]) for w in e["blocks"])
 
 
+@pytest.mark.slow  # CI: sampling through the pipeline in test_pipeline_torchrun, TABED's law in process
 def test_tabed_sampling_with_soft_labels_completes(tmp_path_factory):
     """temperature > 0 with KL: the target ships its p rows after every verdict."""
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
