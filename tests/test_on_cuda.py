@@ -1,15 +1,20 @@
-"""The decoders on a CUDA device: skipped where there is none (CI never has one), run on a lent GPU machine.
+"""The decoders on a GPU: skipped where there is none (CI never has one), run by scripts/gpu_check.sh on a lent
+GPU machine. `VPSD_TEST_DEVICE=cpu` runs the same checks on the CPU (the check's `--dry-run`, so they cannot rot).
 
-Each item's random streams are CPU generators (seeded as at batch 1), and torch refuses a CPU generator for a
-draw from a CUDA tensor, so every draw reads its rows on the host (`pipeline/sampling.py on_generator`). These
-check that sampled and greedy decoding run with the models on a GPU, and that a batch still draws each item's
-tokens from its own streams there.
+- greedy output of every serial method, and of the engine over a batch of 1 and of 8 for every method it
+  batches, equals `ar`'s on the same device and dtype (fp32 and bf16), or first differs at a near-tie
+  (decoders/lossless.py: the top-2 margin under the dtype's tolerance);
+- sampling runs on CUDA generators' terms: each item's random streams are CPU generators (seeded as at batch 1)
+  and torch refuses a CPU generator for a draw from a CUDA tensor, so every draw reads its rows on the host
+  (`pipeline/sampling.py on_generator`); a batch still draws each item's tokens from its own streams there.
+The parallel methods' pipelines (draft on its own rank, sharing the GPU) run through torchrun in the same check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import pytest
 import torch
@@ -18,49 +23,101 @@ from tests.conftest import config_path, random_frames
 from tests.engine_harness import local_engine, run
 from vpsd.config import DecodingConfig, PruningConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.engine.request import Request
 from vpsd.decoders.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
+from vpsd.decoders.serial import decode_serial
+from vpsd.engine.request import Request
 from vpsd.models.registry import load_adapter, tiny_tokenizer
+from vpsd.pipeline.methods import BATCHABLE, METHODS, get_method
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = os.environ.get("VPSD_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPES = ["float32", "bfloat16"]
+PROMPT = "Describe the video."
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_pair(family: str):
+def device_pair(family: str, dtype: str = "float32"):
     cfg = load_config(config_path(family))
     tok = tiny_tokenizer()
-    target = load_adapter(family, dataclasses.replace(cfg.target, device="cuda"), tok)
-    draft = load_adapter(family, dataclasses.replace(cfg.draft, device="cuda"), tok)
+    on = {"device": DEVICE, "dtype": dtype}
+    target = load_adapter(family, dataclasses.replace(cfg.target, **on), tok)
+    draft = load_adapter(family, dataclasses.replace(cfg.draft, **on), tok)
     return target, draft
 
 
-def cuda_items(n: int, max_new: int) -> list[Request]:
-    return [Request(f"item-{i}", "Describe the video.", max_new - i % 3, random_frames(30 + i, t=4 + 2 * (i % 2)))
+def device_items(n: int, max_new: int) -> list[Request]:
+    return [Request(f"item-{i}", PROMPT, max_new - i % 3, random_frames(30 + i, t=4 + 2 * (i % 2)))
             for i in range(n)]
 
 
+def assert_lossless(target, frames, prompt, ar_tokens, tokens, what: str) -> None:
+    div = first_divergence(target, frames, prompt, ar_tokens, tokens)
+    assert judge(div, TIE_TOLERANCE[target.model.dtype]), f"{what}: {div}"
+
+
+SERIAL = [name for name, m in METHODS.items() if not m.parallel and m.uses_draft]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", SERIAL)
+def test_every_serial_method_greedy_equals_ar(method, dtype):
+    target, draft = device_pair("qwen2_5_vl", dtype)
+    assert target.device.type == torch.device(DEVICE).type
+    m = get_method(method)
+    ratio = 0.5 if m.default_strategy != "none" or m.draft == "sparse_kv" else 0.0
+    pruning = PruningConfig(m.default_strategy, ratio, seed=1)
+    cfg = DecodingConfig(gamma=3, max_new_tokens=12)
+    frames = random_frames(3)
+    ar = decode_ar(target, frames, PROMPT, cfg)
+    got = decode_serial(m, target, draft, frames, PROMPT, cfg, pruning)
+    assert_lossless(target, frames, PROMPT, ar.token_ids, got.token_ids, f"{method} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [1, 8])
+@pytest.mark.parametrize("strategy", ["none", "hippo"])  # pearl's and sd's draft, hippo's pruned one
+def test_the_engine_greedy_equals_ar_at_batch_1_and_8(strategy, size, dtype):
+    target, draft = device_pair("qwen2_5_vl", dtype)
+    pruning = PruningConfig(strategy, 0.0 if strategy == "none" else 0.5, seed=1)
+    cfg = DecodingConfig(gamma=3, max_new_tokens=10)
+    todo = device_items(8, max_new=10)
+    got = run(local_engine(target, draft, cfg, pruning, size)[1], todo)
+    for it in todo:
+        ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        assert_lossless(target, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids, f"{it.id} B={size}")
+
+
+def test_the_engine_batches_ar_on_the_device():
+    assert "ar" in BATCHABLE
+    target, _ = device_pair("qwen2_5_vl")
+    cfg = DecodingConfig(max_new_tokens=10)
+    todo = device_items(8, max_new=10)
+    got = run(local_engine(target, None, cfg, None, 8)[1], todo)
+    for it in todo:
+        ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        assert_lossless(target, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids, it.id)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_sd_on_cuda_runs_and_greedy_equals_ar(temperature):
-    target, draft = cuda_pair("qwen2_5_vl")
-    assert target.device.type == "cuda"
+def test_sd_runs_and_greedy_equals_ar(temperature):
+    target, draft = device_pair("qwen2_5_vl")
     pruning = PruningConfig("uniform", 0.5, seed=1)
     cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=temperature, seed=5)
     frames = random_frames(3)
-    ar = decode_ar(target, frames, "Describe the video.", cfg)
-    sd = decode_sd(target, draft, frames, "Describe the video.", cfg, keep_policy_for(pruning), pruning)
+    ar = decode_ar(target, frames, PROMPT, cfg)
+    sd = decode_sd(target, draft, frames, PROMPT, cfg, keep_policy_for(pruning), pruning)
     assert 1 <= len(sd.token_ids) <= 12 and 1 <= len(ar.token_ids) <= 12
     if temperature == 0.0:
-        div = first_divergence(target, frames, "Describe the video.", ar.token_ids, sd.token_ids)
-        assert judge(div, TIE_TOLERANCE[target.model.dtype]), div
+        assert_lossless(target, frames, PROMPT, ar.token_ids, sd.token_ids, "sd")
 
 
-def test_a_sampled_batch_on_cuda_draws_each_item_from_its_own_streams():
-    target, draft = cuda_pair("qwen2_5_vl")
+def test_a_sampled_batch_draws_each_item_from_its_own_streams():
+    target, draft = device_pair("qwen2_5_vl")
     pruning = PruningConfig("uniform", 0.5, seed=1)
     cfg = DecodingConfig(gamma=3, max_new_tokens=10, temperature=1.0, seed=7)
-    todo = cuda_items(4, max_new=10)
+    todo = device_items(4, max_new=10)
     got = run(local_engine(target, draft, cfg, pruning, 4)[1], todo)
     for it in todo:
         one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)

@@ -14,8 +14,9 @@ process).
 - Cores: a config's `cpu_affinity` is pipeline 0's on its node; the j-th pipeline of a node takes the same
   layout shifted by j x (the highest core named + 1), so two pipelines pinned {target: [0], draft: [1]} run
   on cores 0-1 and 2-3.
-- GPUs: every rank takes GPU LOCAL_RANK (a model spec's bare `device: cuda` is that one), so a node needs a GPU
-  per rank: a pipeline of 3 ranks takes 3 GPUs, the pruner's idle (NCCL refuses two ranks on one device).
+- GPUs: rank LOCAL_RANK takes GPU LOCAL_RANK % (the node's GPUs) (a model spec's bare `device: cuda` is that
+  one): a GPU a rank where there are enough, NCCL between them; ranks sharing GPUs otherwise (a whole pipeline on
+  one GPU), their CUDA tensors staged through host memory over gloo (transport/placement.py).
 - The coordinator is not a rank of torch.distributed: it is a thread in pipeline 0's target process with a
   control-plane identity of its own, rank `world` (one past the last torchrun rank).
 """

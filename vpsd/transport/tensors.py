@@ -2,8 +2,10 @@
 
 Contract:
 - `init_distributed(timeout_s)` joins the process group torchrun describes (RANK, WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With CUDA it uses "cpu:gloo,cuda:nccl", so each tensor takes
-  the backend of its device: cuda tensors travel on NCCL, cpu tensors on gloo. Without CUDA: gloo.
+  MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE) on the backend its placement picks
+  (transport/placement.py): "cpu:gloo,cuda:nccl" when every rank has a GPU of its own (cuda tensors travel on
+  NCCL, cpu tensors on gloo); gloo when ranks share a GPU, a cuda tensor then staged through host memory by
+  both ends (the receiver still gets it on its GPU); gloo without CUDA.
 - `TensorChannel.send(dst, tensors, tag)` first sends a `TensorAnnounce` (shapes, dtype names, device
   types) on the control channel, then starts one `isend` per tensor and returns a `SendHandle`: the
   sender may overlap work and `wait()` later. The handle keeps the tensors alive until then.
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from vpsd.pipeline.messages import TensorAnnounce
 from vpsd.transport.control import ControlChannel, PeerTimeout
+from vpsd.transport.placement import this_placement
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -68,13 +71,12 @@ def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, str]:
     if missing:
         raise RuntimeError(f"init_distributed needs torchrun's environment; missing {missing}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    return rank, world_size, backend
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    placement = this_placement(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))))
+    if placement.gpu is not None:  # a bare "cuda" (a model spec's device) is this GPU from now on
+        torch.cuda.set_device(placement.gpu)
+    dist.init_process_group(placement.backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return rank, world_size, placement.backend
 
 
 @dataclass
@@ -102,6 +104,14 @@ class TensorChannel:
     def __init__(self, control: ControlChannel, group: dist.ProcessGroup | None = None) -> None:
         self.control = control
         self.group = group
+        self._staged: bool | None = None
+
+    @property
+    def stages_cuda(self) -> bool:
+        """Whether cuda tensors go through host memory: the group has no NCCL (ranks share a GPU)."""
+        if self._staged is None:
+            self._staged = "nccl" not in str(dist.get_backend(self.group))
+        return self._staged
 
     @property
     def rank(self) -> int:
@@ -112,6 +122,9 @@ class TensorChannel:
         """Announce `tensors` to `dst` under `tag` (and the item they belong to, their names), then start sending
         them; returns the in-flight handle."""
         wire = [t.detach().contiguous() for t in tensors]
+        devices = [_device_type(t.device) for t in wire]
+        if self.stages_cuda:  # a host copy travels; `devices` still says cuda, so the receiver puts it back there
+            wire = [t.cpu() for t in wire]
         announce = TensorAnnounce(
             tag=tag,
             item_id=item_id,
@@ -120,7 +133,7 @@ class TensorChannel:
             dtypes=[dtype_name(t.dtype) for t in wire],
             src=self.rank,
             epoch=epoch,
-            devices=[_device_type(t.device) for t in wire],
+            devices=devices,
         )
         # Announce first: the receiver sits in its control loop and can only post the matching recvs
         # once it knows the shapes; a large gloo/nccl send blocks until then.
@@ -138,15 +151,15 @@ class TensorChannel:
         """Receive tensors of the given shapes/dtype names from `src`, allocated on `devices` (default cpu)."""
         if len(shapes) != len(dtypes) or (devices and len(devices) != len(shapes)):
             raise ValueError(f"{len(shapes)} shapes, {len(dtypes)} dtypes, {len(devices)} devices")
-        out = [
-            torch.empty(list(shape), dtype=dtype_from_name(dt), device=_local_device(devices[i] if devices else "cpu"))
-            for i, (shape, dt) in enumerate(zip(shapes, dtypes))
-        ]
+        places = [_local_device(devices[i] if devices else "cpu") for i in range(len(shapes))]
+        landing = [torch.device("cpu") if self.stages_cuda else d for d in places]
+        out = [torch.empty(list(shape), dtype=dtype_from_name(dt), device=d)
+               for shape, dt, d in zip(shapes, dtypes, landing)]
         works = [dist.irecv(t, src, group=self.group) for t in out if t.numel() > 0]
         for work in works:
             if work is not None:
                 _wait(work, None, src, self.control.peer_role(src), "announced tensors from")
-        return out
+        return [t.to(d) for t, d in zip(out, places)]
 
     def recv_announced(self, announce: TensorAnnounce) -> list[torch.Tensor]:
         """Receive the tensors that `announce` described, from its sender."""

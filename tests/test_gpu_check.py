@@ -1,0 +1,22 @@
+"""The GPU check's dry run: every stage of scripts/gpu_check.sh, its commands on the CPU with small inputs, so the
+command a session runs the moment it is lent a GPU cannot rot between such sessions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"))
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    steps = (tmp_path / "out" / "steps.txt").read_text().split("\n")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert [s.split()[:2] for s in steps if s] == [
+        ["env", "rc=0"], ["cuda_tests", "rc=0"], ["one_gpu_pipeline", "rc=0"], ["long_3b_bench", "rc=0"]]
+    # Both benches checked every output against batch-1 `ar`'s and wrote their tables where the tool fetches them.
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"one_gpu.json", "long_3b.json", "env.log"}
