@@ -286,3 +286,36 @@ def test_run_help_is_said_once_at_once_with_the_methods_strategies_and_tools():
     assert all(name in proc.stdout for name in STRATEGIES)
     assert "vpsd summary" in proc.stdout and "vpsd world" in proc.stdout
     assert elapsed < 30  # no rank, no model: the imports of one light module
+
+
+@pytest.mark.parametrize("device, gpus, problem", [
+    ("cpu", 0, None),
+    ("cuda", 1, None),
+    ("cuda:1", 2, None),
+    ("cuda", 0, "target.device: 'cuda' but this machine has no CUDA device"),
+    ("cuda:3", 1, "target.device: 'cuda:3' but this node has 1 GPU (cuda:0)"),
+    ("cuda:2", 2, "target.device: 'cuda:2' but this node has 2 GPUs (cuda:0-1)"),
+    ("mps", 0, "target.device: 'mps' is not a device vpsd runs on"),
+    ("cuda:x", 1, "target.device: 'cuda:x' is not a device vpsd runs on"),
+])
+def test_a_model_device_the_node_lacks_is_refused_at_launch(device, gpus, problem):
+    import dataclasses
+
+    from vpsd.config import load_config
+    from vpsd.launch.preflight import device_problems
+
+    cfg = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml")
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, device=device))
+    problems = device_problems(cfg, gpus)
+    assert (problems[0].startswith(problem) if problem else problems == []), problems
+
+
+def test_a_cuda_model_on_a_machine_without_one_stops_the_launch():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    args = parse_args(["--config", str(ROOT / "configs/tiny_qwen2_5_vl.yaml"), "--manifest", "m", "--out", "o",
+                       "--set", "draft.device=cuda:1"])
+    with pytest.raises(ConfigError, match=r"draft.device: 'cuda:1' but this machine has no CUDA device"):
+        resolve_config(args)

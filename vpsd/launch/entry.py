@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
+import torch
 import torch.distributed as dist
 
 from vpsd.activity import ACTIVITY
@@ -30,7 +31,7 @@ from vpsd.launch.job import CoordinatorLink, run_pipeline
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
-from vpsd.launch.preflight import affinity_problems, checkpoint_problems, path_problems
+from vpsd.launch.preflight import affinity_problems, checkpoint_problems, device_problems, path_problems
 from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
@@ -62,7 +63,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError([f"unknown pruning strategy {cfg.pruning.strategy!r}"
                            f"{nearest(cfg.pruning.strategy, STRATEGIES)}; known: {', '.join(sorted(STRATEGIES))}"])
     check_method_settings(method, cfg)
-    problems = checkpoint_problems(cfg) + affinity_problems(cfg)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, gpus)
     if problems:
         raise ConfigError(problems)
     return cfg

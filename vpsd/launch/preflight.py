@@ -5,6 +5,8 @@ its `model_type` is the config's `family` (a Qwen3-VL checkpoint under `family: 
 its weights into the wrong classes and fail later on an attribute); under `video.sampling: checkpoint`, the target
 checkpoint names a frame rule. One line per problem.
 `affinity_problems(cfg)`: every core `cpu_affinity` pins a role to is one this job may run on.
+`device_problems(cfg, gpus)`: every model's `device` is "cpu", "cuda" (the rank's own GPU) or a "cuda:N" this
+node has.
 `path_problems(manifest, out)`: the manifest is a readable file, and --out is (or can be made) a directory.
 """
 
@@ -76,6 +78,28 @@ def sampling_problems(cfg: RunConfig) -> list[str]:
                 "(LLaVA-OneVision's published checkpoints do not); use video.sampling: config with "
                 "video.num_frames (the LLaVA-OneVision paper samples 32)"]
     return []
+
+
+def device_problems(cfg: RunConfig, gpus: int) -> list[str]:
+    """Each model's device must exist on a node with `gpus` GPUs: "cuda:3" on a 1-GPU node, or "cuda" on a machine
+    without one, otherwise failed at the first model load, in every rank's traceback. A bare "cuda" is the rank's
+    own GPU (transport/placement.py); "cuda:N" pins that model of every pipeline on the node to GPU N."""
+    problems = []
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
+        if spec is None:
+            continue
+        kind, _, index = spec.device.partition(":")
+        if kind == "cpu" and not index:
+            continue
+        if kind != "cuda" or (index and not index.isdigit()):
+            problems.append(f"{role}.device: {spec.device!r} is not a device vpsd runs on (cpu, cuda or cuda:N)")
+        elif not gpus:
+            problems.append(f"{role}.device: {spec.device!r} but this machine has no CUDA device that torch can use "
+                            f"(set {role}.device: cpu, or install a CUDA build of torch)")
+        elif index and int(index) >= gpus:
+            problems.append(f"{role}.device: {spec.device!r} but this node has {gpus} GPU{'s' if gpus > 1 else ''} "
+                            f"(cuda:0{f'-{gpus - 1}' if gpus > 1 else ''}); a bare 'cuda' takes each rank's own")
+    return problems
 
 
 def affinity_problems(cfg: RunConfig, allowed: set[int] | None = None, slots: int = 1) -> list[str]:
