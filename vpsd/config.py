@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from vpsd.models.registry import ModelSpec
+from vpsd.models.spec import ModelSpec
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.tree import parse_tree
 from vpsd.pipeline.cost import AUTO, ParallelWindow, SerialWindow

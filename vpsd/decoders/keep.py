@@ -8,12 +8,16 @@ is the one place a config's strategy gets its knobs (crop, SpecVLM lambda): the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vpsd.config import PruningConfig
-from vpsd.models.base import PrefillResult, SequenceEmbeddings
 from vpsd.pipeline.pruning.specvlm import specvlm_lambda
 from vpsd.pipeline.pruning.strategies import PruningSignals, Strategy, strategy_for
+
+if TYPE_CHECKING:  # the pruner rank uses configured_strategy and loads no model: no transformers in its process
+    from vpsd.models.base import PrefillResult, SequenceEmbeddings
 
 
 def configured_strategy(cfg: PruningConfig, family: str | None) -> Strategy:

@@ -27,17 +27,13 @@ from vpsd.activity import ACTIVITY
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
-from vpsd.launch.job import CoordinatorLink, run_pipeline
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.preflight import affinity_problems, checkpoint_problems, device_problems, path_problems
-from vpsd.models.registry import load_adapter
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
-from vpsd.roles.draft import run_draft
-from vpsd.roles.pruner import run_pruner
 from vpsd.storage import FULL, DiskFull
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
@@ -124,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(secret, int):
         return secret  # refused
     timeout_s = float(args.timeout or cfg.timeout_s)
-    rank, world, backend = init_distributed(timeout_s=timeout_s)
     placed = layout.of_rank(rank)
     role = placed[1] if placed is not None else "spare"
+    if placed is not None and (in_roles or role == "target"):
+        import_role(role)
+    rank, world, backend = init_distributed(timeout_s=timeout_s)
     configure_tracing(out, role, rank)
     if is_leader and (line := layout.spare_line()) is not None:
         print(f"vpsd: {line}", file=sys.stderr, flush=True)
@@ -237,13 +235,28 @@ def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method:
     return ctx
 
 
+def import_role(role: str) -> None:
+    """Import what `role` runs, before the rendezvous: the model stack (torch's and transformers', ~3 s a process
+    on a slow core) only in the ranks that load a model, so the pruner and the ranks a method leaves idle start in
+    about a second; and an import's seconds pass before the process group exists, never while a peer waits."""
+    if role == "target":
+        import vpsd.launch.job  # noqa: F401
+    elif role == "draft":
+        import vpsd.models.registry  # noqa: F401
+        import vpsd.roles.draft  # noqa: F401
+    else:
+        import vpsd.roles.pruner  # noqa: F401
+
+
 def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layout, pipeline: Pipeline,
              leader_secret: str | None) -> None:
     """The role's work (and in the leader's process, the job's coordinator); a silent peer, a coordinator that
     failed or a full disk ends the rank with one line."""
     cfg, role, rank = ctx.config, ctx.role, ctx.rank
-    try:
+    try:  # each branch's modules were imported by import_role: these only bind their names
         if role == "target":
+            from vpsd.launch.job import CoordinatorLink, run_pipeline
+
             coordinator = None
             if leader_secret is not None:
                 coordinator = Coordinator(layout, args, cfg, ctx.method.name, out, leader_secret)
@@ -252,8 +265,13 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             if coordinator is not None:
                 coordinator.join()
         elif role == "draft":
+            from vpsd.models.registry import load_adapter
+            from vpsd.roles.draft import run_draft
+
             run_draft(ctx, load_adapter(cfg.family, cfg.draft or cfg.target))
         else:
+            from vpsd.roles.pruner import run_pruner
+
             run_pruner(ctx)
     except (RoleFailure, PeerTimeout) as e:
         silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank

@@ -19,7 +19,7 @@ from pathlib import Path
 from vpsd.launch.layout import pinned_cores
 from vpsd.config import RunConfig, nearest
 from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_sampling
-from vpsd.models.registry import FAMILY_MODULES
+from vpsd.models.spec import FAMILY_MODULES
 
 
 # The weight files transformers' from_pretrained reads, whole or sharded.

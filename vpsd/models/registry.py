@@ -10,7 +10,7 @@ draft agree on token ids.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,41 +20,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vpsd.models.attention import use_grouped_sdpa
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_checkpoint
+from vpsd.models.spec import DTYPE_NAMES, FAMILY_MODULES, ModelSpec  # noqa: F401  (re-exported)
 from vpsd.models.tokenizer import build_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelSpec:
-    """Where a model comes from and where it runs."""
-
-    path: str | None = None  # local checkpoint directory (real weights)
-    tiny: dict[str, Any] | None = None  # {"seed": int, "text": {...}, "vision": {...}}
-    dtype: str = "float32"
-    device: str = "cpu"
-    options: dict[str, Any] = field(default_factory=dict)  # adapter keyword arguments (e.g. fps)
-    # A scale model of the checkpoint at `path`: {width: k, layers: N} grows it function-preservingly
-    # (models/grow.py) into `grown_path()` on first use, reused while it matches the source's weights.
-    grow: dict[str, int] | None = None
-
-    def __post_init__(self) -> None:
-        if (self.path is None) == (self.tiny is None):
-            raise ValueError("a model spec needs exactly one of `path` (checkpoint) or `tiny` (config)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.grow is not None:
-            if self.path is None or set(self.grow) != {"width", "layers"}:
-                raise ValueError(f"`grow` needs a checkpoint `path` and exactly width and layers, got {self.grow}")
-            if not all(type(v) is int and v >= 1 for v in self.grow.values()):
-                raise ValueError(f"grow width and layers must be positive integers, got {self.grow}")
-
-    def grown_path(self) -> str | None:
-        """Where the scale model lives: beside its source, named by its shape (git-ignored: *.grown-*)."""
-        if self.grow is None or self.path is None:
-            return None
-        src = Path(self.path)
-        return str(src.with_name(f"{src.name}.grown-w{self.grow['width']}-l{self.grow['layers']}"))
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -62,18 +31,6 @@ class Family:
     adapter: type[VideoLMAdapter]
     model_class: Callable[..., Any]
     tiny_config: Callable[[dict, dict, PreTrainedTokenizerBase], Any]
-
-
-# family name -> (vpsd module, adapter class, transformers model class)
-FAMILY_MODULES = {
-    "qwen2_5_vl": ("vpsd.models.qwen2_5_vl", "Qwen2_5_VLAdapter", "Qwen2_5_VLForConditionalGeneration"),
-    "qwen3_vl": ("vpsd.models.qwen3_vl", "Qwen3VLAdapter", "Qwen3VLForConditionalGeneration"),
-    "llava_onevision": (
-        "vpsd.models.llava_onevision",
-        "LlavaOnevisionAdapter",
-        "LlavaOnevisionForConditionalGeneration",
-    ),
-}
 
 
 def family(name: str) -> Family:
