@@ -59,8 +59,10 @@ if [ "$dry" = 1 ]; then
   export VPSD_TEST_DEVICE=cpu
   on=(--set target.device=cpu --set draft.device=cpu)
   small=(--set target.grow=null --set draft.grow=null --set target.dtype=float32 --set draft.dtype=float32)
-  # Each command once on the smallest inputs that take its paths (a batch of 2 is a batch): ~1.5 min on 2 cores.
-  items=2; batches1=1,2; batches2=2; wide=; tile=1; methods=ar,hippo; limit0=240; limit1=240; limit2=240
+  # Each command once on the smallest inputs that take its paths (a batch of 2 of a parallel method beside `ar`;
+  # the long config's one `ar` job): under a minute on 2 cores.
+  items=2; batches1=2; methods1=ar,hippo; items2=1; batches2=1; methods2=ar; wide=; tile=1
+  limit0=240; limit1=240; limit2=240
 else
   if [ -f .gpu/site.tar.xz ]; then
     mkdir -p /tmp/vpsd-site && tar -C /tmp/vpsd-site -xJf .gpu/site.tar.xz || exit 1
@@ -71,7 +73,8 @@ else
   small=()
   # Limits: stage 1 is one device call of ~3 min, stage 2 one of ~7 (measured on an H200, 2026-11-26); run them
   # as two calls (--stage 1, then --stage 2 on the warm machine): both in one outlast a call's 10 minutes.
-  items=8; batches1=1,8; batches2=1,8; wide=32; tile=4; methods=ar,pearl,hippo; limit0=120; limit1=180; limit2=330; limit3=220
+  items=8; batches1=1,8; methods1=ar,pearl,hippo; items2=8; batches2=1,8; methods2=ar,pearl,hippo; wide=32; tile=4
+  limit0=120; limit1=180; limit2=330; limit3=220
 fi
 : > "$OUT/steps.txt"
 
@@ -104,7 +107,7 @@ if [ "$stage" = 1 ] || [ "$stage" = all ]; then
   step cuda_tests "$limit0" python -m pytest -q -p no:cacheprovider tests/test_on_cuda.py
   subset examples/world/manifest.jsonl "$items" "$WORK/world.jsonl"
   step one_gpu_pipeline "$limit1" python -m vpsd.reports.throughput --config configs/world_qwen2_5_vl.yaml \
-    --manifest "$WORK/world.jsonl" --out "$WORK/one_gpu" --batch "$batches1" --methods "$methods" "${on[@]}" \
+    --manifest "$WORK/world.jsonl" --out "$WORK/one_gpu" --batch "$batches1" --methods "$methods1" "${on[@]}" \
     --set cpu_affinity=null
   cp "$WORK/one_gpu/throughput.json" "$OUT/one_gpu.json" 2>/dev/null
 fi
@@ -112,10 +115,10 @@ fi
 if [ "$stage" = 2 ] || [ "$stage" = all ]; then
   # Two benches: batch 1 and 8 over the 8 items (a 3B step is ~10 ms eager, an item ~4 s at B = 1 on an H200), and
   # batch 32 over them tiled 4x (32 items), each method against `ar` at the same B.
-  subset examples/world_long/manifest.jsonl "$items" "$WORK/world_long.jsonl"
+  subset examples/world_long/manifest.jsonl "$items2" "$WORK/world_long.jsonl"
   step long_3b_bench "$limit2" python -m vpsd.reports.throughput --config configs/gpu_long_3b.yaml \
     --manifest "$WORK/world_long.jsonl" --out "$WORK/long_3b" --batch "$batches2" \
-    --methods "$methods" "${on[@]}" "${small[@]}"
+    --methods "$methods2" "${on[@]}" "${small[@]}"
   cp "$WORK/long_3b/throughput.json" "$OUT/long_3b.json" 2>/dev/null
   [ -n "$wide" ] && step long_3b_wide "$limit3" python -m vpsd.reports.throughput --config configs/gpu_long_3b.yaml \
     --manifest "$WORK/world_long.jsonl" --out "$WORK/long_3b_wide" --batch "$wide" --tile "$tile" \

@@ -63,8 +63,10 @@ CASES = [
 
 
 # With --slow only: ar (every torchrun test's reference runs it), pearl on the two other families (they run
-# hippo and specvlm through the same parallel path in CI) and hippo on the first (it runs pearl and parallelvlm).
-SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "pearl"), ("qwen2_5_vl", "hippo")}
+# hippo through the same parallel path in CI), hippo and parallelvlm on the first (it runs pearl; UV-Prune's
+# selection is checked in process by test_bench_pruning, batched by test_batch_workers).
+SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "pearl"), ("qwen2_5_vl", "hippo"),
+              ("qwen2_5_vl", "parallelvlm")}
 
 
 @pytest.mark.parametrize("family,method,extra", [

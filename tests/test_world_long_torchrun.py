@@ -38,7 +38,7 @@ def reference(manifest):
     return out
 
 
-@pytest.mark.parametrize("method,batch", [("hippo", 2), ("pearl", 1)])
+@pytest.mark.parametrize("method,batch", [("hippo", 2), pytest.param("pearl", 1, marks=pytest.mark.slow)])
 def test_long_items_decode_as_ar_does(tmp_path, manifest, reference, method, batch):
     proc = run_job(CONFIG, manifest, tmp_path / "out", method, "--quiet", "--batch", str(batch), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
