@@ -20,6 +20,7 @@
 # Stage 2, speed (~7 min): the long-video pair grown to a 2.9 B target and a 0.42 B draft (configs/gpu_long_3b.yaml,
 #   bf16), `vpsd bench --batch 1,8` over ar, pearl and hippo on examples/world_long's 8 items, then --batch 32 over
 #   ar and hippo on them tiled 4x (32 items).
+# Stage 3 (--stage 3 only), CUDA MPS: see below.
 # Each step runs under its own time limit and the next runs whatever it did; $OUT/steps.txt lists each step's
 # exit status and seconds.
 set -uo pipefail
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --stage) stage="$2"; shift ;;
     --pack) pack=1 ;;
-    *) echo "usage: $0 [--dry-run] [--stage 1|2|all] | --pack" >&2; exit 2 ;;
+    *) echo "usage: $0 [--dry-run] [--stage 1|2|3|all] | --pack" >&2; exit 2 ;;
   esac
   shift
 done
@@ -103,13 +104,32 @@ import vpsd.launch.entry  # every runtime import resolves
 PY
 [ "$dry" = 0 ] && command -v nvidia-smi > /dev/null && nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
+one_gpu_bench() {  # one_gpu_bench NAME BATCHES: the world pair's pipeline, every rank on the one GPU
+  subset examples/world/manifest.jsonl "$items" "$WORK/world.jsonl"
+  step "$1" "$limit1" python -m vpsd.reports.throughput --config configs/world_qwen2_5_vl.yaml \
+    --manifest "$WORK/world.jsonl" --out "$WORK/$1" --batch "$2" --methods "$methods1" "${on[@]}" \
+    --set cpu_affinity=null
+  cp "$WORK/$1/throughput.json" "$OUT/$1.json" 2>/dev/null
+}
+
 if [ "$stage" = 1 ] || [ "$stage" = all ]; then
   step cuda_tests "$limit0" python -m pytest -q -p no:cacheprovider tests/test_on_cuda.py
-  subset examples/world/manifest.jsonl "$items" "$WORK/world.jsonl"
-  step one_gpu_pipeline "$limit1" python -m vpsd.reports.throughput --config configs/world_qwen2_5_vl.yaml \
-    --manifest "$WORK/world.jsonl" --out "$WORK/one_gpu" --batch "$batches1" --methods "$methods1" "${on[@]}" \
-    --set cpu_affinity=null
-  cp "$WORK/one_gpu/throughput.json" "$OUT/one_gpu.json" 2>/dev/null
+  one_gpu_bench one_gpu_pipeline "$batches1"
+fi
+
+# Stage 3, the one-GPU layout under CUDA MPS (~2 min): the three ranks' kernels time-slice the GPU by default; with
+# MPS they share it as one context and may run at once. The same bench at B = 1 (where the ranks overlap most)
+# with the MPS daemon up, to set beside stage 1's B = 1 rows (run it right after stage 1, on the same machine).
+if [ "$stage" = 3 ]; then
+  if [ "$dry" = 0 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/vpsd-mps CUDA_MPS_LOG_DIRECTORY=/tmp/vpsd-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    step mps_start 30 nvidia-cuda-mps-control -d
+    one_gpu_bench one_gpu_mps 1
+    echo quit | nvidia-cuda-mps-control
+  else
+    echo "mps: no nvidia-cuda-mps-control here (needs the GPU machine)" | tee -a "$OUT/steps.txt"
+  fi
 fi
 
 if [ "$stage" = 2 ] || [ "$stage" = all ]; then

@@ -19,4 +19,4 @@ def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path):
     assert [s.split()[:2] for s in steps if s] == [
         ["env", "rc=0"], ["cuda_tests", "rc=0"], ["one_gpu_pipeline", "rc=0"], ["long_3b_bench", "rc=0"]]
     # Both benches checked every output against batch-1 `ar`'s and wrote their tables where the tool fetches them.
-    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"one_gpu.json", "long_3b.json", "env.log"}
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"one_gpu_pipeline.json", "long_3b.json", "env.log"}

@@ -103,3 +103,15 @@ def test_a_round_that_drafts_nothing_draws_from_p():
     v = verify_sampling([], None, p, torch.Generator().manual_seed(0))
     assert (v.num_accepted, v.next_token, v.num_drafted) == (0, 1, 0)
     assert verify_chunk([], None, torch.tensor([[0.0, 5.0, 0.0]]), 1.0, torch.Generator().manual_seed(0)).num_drafted == 0
+
+
+def test_greedy_ids_reads_every_rows_argmax_of_a_batch_at_once():
+    from vpsd.pipeline.verification import greedy_ids, verify_greedy
+
+    g = torch.Generator().manual_seed(3)
+    rows = {"a": torch.randn(4, 11, generator=g), "b": torch.randn(1, 11, generator=g), "c": torch.randn(6, 11, generator=g)}
+    ids = greedy_ids(rows)
+    assert ids == {k: v.argmax(-1).tolist() for k, v in rows.items()} and greedy_ids({}) == {}
+    drafts = ids["c"][:2] + [(ids["c"][2] + 1) % 11, 0, 0]  # two accepted, then a mismatch
+    assert verify_greedy(drafts, rows["c"], ids["c"]) == verify_greedy(drafts, rows["c"])
+    assert verify_greedy(drafts, rows["c"]).num_accepted == 2

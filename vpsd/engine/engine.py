@@ -41,7 +41,7 @@ from vpsd.pipeline.cost import ParallelWindow, SerialWindow
 from vpsd.pipeline.drafting_policy import ItemMeans
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.state_machine import TargetMachine
-from vpsd.pipeline.verification import verify_chunk, window_rows
+from vpsd.pipeline.verification import greedy_ids, verify_chunk, window_rows
 from vpsd.tracing import get_logger, record_span, span
 
 log = get_logger()
@@ -189,8 +189,12 @@ class Engine:
             logits = (self.batch.step_rowwise if self.cfg.decoding.exact_verify else self.batch.step)(feed)
             seconds = settled_clock(self.target.device) - t0
             self._observe_verify(len(feed), rows, seconds)
-            outcome = [self._commit_plain(r, logits[r.id]) for r in plain]
-            outcome += [self._commit_window(self.requests[rid], p, logits[rid], first[rid]) for rid, p in proposals.items()]
+            windows = {rid: window_rows(logits[rid], first[rid], self.requests[rid].kept_row) for rid in proposals}
+            # Greedy: every row's argmax in one host transfer for the batch (pipeline/verification.py greedy_ids).
+            ids = (greedy_ids({**{r.id: logits[r.id][-1:] for r in plain}, **windows})
+                   if self.cfg.decoding.temperature == 0.0 else {})
+            outcome = [self._commit_plain(r, logits[r.id], ids.get(r.id)) for r in plain]
+            outcome += [self._commit_window(self.requests[rid], p, windows[rid], ids.get(rid)) for rid, p in proposals.items()]
             # Per row, in the order of `items`: what reports/acceptance.py reads.
             names = ("drafted", "accepted", "committed", "mode", "start")
             fields.update({name: list(col) for name, col in zip(names, zip(*outcome))})
@@ -216,20 +220,21 @@ class Engine:
             self.window.cost.observe_round(accepted, drafted)
         self.report.observe_window(accepted, accepted == drafted)
 
-    def _commit_plain(self, r: Request, logits: torch.Tensor) -> tuple:
-        """A plain step: the next token from the last row, drawn as `ar` draws it."""
-        r.machine.committed.append(next_token(logits[-1], self.cfg.decoding.temperature, r.gen))
+    def _commit_plain(self, r: Request, logits: torch.Tensor, ids: list[int] | None) -> tuple:
+        """A plain step: the next token from the last row, drawn as `ar` draws it (greedy: `ids`, its argmax)."""
+        token = ids[-1] if ids is not None else next_token(logits[-1], self.cfg.decoding.temperature, r.gen)
+        r.machine.committed.append(token)
         r.machine.holds_next_row = False
         r.kept_row = None
         r.stats.record(0, 0)
         return 0, 0, 1, None, None
 
-    def _commit_window(self, r: Request, p: Proposal, logits: torch.Tensor, first: int) -> tuple:
-        """Verifies one request's window on its rows and commits what its batch-1 run would; the verdict goes to
-        the drafter. Returns (drafted, accepted, committed) tokens, the mode it was verified in, its start."""
+    def _commit_window(self, r: Request, p: Proposal, rows: torch.Tensor, ids: list[int] | None) -> tuple:
+        """Verifies one request's window on its k+1 rows (greedy: `ids`, their argmaxes) and commits what its
+        batch-1 run would; the verdict goes to the drafter. Returns (drafted, accepted, committed) tokens, the mode
+        it was verified in, its start."""
         mode = r.machine.mode.value
-        rows = window_rows(logits, first, r.kept_row)
-        v = verify_chunk(p.token_ids, p.q, rows, self.cfg.decoding.temperature, r.gen)
+        v = verify_chunk(p.token_ids, p.q, rows, self.cfg.decoding.temperature, r.gen, ids)
         self._observe_window(v.num_accepted, v.num_drafted)
         before = len(r.committed)
         pre_verify, gamma = (self.window.pre_verify(), self.window.gamma) if self.parallel else (True, 0)

@@ -35,12 +35,15 @@ class Verification:
         return list(draft_token_ids[: self.num_accepted]) + [self.next_token]
 
 
-def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor) -> Verification:
-    """target_logits (k+1, V): row i scores the token at draft position i (row k: bonus)."""
+def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor,
+                  target_ids: list[int] | None = None) -> Verification:
+    """target_logits (k+1, V): row i scores the token at draft position i (row k: bonus). `target_ids`: their
+    argmaxes when the caller read them already (`greedy_ids`, one host transfer for a whole batch)."""
     k = len(draft_token_ids)
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need k+1={k + 1} target rows, got {target_logits.shape[0]}")
-    target_ids = target_logits.argmax(-1).tolist()
+    if target_ids is None:
+        target_ids = target_logits.argmax(-1).tolist()
     n = 0
     while n < k and draft_token_ids[n] == target_ids[n]:
         n += 1
@@ -92,14 +95,29 @@ def window_rows(logits: torch.Tensor, first: int, kept_row: torch.Tensor | None 
     return torch.cat([kept_row[None], logits])
 
 
+def greedy_ids(rows: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Each entry's per-row argmax, read to the host in one transfer for the whole batch: on a GPU each
+    `.tolist()` waits for the device, so one a row would stall a batched verify B times a round."""
+    keys = list(rows)
+    if not keys:
+        return {}
+    flat = torch.cat([rows[k].argmax(-1).reshape(-1) for k in keys]).tolist()
+    out, at = {}, 0
+    for k in keys:
+        n = rows[k].shape[0]
+        out[k], at = flat[at:at + n], at + n
+    return out
+
+
 def verify_chunk(
     draft_token_ids: list[int],
     draft_probs: torch.Tensor | None,  # (k, V) q; None when greedy
     target_logits: torch.Tensor,  # (k+1, V)
     temperature: float,
     generator: torch.Generator | None,
+    target_ids: list[int] | None = None,  # greedy: the rows' argmaxes, when already read (greedy_ids)
 ) -> Verification:
     """The one entry point decoders use: the greedy rule at temperature 0, else speculative sampling."""
     if temperature == 0.0:
-        return verify_greedy(draft_token_ids, target_logits)
+        return verify_greedy(draft_token_ids, target_logits, target_ids)
     return verify_sampling(draft_token_ids, draft_probs, probs_from_logits(target_logits, temperature), generator)
