@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from vpsd.launch.manifest import Shard
+from vpsd.launch.say import say
 from vpsd.pipeline.methods import BATCHABLE, METHODS
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 
@@ -118,7 +119,7 @@ def refuse(problems: list[str], reporter: bool | None = None, every_rank: bool =
         reporter = os.environ.get("RANK", "0") == "0"
     if reporter:
         for problem in problems:
-            print(f"vpsd: {problem}", file=sys.stderr, flush=True)
+            say(problem)
     mark = os.environ.get(REFUSAL_MARK)
     if mark and every_rank:
         Path(mark).touch()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from vpsd.launch.say import say
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.layout import Layout
 from vpsd.launch.manifest import ManifestItem, load_manifest
@@ -168,7 +168,6 @@ class Coordinator:
         if not self.args.quiet:  # this run's items, whatever else the directory holds
             spread = f" over {len(pipelines)} pipelines" if len(pipelines) > 1 else ""
             finished = sum(t.items - t.failed for t in self.tally.values())
-            print(f"vpsd: {self.method}: {finished} items done{spread}, {failures} failed{f' ({skipped} done before)' if skipped else ''}, "
-                  f"{summary['tokens_per_s']:.1f} tokens/s, {run['total_s']:.1f} s; see {self.out / 'summary.json'}",
-                  file=sys.stderr)
+            say(f"{self.method}: {finished} items done{spread}, {failures} failed{f' ({skipped} done before)' if skipped else ''}, "
+                f"{summary['tokens_per_s']:.1f} tokens/s, {run['total_s']:.1f} s; see {self.out / 'summary.json'}")
         return summary

@@ -30,6 +30,7 @@ from vpsd.launch.coordinator import Coordinator
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
+from vpsd.launch.say import say
 from vpsd.launch.preflight import affinity_problems, checkpoint_problems, device_problems, path_problems
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     configure_tracing(out, role, rank)
     if is_leader and (line := layout.spare_line()) is not None:
-        print(f"vpsd: {line}", file=sys.stderr, flush=True)
+        say(line)
     # A rank leaves when its own work is done, never in a collective: a barrier waits under the process group's
     # timeout (--timeout, for a peer that stopped answering), so ranks a method leaves idle, or a pipeline that
     # ran out of items while another decodes a long video, would time out a job that is still working. Nothing
@@ -166,8 +167,7 @@ def interrupted(is_target: bool, out: Path) -> None:
     target rank, not a KeyboardInterrupt traceback from each. Results are whole lines (vpsd/storage.py), so
     leaving at once keeps every finished item, and the same command resumes."""
     if is_target:
-        print(f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest",
-              file=sys.stderr, flush=True)
+        say(f"interrupted: the items finished are kept in {out}; rerun the same command to do the rest")
         if os.environ.get(INTERRUPT_MARK):
             Path(os.environ[INTERRUPT_MARK]).touch()
     os._exit(INTERRUPTED)
@@ -228,7 +228,7 @@ def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method:
     def on_sigterm(signum, frame):  # torchrun stops the survivors when a rank dies: say so, and where
         msg = f"{role} (rank {rank}) stopped by torchrun while on item {ctx.item_id or '-'}: another rank failed"
         get_logger().error("role_stopped", error=msg)
-        print(f"vpsd: {msg}", file=sys.stderr, flush=True)
+        say(msg)
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -277,7 +277,7 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
         silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
         msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
         get_logger().error("role_failed", error=msg)
-        print(f"vpsd: {msg}", file=sys.stderr, flush=True)
+        say(msg)
         if silent is not None:
             try:  # a stopped rank would hold torchrun 30 s past this report
                 end_silent_peer(ctx.ctrl.peer_record(silent))
@@ -289,7 +289,7 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             raise
         # A full disk: the results and traces end on whole lines (vpsd/storage.py); say so once, plainly.
         msg = str(e) if isinstance(e, DiskFull) else f"no space left on the device of {out}: {e}"
-        print(f"vpsd: {role} (rank {rank}): {msg}", file=sys.stderr, flush=True)
+        say(f"{role} (rank {rank}): {msg}")
         os._exit(2)
 
 
