@@ -225,6 +225,7 @@ def test_a_pipelined_batch_overlaps_draft_and_target_and_equals_batch1(tmp_path_
     assert timeline.main([str(out)]) == 0 and (out / "timeline.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # the check itself: test_job_identity in process; a refusal through torchrun: test_job_safety
 def test_a_rerun_with_other_settings_is_refused_and_changes_nothing(six, uninterrupted):
     """Resuming would skip every finished id and mix two jobs in one results file."""
     before = (uninterrupted / "results.jsonl").read_text()

@@ -24,7 +24,10 @@ from vpsd.video.item import load_item_frames
 pytestmark = pytest.mark.torchrun
 
 
-@pytest.mark.parametrize("method", ["specvlm"])  # a parallel run's kept log: test_pipeline_torchrun reads it
+# --slow only: the report's arithmetic is test_bias_report's, in process, and a run's kept log is read in CI by
+# test_pipeline_torchrun (a parallel run's).
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["specvlm"])
 def test_bias_report_of_an_attention_only_run(tmp_path_factory, method):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp(f"bias-run-{method}")

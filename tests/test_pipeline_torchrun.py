@@ -252,6 +252,7 @@ def test_a_draft_whose_own_eos_set_differs_stops_where_the_target_does(tmp_path_
     assert row["token_ids"] == ar
 
 
+@pytest.mark.slow  # growth and its reuse: test_grow in process; a grown target runs in every demo
 def test_a_draft_grown_on_first_use_loads_on_the_draft_rank(tmp_path_factory, tmp_path):
     """`grow:` on the draft's spec: the draft rank (rank 1) builds the scale model. transformers' save_pretrained
     writes nothing off rank 0, so this published a directory without config or weights and the job failed."""
