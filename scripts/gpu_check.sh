@@ -2,7 +2,10 @@
 # The GPU check: validate and measure vpsd's CUDA path in one command, the moment a session is lent a GPU.
 #
 #   On the GPU machine (through the `device` tool's run, from the repository root, carrying .gpu):
-#       scripts/gpu_check.sh [--stage 1|2|all]        everything it prints and writes lands in $OUT
+#       scripts/gpu_check.sh [--stage 1|2|3|all]      everything it prints and writes lands in $OUT
+#   A session's 15 device minutes fit stage 1 then stage 2, two calls on one warm machine:
+#       run(command="OUT=$OUT scripts/gpu_check.sh --stage 1", carry=[".gpu"], timeout_s=300)
+#       run(command="OUT=$OUT scripts/gpu_check.sh --stage 2", carry=[".gpu"], timeout_s=600)
 #   Here, on CPU, the same steps with the same commands on small inputs (CI runs it: the check cannot rot):
 #       scripts/gpu_check.sh --dry-run [--stage ...]
 #   Once, here, before the first GPU run (and after requirements.lock moves):
