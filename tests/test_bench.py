@@ -37,6 +37,7 @@ def test_pearl_brings_its_table3_row_and_the_four_rows_read_as_steps():
     assert format_table3(rows[1:]) == ""  # not all four ran: no decomposition
 
 
+@pytest.mark.slow  # the method bench end to end: the README's demo runs it; CI runs the throughput bench's (test_gpu_check)
 def test_bench_runs_ar_and_a_parallel_baseline_losslessly(tmp_path):
     manifest = world_manifest(str(tmp_path), 2)
     out = tmp_path / "bench"

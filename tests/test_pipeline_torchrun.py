@@ -64,9 +64,11 @@ CASES = [
 
 # With --slow only: ar (every torchrun test's reference runs it), pearl on the two other families (they run
 # hippo through the same parallel path in CI), hippo and parallelvlm on the first (it runs pearl; UV-Prune's
-# selection is checked in process by test_bench_pruning, batched by test_batch_workers).
+# selection is checked in process by test_bench_pruning, batched by test_batch_workers), and serial sd (a
+# one-rank pipeline drafting in the target's process, as std's in test_std_tabed_torchrun; sd itself in process
+# by test_lossless_sd).
 SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "pearl"), ("qwen2_5_vl", "hippo"),
-              ("qwen2_5_vl", "parallelvlm")}
+              ("qwen2_5_vl", "parallelvlm"), ("qwen2_5_vl", "sd")}
 
 
 @pytest.mark.parametrize("family,method,extra", [

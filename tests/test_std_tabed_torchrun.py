@@ -22,9 +22,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("family,method,extra", [
-    # With --slow only: TABED's default settings alone (the batched case runs them in CI).
+    # With --slow only: TABED one item at a time, with its default settings and with the others (the batched case
+    # runs the defaults in CI; the distances and policies are test_ensemble's, in process).
     pytest.param(f, m, e, id=f"{f}-{m}" + ("-batch" if "--batch" in e else ""),
-                 marks=[pytest.mark.slow] if (m == "tabed" and not e) else [])
+                 marks=[pytest.mark.slow] if (m == "tabed" and "--batch" not in e) else [])
     for f, m, e in CASES])
 def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
