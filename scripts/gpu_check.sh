@@ -20,7 +20,7 @@
 #   equal to `ar` in fp32 and bf16 on the GPU, sampling), then the trained world pair through torchrun with all
 #   three ranks on the one GPU (transport/placement.py): ar, pearl, hippo at B = 1 and 8, every output checked
 #   against batch-1 `ar`'s by the bench.
-# Stage 2, speed (~7 min): the long-video pair grown to a 2.9 B target and a 0.42 B draft (configs/gpu_long_3b.yaml,
+# Stage 2, speed (~7 min): the long-video pair grown to a 2.9 B target and a 0.45 B draft (configs/gpu_long_3b.yaml,
 #   bf16), `vpsd bench --batch 1,8` over ar, pearl and hippo on examples/world_long's 8 items, then --batch 32 over
 #   ar and hippo on them tiled 4x (32 items).
 # Stage 3 (--stage 3 only), CUDA MPS: see below.
