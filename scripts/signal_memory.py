@@ -30,7 +30,8 @@ import torch
 
 from vpsd.config import PruningConfig
 from vpsd.models.base import SequenceEmbeddings
-from vpsd.models.registry import ModelSpec, load_adapter
+from vpsd.models.registry import load_adapter
+from vpsd.models.spec import ModelSpec
 from vpsd.models.signals import prefill_for_strategy, text_positions
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.pruning.strategies import STRATEGIES

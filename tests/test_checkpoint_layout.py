@@ -17,7 +17,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from tests.conftest import tiny_pair
 from tests.official_layout import LLAVA_TEMPLATE, MEAN, QWEN_TEMPLATE, STD, SYSTEM, _qwen_processor, save_official
 from vpsd.models.checkpoint import CheckpointError
-from vpsd.models.registry import ModelSpec, load_adapter
+from vpsd.models.registry import load_adapter
+from vpsd.models.spec import ModelSpec
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_qwen_checkpoint_settings_and_template_drive_preprocessing(tmp_path, family):

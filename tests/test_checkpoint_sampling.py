@@ -126,7 +126,8 @@ def _config(path, family: str, sampling: str = "checkpoint"):
 
 def test_a_job_reads_the_frames_the_checkpoint_asks_for_and_the_draft_the_same(tmp_path):
     from vpsd.launch.items import ItemReader
-    from vpsd.models.registry import ModelSpec, load_adapter
+    from vpsd.models.registry import load_adapter
+    from vpsd.models.spec import ModelSpec
     from vpsd.video.prefetch import FramePrefetcher
 
     target, _ = tiny_pair("qwen3_vl")

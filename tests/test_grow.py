@@ -24,7 +24,8 @@ from vpsd.launch.grow import check_growth, compare_adapters, main
 from vpsd.models import grown_checkpoint as grow_module
 from vpsd.models.grow import GrowthError, grow_model
 from vpsd.models.grown_checkpoint import RECORD, ensure_grown, grow_checkpoint
-from vpsd.models.registry import ModelSpec, load_adapter
+from vpsd.models.registry import load_adapter
+from vpsd.models.spec import ModelSpec
 from vpsd.video.item import load_item_frames
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +184,7 @@ def test_shipped_default_grown_x4_12_layers_decodes_identically():
 
 def test_a_config_names_its_scale_model_and_specs_stay_checked():
     from vpsd.config import load_config
-    from vpsd.models.registry import ModelSpec
+    from vpsd.models.spec import ModelSpec
 
     spec = load_config(ROOT / "configs" / "world_qwen2_5_vl_scaled.yaml").target
     assert spec.grow == {"width": 4, "layers": 12}

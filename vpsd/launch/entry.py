@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-import torch
 import torch.distributed as dist
 
 from vpsd.activity import ACTIVITY
@@ -39,6 +38,7 @@ from vpsd.storage import FULL, DiskFull
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel, PeerTimeout
+from vpsd.transport.placement import visible_gpus
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
 
@@ -60,8 +60,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError([f"unknown pruning strategy {cfg.pruning.strategy!r}"
                            f"{nearest(cfg.pruning.strategy, STRATEGIES)}; known: {', '.join(sorted(STRATEGIES))}"])
     check_method_settings(method, cfg)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    problems = checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, gpus)
+    problems = checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, visible_gpus())
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -23,7 +23,8 @@ from vpsd.config import DecodingConfig
 from vpsd.decoders.ar import decode_ar
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.grown_checkpoint import checkpoint_family, grow_checkpoint, is_grown
-from vpsd.models.registry import ModelSpec, load_adapter
+from vpsd.models.registry import load_adapter
+from vpsd.models.spec import ModelSpec
 
 # Largest |logit diff| allowed, relative to the source's largest |logit|. Growth only reorders float sums
 # (over kD instead of D): in fp32 that measured ~1e-7 relative on the tiny models and the default (docs/design.md,

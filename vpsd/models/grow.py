@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel
 
-from vpsd.models.registry import FAMILY_MODULES
+from vpsd.models.spec import FAMILY_MODULES
 
 
 class GrowthError(ValueError):

@@ -25,7 +25,8 @@ import torch
 
 import vpsd
 from vpsd.models.grow import GrowthError, grow_model
-from vpsd.models.registry import DTYPES, FAMILY_MODULES, family
+from vpsd.models.registry import DTYPES, family
+from vpsd.models.spec import FAMILY_MODULES
 
 RECORD = "grown_from.json"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")  # what the source hash covers

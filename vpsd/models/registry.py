@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vpsd.models.attention import use_grouped_sdpa
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_checkpoint
-from vpsd.models.spec import DTYPE_NAMES, FAMILY_MODULES, ModelSpec  # noqa: F401  (re-exported)
+from vpsd.models.spec import DTYPE_NAMES, FAMILY_MODULES, ModelSpec
 from vpsd.models.tokenizer import build_tokenizer
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}

@@ -71,7 +71,11 @@ class Placement:
         return f"GPU {self.gpu}{share}: {how}"
 
 
+def visible_gpus() -> int:
+    """The GPUs torch can use in this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def this_placement(local_rank: int, local_world: int) -> Placement:
     """The placement of this process, from the GPUs torch sees."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return Placement(local_rank, local_world, gpus, nccl=dist.is_nccl_available())
+    return Placement(local_rank, local_world, visible_gpus(), nccl=dist.is_nccl_available())
