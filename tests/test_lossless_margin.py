@@ -68,3 +68,38 @@ def test_exact_verify_reproduces_ar_rows_bit_for_bit_in_bf16():
     sd = decode_sd(target, draft, frames, PROMPT, replace(greedy, exact_verify=True), keep_policy_for(none), none,
                    times)
     assert sd.token_ids == ar.token_ids
+
+
+def test_the_throughput_bench_judges_what_differs_by_the_targets_margin(tmp_path):
+    """`vpsd bench` (reports/throughput.py) no longer stops at "6/8": each output that differs from batch-1 `ar`'s is
+    judged where it first differs (launch/lossless.py judge_runs); a tie would count as "+N ties", a real
+    divergence stays a failure and is named under the table. Nothing differs: the target is not even loaded."""
+    import argparse
+
+    from vpsd.launch.lossless import judge_runs
+    from vpsd.reports.throughput import Cell, judge_differences, summarize_cells
+
+    manifest = ROOT / "examples" / "world" / "manifest.jsonl"
+    cfg = load_config(WORLD)
+    target = load_adapter(cfg.family, cfg.target)
+    item = __import__("json").loads(manifest.read_text().splitlines()[0])
+    frames, times = load_item_frames(ROOT / "examples" / "world" / item["video"], 8, None, None)
+    ar = decode_ar(target, frames, item["prompt"], replace(GREEDY, max_new_tokens=8), times).token_ids
+    wrong = ar[:2] + [ar[2] + 1] + ar[3:]
+
+    nowhere = load_config(WORLD, {"target.path": str(tmp_path / "absent")})  # would fail to load
+    assert judge_runs(nowhere, manifest, {item["id"]: ar}, {"ar B=8": {item["id"]: list(ar)}}) == ({"ar B=8": []}, 0.0)
+    found, tolerance = judge_runs(cfg, manifest, {item["id"]: ar}, {"hippo B=8": {item["id"]: wrong}})
+    (diff,) = found["hippo B=8"]
+    assert (diff.divergence.position, diff.divergence.other_token, diff.tie) == (2, ar[2] + 1, False)
+    assert tolerance == TIE_TOLERANCE[torch.float32] and "REAL DIVERGENCE" in diff.describe()
+
+    def cell(outputs):
+        return Cell(1, 0, 100.0, 10.0, 1.0, 1.0, None, None, outputs, 0.1)
+
+    ref = {item["id"]: ar}
+    cells = {("ar", 1): [cell(ref)], ("hippo", 8): [cell({item["id"]: wrong})]}
+    rows = [summarize_cells(m, b, cells[m, b], cells["ar", 1], cells["ar", 1], ref, 2) for m, b in cells]
+    notes = judge_differences(argparse.Namespace(config=str(WORLD), set=[]), manifest, rows, cells, ref)
+    assert [r.ties for r in rows] == [0, 0] and rows[1].same == "0/1"
+    assert notes[0].startswith("differences from batch-1 ar") and "hippo B=8 " + diff.describe() in notes[1]

@@ -8,21 +8,61 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from vpsd.config import load_config, parse_overrides
-from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
+from vpsd.config import RunConfig, load_config, parse_overrides
+from vpsd.decoders.lossless import TIE_TOLERANCE, Divergence, first_divergence, judge
 from vpsd.launch.manifest import load_manifest
 from vpsd.models.registry import load_adapter
 from vpsd.video.item import load_item_frames
 
 
-def _results(out: Path) -> dict[str, dict]:
+@dataclass(frozen=True)
+class Difference:
+    """An item whose output differs from `ar`'s: where, and whether the target's own margin there makes it a tie."""
+
+    item_id: str
+    divergence: Divergence
+    tie: bool
+
+    def describe(self) -> str:
+        d = self.divergence
+        return (f"{self.item_id}: differs at token {d.position} ({d.ar_token} vs {d.other_token}), top-2 margin "
+                f"{d.margin:.4g} -> {'tie' if self.tie else 'REAL DIVERGENCE'}")
+
+
+def judge_runs(cfg: RunConfig, manifest: str | Path, reference: dict[str, list[int]],
+               runs: dict[str, dict[str, list[int]]]) -> tuple[dict[str, list[Difference]], float]:
+    """Every output of `runs` (label -> item id -> tokens) that differs from `reference` (`ar`'s), judged by the
+    target's top-2 margin where it first differs (decoders/lossless.py); and the tie tolerance of the target's
+    dtype. Loads the target (cfg.target) only when some output differs."""
+    pending = {label: [i for i, toks in out.items() if i in reference and toks != reference[i]]
+               for label, out in runs.items()}
+    if not any(pending.values()):
+        return {label: [] for label in runs}, 0.0
+    target = load_adapter(cfg.family, cfg.target)
+    tolerance = TIE_TOLERANCE[target.model.dtype]
+    items = {it.id: it for it in load_manifest(manifest)[0]}
+    found: dict[str, list[Difference]] = {}
+    for label, ids in pending.items():
+        found[label] = []
+        for item_id in ids:
+            it = items[item_id]
+            frames, times = load_item_frames(it.video, it.num_frames or cfg.video.num_frames,
+                                             it.fps or cfg.video.fps, cfg.video.max_side)
+            d = first_divergence(target, frames, it.prompt, reference[item_id], runs[label][item_id], times)
+            found[label].append(Difference(item_id, d, judge(d, tolerance)))
+    return found, tolerance
+
+
+def _results(out: Path) -> dict[str, list[int]]:
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return {r["id"]: r for r in rows if r.get("error") is None}
+    return {r["id"]: r["token_ids"] for r in rows if r.get("error") is None}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="identity of speculative outputs with ar, with top-2 margins")
     p.add_argument("--config", required=True)
     p.add_argument("--manifest", required=True)
@@ -31,26 +71,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides (as the runs had)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, parse_overrides(args.set))
-    target = load_adapter(cfg.family, cfg.target)
-    tolerance = TIE_TOLERANCE[target.model.dtype]
-    items = {it.id: it for it in load_manifest(args.manifest)[0]}
     ar = _results(args.ar)
-    for run in args.runs:
-        rows = _results(run)
-        same, report = 0, []
-        for item_id, row in rows.items():
-            if row["token_ids"] == ar[item_id]["token_ids"]:
-                same += 1
-                continue
-            it = items[item_id]
-            frames, times = load_item_frames(it.video, it.num_frames or cfg.video.num_frames, it.fps or cfg.video.fps,
-                                             cfg.video.max_side)
-            d = first_divergence(target, frames, it.prompt, ar[item_id]["token_ids"], row["token_ids"], times)
-            report.append(f"  {item_id}: differs at token {d.position} ({d.ar_token} vs {d.other_token}), "
-                          f"top-2 margin {d.margin:.4g} -> {'tie' if judge(d, tolerance) else 'REAL DIVERGENCE'}")
-        print(f"{run}: {same}/{len(rows)} identical to ar ({target.model.dtype}, tie tolerance {tolerance})")
-        print("\n".join(report))
+    runs = {str(run): _results(run) for run in args.runs}
+    found, tolerance = judge_runs(cfg, args.manifest, ar, runs)
+    real = 0
+    for label, out in runs.items():
+        print(f"{label}: {len(out) - len(found[label])}/{len(out)} identical to ar"
+              + (f" (tie tolerance {tolerance})" if found[label] else ""))
+        for diff in found[label]:
+            print("  " + diff.describe())
+            real += not diff.tie
+    return 1 if real else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
