@@ -78,6 +78,7 @@ def test_the_throughput_bench_judges_what_differs_by_the_targets_margin(tmp_path
 
     from vpsd.launch.lossless import judge_runs
     from vpsd.reports.throughput import Cell, judge_differences, summarize_cells
+    from pathlib import Path
 
     manifest = ROOT / "examples" / "world" / "manifest.jsonl"
     cfg = load_config(WORLD)
@@ -94,12 +95,20 @@ def test_the_throughput_bench_judges_what_differs_by_the_targets_margin(tmp_path
     assert (diff.divergence.position, diff.divergence.other_token, diff.tie) == (2, ar[2] + 1, False)
     assert tolerance == TIE_TOLERANCE[torch.float32] and "REAL DIVERGENCE" in diff.describe()
 
+    def job(path: Path, tokens: list[int]) -> Path:  # what a cell's job writes: its results
+        path.mkdir(parents=True)
+        (path / "results.jsonl").write_text(__import__("json").dumps(
+            {"id": item["id"], "token_ids": tokens, "error": None}) + "\n")
+        return path
+
     def cell(outputs):
         return Cell(1, 0, 100.0, 10.0, 1.0, 1.0, None, None, outputs, 0.1)
 
     ref = {item["id"]: ar}
     cells = {("ar", 1): [cell(ref)], ("hippo", 8): [cell({item["id"]: wrong})]}
     rows = [summarize_cells(m, b, cells[m, b], cells["ar", 1], cells["ar", 1], ref, 2) for m, b in cells]
-    notes = judge_differences(argparse.Namespace(config=str(WORLD), set=[]), manifest, rows, cells, ref)
+    dirs = {("ar", 1): job(tmp_path / "ar_b1" / "r1", ar), ("hippo", 8): job(tmp_path / "hippo_b8" / "r1", wrong)}
+    bench = argparse.Namespace(config=str(WORLD), set=[], out=tmp_path)
+    notes = judge_differences(bench, manifest, rows, dirs["ar", 1], dirs)
     assert [r.ties for r in rows] == [0, 0] and rows[1].same == "0/1"
     assert notes[0].startswith("differences from batch-1 ar") and "hippo B=8 " + diff.describe() in notes[1]

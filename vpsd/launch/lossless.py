@@ -69,11 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ar", type=Path, required=True, help="results directory of the ar run")
     p.add_argument("--runs", type=Path, nargs="+", required=True)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides (as the runs had)")
+    p.add_argument("--json", type=Path, help="also write every difference here (what `vpsd bench --batch` reads)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, parse_overrides(args.set))
     ar = _results(args.ar)
     runs = {str(run): _results(run) for run in args.runs}
     found, tolerance = judge_runs(cfg, args.manifest, ar, runs)
+    if args.json:
+        args.json.write_text(json.dumps({"tolerance": tolerance, "runs": {
+            label: [{"item_id": d.item_id, "tie": d.tie, **d.divergence.__dict__} for d in diffs]
+            for label, diffs in found.items()}}))
     real = 0
     for label, out in runs.items():
         print(f"{label}: {len(out) - len(found[label])}/{len(out)} identical to ar"

@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -209,28 +210,35 @@ def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell]
                1e3 * max(c.slowest_prefill_s for c in cells))
 
 
-def judge_differences(a: argparse.Namespace, manifest: Path, rows: list[Row],
-                      cells: dict[tuple[str, int], list[Cell]], reference: dict[str, list[int]]) -> list[str]:
+def judge_differences(a: argparse.Namespace, manifest: Path, rows: list[Row], ar_dir: Path,
+                      run_dirs: dict[tuple[str, int], Path]) -> list[str]:
     """Where a row's outputs differ from batch-1 `ar`'s (a batch's or a verify's kernels differ from `ar`'s
     one-row forwards by float noise: in bf16 enough to flip a near-tie), the target's top-2 margin at each first
-    difference (vpsd/launch/lossless.py); a tie is counted in the row's `ties`, anything else stays a difference
+    difference, from `python -m vpsd.launch.lossless` run on the rows' results (a job of its own, as the cells
+    are: reports read what jobs wrote); a tie is counted in the row's `ties`, anything else stays a difference
     and fails the bench. Returns the lines that say so (none when every output is identical)."""
-    runs = {f"{r.method} B={r.batch}": cells[r.method, r.batch][0].outputs for r in rows if r.identical < r.items}
-    if not runs:
+    differing = {(r.method, r.batch): run_dirs[r.method, r.batch] for r in rows if r.identical < r.items}
+    if not differing:
         return []
-    from vpsd.config import load_config, parse_overrides
-    from vpsd.launch.lossless import judge_runs
-
-    try:
-        found, tolerance = judge_runs(load_config(a.config, parse_overrides(a.set)), manifest, reference, runs)
-    except Exception as e:  # noqa: BLE001 - the table stands without the margins; the differences stay failures
-        return [f"differences from batch-1 ar not judged ({type(e).__name__}: {e}); they count as differences"]
+    verdicts = a.out / "differences.json"
+    cmd = [sys.executable, "-m", "vpsd.launch.lossless", "--config", str(a.config), "--manifest", str(manifest),
+           "--ar", str(ar_dir), "--runs", *map(str, differing.values()), "--json", str(verdicts),
+           *(f"--set={kv}" for kv in a.set)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if not verdicts.exists():  # the table stands without the margins; the differences stay failures
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return [f"differences from batch-1 ar not judged ({why}); they count as differences"]
+    found = json.loads(verdicts.read_text())
     lines = [f"differences from batch-1 ar, judged by the target's top-2 margin where each first differs "
-             f"(a tie: under {tolerance:g}, float noise of its dtype):"]
+             f"(a tie: under {found['tolerance']:g}, float noise of its dtype):"]
     for r in rows:
-        diffs = found.get(f"{r.method} B={r.batch}", [])
-        r.ties = sum(d.tie for d in diffs)
-        lines += [f"  {r.method} B={r.batch} {d.describe()}" for d in diffs]
+        if (r.method, r.batch) not in differing:
+            continue
+        diffs = found["runs"].get(str(differing[r.method, r.batch]), [])
+        r.ties = sum(d["tie"] for d in diffs)
+        lines += [f"  {r.method} B={r.batch} {d['item_id']}: differs at token {d['position']} ({d['ar_token']} vs "
+                  f"{d['other_token']}), top-2 margin {d['margin']:.4g} -> {'tie' if d['tie'] else 'REAL DIVERGENCE'}"
+                  for d in diffs]
     return lines
 
 
@@ -375,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         v = [c.items_per_hour for c in cells["ar", b]]
         noise[b] = (max(v) - min(v)) / statistics.median(v) if len(v) > 1 and statistics.median(v) else 0.0
-    notes = judge_differences(a, manifest, rows, cells, reference)
+    run_dirs = {(m, b): a.out / f"{m.replace(':', '-')}_b{b}" / "r1" for b in batches for m in methods}
+    notes = judge_differences(a, manifest, rows, run_dirs["ar", 1 if ("ar", 1) in cells else batches[0]], run_dirs)
     _write_report(a, manifest, repeats, rows, noise, notes)
     print(f"\nwrote {a.out}/throughput.txt, .csv, .json, .png  ({(time.time() - t0) / 60:.1f} min)")
     bad = [f"{r.method} B={r.batch}" for r in rows
