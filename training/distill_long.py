@@ -48,7 +48,7 @@ from vpsd.models.registry import load_adapter, load_draft
 from vpsd.models.signals import prefill_for_strategy
 from vpsd.pipeline.pruning.select import random_keep, uniform_keep
 from vpsd.video.item import load_item_frames
-from vpsd.world.dataset import LONG_HELD_OUT_FROM, make_long_example, write_video
+from vpsd.world.dataset import LONG_HELD_OUT_FROM, LONG_MAX_NEW_TOKENS, make_long_example, write_video
 from vpsd.world.long_scene import FPS
 
 CONFIG = "configs/world_long_qwen2_5_vl.yaml"
@@ -137,10 +137,9 @@ class ClipStream(torch.utils.data.IterableDataset):
                     write_video(path, ex.frames, FPS)
                     frames, times = load_item_frames(path, v.num_frames, v.fps, v.max_side)
                     path.unlink()
-                    budget = self.run.decoding.max_new_tokens if ex.kind == "caption" else 32
                     t_emb = target.embed(target.prepare(frames, ex.prompt, times))
                     d_emb = draft.embed(draft.prepare(frames, ex.prompt, times))
-                    clips.append(Clip(seed, t_emb, d_emb, budget))
+                    clips.append(Clip(seed, t_emb, d_emb, LONG_MAX_NEW_TOKENS[ex.kind]))  # as the manifests
                 yield clips
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vpsd.config import RunConfig, load_config, parse_overrides
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     found, tolerance = judge_runs(cfg, args.manifest, ar, runs)
     if args.json:
         args.json.write_text(json.dumps({"tolerance": tolerance, "runs": {
-            label: [{"item_id": d.item_id, "tie": d.tie, **d.divergence.__dict__} for d in diffs]
+            label: [{"item_id": d.item_id, "tie": d.tie, **asdict(d.divergence)} for d in diffs]
             for label, diffs in found.items()}}))
     real = 0
     for label, out in runs.items():

@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest, batches, methods, repeats = _plan(p, a)
     t0 = time.time()
     cells, codes = _run_cells(a, manifest, batches, methods, repeats)
-    ar_1 = cells.get(("ar", 1)) or cells[("ar", batches[0])]
+    ar_ref = 1 if ("ar", 1) in cells else batches[0]  # every output is compared with this `ar` cell's
+    ar_1 = cells["ar", ar_ref]
     reference = ar_1[0].outputs
     cores = len(os.sched_getaffinity(0))  # what the jobs' ranks share
     rows = [summarize_cells(m, b, cells[m, b], cells["ar", b], ar_1, reference, cores) for b in batches for m in methods]
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         v = [c.items_per_hour for c in cells["ar", b]]
         noise[b] = (max(v) - min(v)) / statistics.median(v) if len(v) > 1 and statistics.median(v) else 0.0
     run_dirs = {(m, b): a.out / f"{m.replace(':', '-')}_b{b}" / "r1" for b in batches for m in methods}
-    notes = judge_differences(a, manifest, rows, run_dirs["ar", 1 if ("ar", 1) in cells else batches[0]], run_dirs)
+    notes = judge_differences(a, manifest, rows, run_dirs["ar", ar_ref], run_dirs)
     _write_report(a, manifest, repeats, rows, noise, notes)
     print(f"\nwrote {a.out}/throughput.txt, .csv, .json, .png  ({(time.time() - t0) / 60:.1f} min)")
     bad = [f"{r.method} B={r.batch}" for r in rows
