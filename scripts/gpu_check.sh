@@ -2,10 +2,11 @@
 # The GPU check: validate and measure vpsd's CUDA path in one command, the moment a session is lent a GPU.
 #
 #   On the GPU machine (through the `device` tool's run, from the repository root, carrying .gpu):
-#       scripts/gpu_check.sh [--stage 1|2|3|4|all]      everything it prints and writes lands in $OUT
-#   A session's 15 device minutes fit stage 1 then stage 2, two calls on one warm machine (call the second at once:
-#   an idle machine goes back after 30 s):
+#       scripts/gpu_check.sh [--stage 1|2|3|4|5|all]    everything it prints and writes lands in $OUT
+#   A session's 15 device minutes fit stage 1, stage 5 and stage 2, three calls on one warm machine (call each next
+#   at once: an idle machine goes back after 30 s):
 #       run(command="OUT=$OUT scripts/gpu_check.sh --stage 1", carry=[".gpu"], timeout_s=300)
+#       run(command="OUT=$OUT scripts/gpu_check.sh --stage 5", carry=[".gpu"], timeout_s=300)
 #       run(command="OUT=$OUT scripts/gpu_check.sh --stage 2", carry=[".gpu"], timeout_s=540)
 #   Here, on CPU, the same steps with the same commands on small inputs (CI runs it: the check cannot rot):
 #       scripts/gpu_check.sh --dry-run [--stage ...]
@@ -27,6 +28,9 @@
 #   judged by the target's top-2 margin there (a tie passes, vpsd/launch/lossless.py).
 # Stage 3 (--stage 3 only), CUDA MPS: see below. Stage 4 (--stage 4 only, ~4 min): --batch 32 over ar and hippo on
 #   the 8 long items tiled 4x (32 items).
+# Stage 5, captured steps (models/captured.py; not yet run on a GPU, sized by estimate at ~4 min): what a step and
+#   a verify of the 3B pair cost eager and as CUDA graphs, interleaved (python -m vpsd.launch.step_cost: T_p, T_q
+#   and c both ways), then `vpsd bench --batch 1` over ar and hippo with both models captured.
 # Each step runs under its own time limit and the next runs whatever it did; $OUT/steps.txt lists each step's
 # exit status and seconds.
 set -uo pipefail
@@ -37,7 +41,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --stage) stage="$2"; shift ;;
     --pack) pack=1 ;;
-    *) echo "usage: $0 [--dry-run] [--stage 1|2|3|4|all] | --pack" >&2; exit 2 ;;
+    *) echo "usage: $0 [--dry-run] [--stage 1|2|3|4|5|all] | --pack" >&2; exit 2 ;;
   esac
   shift
 done
@@ -70,7 +74,8 @@ if [ "$dry" = 1 ]; then
   # the long config's one `ar` job): under a minute on 2 cores.
   cuda_tests=(-k "not bfloat16")  # fp32 only here: the GPU run does both dtypes
   items=2; batches1=2; methods1=ar,hippo; items2=1; batches2=1; methods2=ar; wide=; tile=1
-  limit0=240; limit1=240; limit2=240
+  capture=trace; cost=(--widths 1,4 --steps 2 --repeats 1); methods5=ar
+  limit0=240; limit1=240; limit2=240; limit5=240
 else
   if [ -f .gpu/site.tar.xz ]; then
     mkdir -p /tmp/vpsd-site && tar -C /tmp/vpsd-site -xJf .gpu/site.tar.xz || exit 1
@@ -82,7 +87,8 @@ else
   # Limits: stage 1 is one device call of ~3 min, stage 2 one of ~5.5 (measured on an H200, 2026-11-26); run them
   # as two calls (--stage 1, then --stage 2 on the warm machine): both in one outlast a call's 10 minutes.
   items=8; batches1=1,8; methods1=ar,pearl,hippo; items2=8; batches2=1,8; methods2=ar,pearl,hippo; wide=32; tile=4
-  limit0=120; limit1=180; limit2=450; limit3=220; limit4=280
+  capture=cudagraphs; cost=(--widths 1,8 --steps 16 --repeats 5); methods5=ar,hippo
+  limit0=120; limit1=180; limit2=450; limit3=220; limit4=280; limit5=260
 fi
 : > "$OUT/steps.txt"
 
@@ -147,6 +153,17 @@ if [ "$stage" = 2 ] || [ "$stage" = all ]; then
     --manifest "$WORK/world_long.jsonl" --out "$WORK/long_3b" --batch "$batches2" \
     --methods "$methods2" "${on[@]}" "${small[@]}"
   cp "$WORK/long_3b/throughput.json" "$OUT/long_3b.json" 2>/dev/null
+fi
+if [ "$stage" = 5 ] || [ "$stage" = all ]; then
+  # The step's terms side by side (one process, eager and captured interleaved), then the B = 1 bench captured.
+  subset examples/world_long/manifest.jsonl "$items2" "$WORK/world_long.jsonl"
+  step step_cost 200 python -m vpsd.launch.step_cost --config configs/gpu_long_3b.yaml \
+    --manifest "$WORK/world_long.jsonl" --mode "$capture" "${cost[@]}" --json "$OUT/step_cost.json" \
+    "${on[@]}" "${small[@]}"
+  step long_3b_captured "$limit5" python -m vpsd.reports.throughput --config configs/gpu_long_3b.yaml \
+    --manifest "$WORK/world_long.jsonl" --out "$WORK/long_3b_captured" --batch 1 --methods "$methods5" \
+    "${on[@]}" "${small[@]}" --set target.capture="$capture" --set draft.capture="$capture"
+  cp "$WORK/long_3b_captured/throughput.json" "$OUT/long_3b_captured.json" 2>/dev/null
 fi
 if [ "$stage" = 4 ] && [ -n "$wide" ]; then
   subset examples/world_long/manifest.jsonl "$items2" "$WORK/world_long.jsonl"

@@ -30,7 +30,7 @@ subset=(
     tests/test_signal_memory.py tests/test_adapters.py tests/test_views.py tests/test_tree_models.py
     tests/test_qwen3_vl.py tests/test_llava_onevision.py tests/test_lossless_sd.py tests/test_bench_pruning.py
     tests/test_grow.py tests/test_checkpoint_sampling.py tests/test_qwen_video_processor.py
-    tests/test_llava_video_processor.py tests/test_frame_times.py tests/test_one_eos_one_grid.py
+    tests/test_llava_video_processor.py tests/test_frame_times.py tests/test_one_eos_one_grid.py tests/test_captured.py
     "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen3_vl-hippo-hippo_no_attn]"
     "tests/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-tabed-batch]"
     # Batched forwards on every family (the upstream-facing part of batching: padded masks, per-row caches); the

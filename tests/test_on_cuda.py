@@ -123,3 +123,24 @@ def test_a_sampled_batch_draws_each_item_from_its_own_streams():
         one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
         ref = decode_sd(target, draft, it.frames, it.prompt, one, keep_policy_for(pruning), pruning)
         assert got[it.id].token_ids == ref.token_ids, it.id
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [1, 2])
+def test_captured_steps_greedy_equal_ar(size, dtype):
+    """Target and draft stepping through CUDA graphs (models/captured.py: "cudagraphs"; on the CPU dry run the
+    same dynamo graphs, "trace"), a batch of 2 moving its last row back into the fixed cache."""
+    cfg = load_config(config_path("qwen2_5_vl"))
+    tok = tiny_tokenizer()
+    on = {"device": DEVICE, "dtype": dtype, "capture": "cudagraphs" if DEVICE == "cuda" else "trace",
+          "capture_len": 1024}
+    target = load_adapter("qwen2_5_vl", dataclasses.replace(cfg.target, **on), tok)
+    draft = load_adapter("qwen2_5_vl", dataclasses.replace(cfg.target, **on), tok)  # the target's weights drafting
+    eager, _ = device_pair("qwen2_5_vl", dtype)
+    dec = DecodingConfig(gamma=3, max_new_tokens=12)
+    todo = device_items(4, max_new=12)
+    got = run(local_engine(target, draft, dec, PruningConfig("hippo", 0.5, seed=1), size)[1], todo)
+    assert target.captured.steps > 0 and draft.captured.steps > 0
+    for it in todo:
+        ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(dec, max_new_tokens=it.max_new_tokens))
+        assert_lossless(eager, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids, f"{it.id} B={size}")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from vpsd.models.captured import CapturedLanguageModel, FixedCache, FixedCacheLease
 from vpsd.models.hf_compat import cache_kwargs
 from vpsd.models.kv_cache import GrowingCache
 from vpsd.pipeline.layout import VideoTokenLayout
@@ -96,6 +97,15 @@ class VideoLMAdapter(ABC):
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # Captured steps (models/captured.py), when `capture` turned them on: the compiled language model and
+        # the one fixed cache it steps over, lent to one sequence at a time (models/batch.py takes it).
+        self.captured: CapturedLanguageModel | None = None
+        self.fixed_cache: FixedCacheLease | None = None
+
+    def capture(self, mode: str, capacity: int) -> None:
+        """Steps over a `FixedCache` run captured (`mode`: models/spec.CAPTURE_MODES); the prefill stays eager."""
+        self.captured = CapturedLanguageModel(self.language_model, mode, self.device)
+        self.fixed_cache = FixedCacheLease(self.model.config, capacity)
 
     # ---- family hooks -------------------------------------------------------------------------
 
@@ -150,8 +160,10 @@ class VideoLMAdapter(ABC):
         return GrowingCache(self.model.config.get_text_config())
 
     def run_language_model(self, cache: DynamicCache, **inputs: Any):
-        """One language-model forward that appends to `cache` (the keyword it goes under: models/hf_compat.py)."""
-        return self.language_model(**inputs, **cache_kwargs(self.language_model, cache), use_cache=True)
+        """One language-model forward that appends to `cache` (the keyword it goes under: models/hf_compat.py);
+        compiled when the cache is the captured path's fixed one."""
+        forward = self.captured if self.captured is not None and isinstance(cache, FixedCache) else self.language_model
+        return forward(**inputs, **cache_kwargs(self.language_model, cache), use_cache=True)
 
     def kept_sequence_positions(self, layout: VideoTokenLayout, seq_len: int, keep: torch.Tensor | None) -> torch.Tensor:
         """Sorted sequence positions that a prefill feeds: every non-video token plus the kept video tokens."""

@@ -17,7 +17,9 @@ own length, rotary offset and rollback, so the cache is a table with holes rathe
 - compact: when holes waste more than a quarter of the width, every row's entries are gathered to the left.
 - one row: a batch of one item is kept without holes (a rollback crops, a row left alone is compacted) and is
   stepped by `VideoLMAdapter.step` itself, so one item in flight runs exactly the batch-1 forwards, bit for bit
-  (the pipelined roles at `--batch 1` are the batch-1 pipeline, not an approximation of it).
+  (the pipelined roles at `--batch 1` are the batch-1 pipeline, not an approximation of it). A model with
+  captured steps (models/captured.py) holds that one row in its fixed cache, stepped by the compiled graph: the
+  row moves in when it is alone and back out to a growing cache when a second item joins or it outgrows it.
 
 A hole is masked out of every attention (the 2-D mask the language model turns into its causal mask), so
 each row computes what its batch-1 decode computes, up to the float order of a wider reduction and of a
@@ -35,9 +37,13 @@ from typing import Hashable
 import torch
 
 from vpsd.models.base import DecodeState, VideoLMAdapter
+from vpsd.models.captured import FixedCache, held_entries
+from vpsd.models.kv_cache import GrowingCache
 
 # Token fed in a padding slot: never attended to (its column is a hole), its logits never read.
 PAD_TOKEN = 0
+# Room a row must have left in a fixed cache to move in (a few verifies): one that would leave at once stays out.
+FIXED_ROOM = 64
 
 
 @dataclass
@@ -78,6 +84,7 @@ class BatchedCache:
             self.cache = state.cache
             self.valid = torch.ones(1, n, dtype=torch.bool)
         else:
+            self._leave_fixed()
             width = max(self.width, n)
             for mine, theirs in zip(self.cache.layers, state.cache.layers):
                 mine.keys = torch.cat([_widen(mine.keys, width), _widen(theirs.keys, width)])
@@ -89,6 +96,7 @@ class BatchedCache:
         self.lengths.append(n)
         self.offsets.append(state.position_offset)
         self.prefill_lens.append(state.prefill_len)
+        self._enter_fixed()
 
     @torch.inference_mode()
     def leave(self, key: Hashable) -> None:
@@ -97,6 +105,8 @@ class BatchedCache:
         for name in ("keys", "lengths", "offsets", "prefill_lens"):
             del getattr(self, name)[r]
         if not self.keys:
+            if self.adapter.fixed_cache is not None:
+                self.adapter.fixed_cache.give_back(self)
             self.cache, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
             return
         rest = torch.tensor([i for i in range(self.valid.shape[0]) if i != r])
@@ -106,12 +116,33 @@ class BatchedCache:
             layer.values = layer.values[rest.to(layer.values.device)]
         if self.size == 1:
             self._compact()  # a row alone has no holes (see `_alone`)
+            self._enter_fixed()
         else:
             self.compact_if_wasteful()
 
     def _alone(self) -> bool:
         """One row and no holes: the cache is exactly that item's batch-1 cache."""
         return self.size == 1 and self.width == self.lengths[0]
+
+    def _enter_fixed(self, room: int = FIXED_ROOM) -> None:
+        """A row alone moves into the model's smallest fixed cache with `room` to spare (captured steps), when it
+        has one free; a row that outgrew the largest goes on in a growing cache."""
+        lease = self.adapter.fixed_cache
+        if lease is None or not self._alone():
+            return
+        if isinstance(self.cache, FixedCache) and self.lengths[0] + room <= self.cache.capacity:
+            return
+        fixed = lease.take(self, held_entries(self.cache), room)
+        if fixed is not None:
+            self.cache = fixed
+        else:
+            self._leave_fixed()
+
+    def _leave_fixed(self) -> None:
+        """The fixed cache's entries back in a growing cache of their own (a batch of several steps eagerly)."""
+        if isinstance(self.cache, FixedCache):
+            self.cache = GrowingCache.holding(self.adapter.model.config.get_text_config(), self.cache.entries())
+            self.adapter.fixed_cache.give_back(self)
 
     def _state(self) -> DecodeState:
         """The one row as a batch-1 DecodeState, sharing this cache (only while `_alone`)."""
@@ -130,6 +161,8 @@ class BatchedCache:
         k = max(counts, default=0)
         if k == 0:
             return {}
+        if isinstance(self.cache, FixedCache) and self.lengths[0] + k > self.cache.capacity:
+            self._enter_fixed(max(FIXED_ROOM, k))  # outgrown: into a larger bucket, or on eagerly
         if self._alone():  # the batch-1 forward itself
             key = self.keys[0]
             logits = self.adapter.step(self._state(), torch.tensor(tokens[key], dtype=torch.long))

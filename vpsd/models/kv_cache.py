@@ -106,3 +106,12 @@ class GrowingCache(DynamicCache):
     def __init__(self, config) -> None:
         super().__init__(config=config)
         self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    @classmethod
+    def holding(cls, config, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> "GrowingCache":
+        """A cache whose layer i holds copies of entries[i] = (keys, values), (B, H, n, d) each."""
+        cache = cls(config)
+        for layer, (keys, values) in zip(cache.layers, entries):
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys.clone(), values.clone()
+        return cache

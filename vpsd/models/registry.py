@@ -77,7 +77,10 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
     model = model.to(spec.device).eval()
     if model.config.get_text_config()._attn_implementation == "sdpa":
         use_grouped_sdpa(model)  # the same sums, without copying the cache per query head (models/attention.py)
-    return fam.adapter(model, tokenizer, **options)
+    adapter = fam.adapter(model, tokenizer, **options)
+    if spec.capture is not None:
+        adapter.capture(spec.capture, spec.capture_len)
+    return adapter
 
 
 def load_draft(family_name: str, spec: ModelSpec | None, target: VideoLMAdapter) -> VideoLMAdapter:

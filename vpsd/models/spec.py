@@ -12,6 +12,13 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# How a model's steps are captured (models/captured.py), each a torch.compile backend and mode:
+#   cudagraphs     CUDA graphs of the eager kernels (dynamo's "cudagraphs" backend): a step is one replay, and a
+#                  graph records in about a forward's time; what a GPU wants
+#   reduce-overhead, default, max-autotune, max-autotune-no-cudagraphs: inductor's modes (generated kernels, with
+#                  CUDA graphs where the mode says; tens of seconds of code generation a graph on a large model)
+#   trace          dynamo's graphs run by the eager kernels (no code generation: a check of the capture itself)
+CAPTURE_MODES = ("cudagraphs", "reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs", "trace")
 
 # family name -> (vpsd module, adapter class, transformers model class)
 FAMILY_MODULES = {
@@ -37,8 +44,17 @@ class ModelSpec:
     # A scale model of the checkpoint at `path`: {width: k, layers: N} grows it function-preservingly
     # (models/grow.py) into `grown_path()` on first use, reused while it matches the source's weights.
     grow: dict[str, int] | None = None
+    # Captured steps (models/captured.py): a batch-1 step or verify as one graph over a preallocated cache of up
+    # to `capture_len` entries a layer (buckets of halving sizes, the smallest that fits; null: eager, the
+    # default: on a CPU the compiled step is no faster). Longer sequences and batches of several items step eagerly.
+    capture: str | None = None
+    capture_len: int = 8192
 
     def __post_init__(self) -> None:
+        if self.capture is not None and self.capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {list(CAPTURE_MODES)} or null, got {self.capture!r}")
+        if type(self.capture_len) is not int or self.capture_len < 1:
+            raise ValueError(f"capture_len must be a positive integer, got {self.capture_len!r}")
         if (self.path is None) == (self.tiny is None):
             raise ValueError("a model spec needs exactly one of `path` (checkpoint) or `tiny` (config)")
         if self.dtype not in DTYPE_NAMES:

@@ -1,0 +1,175 @@
+"""Captured steps (models/captured.py): a batch-1 row held in a fixed cache and stepped by a compiled graph scores
+as the eager step does, through rollbacks, a second item joining (back to a growing cache) and leaving (back in),
+outgrowing the buffers and two batches over one model (self-speculation); the engine decodes `ar`'s tokens with
+it, one graph a step width, none recompiled as the cache fills and rolls back.
+
+torch.compile's inductor backend generates code for a graph in ~10 s on this CPU, so one test runs it (a plain
+`ar` decode, one graph); the others capture with mode "trace", the very same dynamo graphs run by the eager
+kernels (the capture, its guards, the fixed cache and its mask). "cudagraphs" and "reduce-overhead" need a GPU
+(tests/test_on_cuda.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+from tests.conftest import config_path, random_frames, tiny_tokenizer
+from tests.engine_harness import PROMPTS, local_engine, requests, run
+from vpsd.config import DecodingConfig, PruningConfig, load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.launch.job_identity import differences, identity
+from vpsd.models.batch import BatchedCache
+from vpsd.models.captured import FixedCache
+from vpsd.models.kv_cache import GrowingCache
+from vpsd.models.registry import load_adapter
+from vpsd.models.spec import ModelSpec
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_onevision")
+
+
+def adapters(family: str, capacity: int = 512, mode: str = "trace"):
+    """The family's tiny target twice: eager, and with captured steps (fresh adapters: the session's shared ones
+    must stay eager)."""
+    cfg = load_config(config_path(family))
+    tok = tiny_tokenizer()
+    eager = load_adapter(family, cfg.target, tok)
+    captured = load_adapter(family, cfg.target, tok)
+    captured.capture(mode, capacity)
+    return eager, captured
+
+
+def worst_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_captured_row_scores_as_eager_through_rollbacks_joins_leaves(family):
+    eager, target = adapters(family)
+    embs = [eager.embed(eager.prepare(random_frames(i, t=4 + 2 * i), PROMPTS[i])) for i in range(2)]
+    single = [eager.prefill(e).state for e in embs]
+    batch = BatchedCache(target)
+    batch.join(0, target.prefill(embs[0]).state)
+    assert isinstance(batch.cache, FixedCache)  # alone: in the fixed cache
+    torch._dynamo.utils.counters.clear()
+    worst = 0.0
+
+    def feed(tokens: dict[int, list[int]]) -> None:
+        nonlocal worst
+        got = batch.step(tokens)
+        for key, ids in tokens.items():
+            worst = max(worst, worst_diff(eager.step(single[key], torch.tensor(ids)), got[key]))
+
+    for ids in ([5], [6, 7, 8, 9], [10], [1, 2, 3, 4], [11]):  # decode steps and verifies of one width
+        feed({0: ids})
+        if len(ids) > 1:  # a verify rejected its last two: rolled back in place
+            batch.rollback(0, batch.length(0) - 2)
+            eager.rollback(single[0], single[0].length - 2)
+    assert isinstance(batch.cache, FixedCache)
+    # one graph a step width (1 and 4), whatever the length and the rollbacks
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    batch.join(1, target.prefill(embs[1]).state)  # a second item: both rows eager in a growing cache
+    assert isinstance(batch.cache, GrowingCache) and target.fixed_cache._holder is None
+    feed({0: [3], 1: [4, 5]})
+    batch.leave(1)  # alone again: back into the fixed cache
+    assert isinstance(batch.cache, FixedCache)
+    feed({0: [6, 7, 8, 9]})
+    feed({0: [2]})
+    assert worst < 1e-5, worst
+    keys, values = batch.entries(0, 0)  # what the row holds is its batch-1 cache
+    torch.testing.assert_close(keys[None], single[0].cache.layers[0].keys, atol=1e-5, rtol=0)
+    torch.testing.assert_close(values[None], single[0].cache.layers[0].values, atol=1e-5, rtol=0)
+    batch.leave(0)
+    assert batch.cache is None and target.fixed_cache._holder is None  # the buffers are free for the next item
+
+
+def test_a_row_that_outgrows_the_buffers_goes_on_eagerly_and_a_second_batch_waits_its_turn():
+    eager, target = adapters("qwen2_5_vl")
+    emb = eager.embed(eager.prepare(random_frames(3), PROMPTS[0]))
+    n = eager.prefill(emb).state.length
+    eager2, small = adapters("qwen2_5_vl", capacity=n + 70)  # room for the 64 a row needs to move in, and 6 more
+    ref = eager.prefill(emb).state
+    batch, other = BatchedCache(small), BatchedCache(small)  # two batches over one model: a self-drafting pair
+    batch.join("a", small.prefill(emb).state)
+    other.join("b", small.prefill(emb).state)
+    assert isinstance(batch.cache, FixedCache) and isinstance(other.cache, GrowingCache)  # one holder at a time
+    worst = 0.0
+    for step in range(18):  # 4 tokens a step: past n + 70 on the 18th
+        ids = [7 + step, 3, 4, 5]
+        got = batch.step({"a": ids})["a"]
+        theirs = other.step({"b": ids})["b"]
+        want = eager.step(ref, torch.tensor(ids))
+        worst = max(worst, worst_diff(want, got), worst_diff(want, theirs))
+    assert isinstance(batch.cache, GrowingCache) and batch.length("a") == ref.length == n + 72
+    assert worst < 1e-5, worst
+    batch.leave("a")
+    other.leave("b")
+    other.join("c", small.prefill(emb).state)  # the buffers were given back: the next item takes them
+    assert isinstance(other.cache, FixedCache)
+
+
+def test_a_row_takes_the_smallest_bucket_that_holds_it_and_moves_up_as_it_grows():
+    eager, target = adapters("qwen2_5_vl", capacity=2048)
+    assert target.fixed_cache.buckets == [512, 1024, 2048]  # attention reads a whole buffer: at most 2x the row
+    emb = eager.embed(eager.prepare(random_frames(4), PROMPTS[1]))
+    ref = eager.prefill(emb).state
+    batch = BatchedCache(target)
+    batch.join(0, target.prefill(emb).state)
+    assert batch.cache.capacity == 512
+    worst, sizes = 0.0, set()
+    while batch.length(0) < 1100:  # through the 512 and 1024 buckets
+        ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
+        worst = max(worst, worst_diff(eager.step(ref, torch.tensor(ids)), batch.step({0: ids})[0]))
+        sizes.add(batch.cache.capacity)
+    assert sizes == {512, 1024, 2048} and isinstance(batch.cache, FixedCache)
+    assert worst < 1e-4, worst
+    keys, _ = batch.entries(0, 3)
+    torch.testing.assert_close(keys[None], ref.cache.layers[3].keys, atol=1e-5, rtol=0)
+
+
+def test_cuda_graph_modes_refuse_a_cpu_model():
+    _, target = adapters("qwen2_5_vl")
+    with pytest.raises(ValueError, match="records CUDA graphs"):
+        target.capture("cudagraphs", 1024)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_the_engine_with_captured_target_and_draft_decodes_ars_tokens(size):
+    eager, target = adapters("qwen2_5_vl")
+    _, draft = adapters("qwen2_5_vl")  # the target's weights on pruned video (the tiny draft never agrees)
+    cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.0)
+    todo = requests(3, max_new=12)
+    got = run(local_engine(target, draft, cfg, PruningConfig("uniform", 0.5, seed=3), size)[1], todo)
+    assert target.captured.steps > 0 and draft.captured.steps > 0  # a row alone stepped captured
+    for it in todo:
+        ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        assert got[it.id].token_ids == ref.token_ids, it.id
+        assert sum(got[it.id].stats.accepted_per_round) > 0  # it speculated
+
+
+# torch's own inductor imports a deprecated torch.jit decorator of torch's (not vpsd's, not transformers').
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_captured_ar_decodes_ars_tokens():
+    """The real thing once: inductor's generated kernels, one graph (a decode step)."""
+    eager, target = adapters("qwen2_5_vl", mode="default")
+    cfg = DecodingConfig(max_new_tokens=10, temperature=0.0)
+    todo = requests(2, max_new=10)
+    torch._dynamo.utils.counters.clear()
+    got = run(local_engine(target, None, cfg, None, 1)[1], todo)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # every step one graph
+    for it in todo:
+        ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        assert got[it.id].token_ids == ref.token_ids, it.id
+
+
+def test_capture_is_a_checked_setting_outside_the_jobs_identity():
+    with pytest.raises(ValueError, match="capture must be one of"):
+        ModelSpec(tiny={"seed": 0}, capture="fast")
+    with pytest.raises(ValueError, match="capture_len"):
+        ModelSpec(tiny={"seed": 0}, capture="default", capture_len=0)
+    cfg = load_config(config_path("qwen2_5_vl"))
+    captured = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, capture="reduce-overhead",
+                                                                   capture_len=4096))
+    assert differences(identity(cfg), identity(captured)) == []  # how fast, not what: a resume goes on

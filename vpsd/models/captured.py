@@ -1,0 +1,165 @@
+"""Captured steps: a batch-1 decode step or verify as one compiled graph over a preallocated KV cache.
+
+On a GPU an eager transformers step of a 3B model is mostly Python and kernel launches (measured on an H200,
+2026-11-26: 59 ms a step where its weights read in ~1.2 ms; docs/benchmarks.md, "On a GPU"), which inflates
+every forward alike and squeezes the cost ratio c = T_p / T_q toward the ratio of layer counts (App. C: the
+speedup's ceiling falls with c). Captured, a step is a few launches (CUDA graphs under torch.compile's
+`mode="reduce-overhead"`), so a forward costs what it reads and c returns to the models' size ratio.
+
+A graph needs fixed shapes and fixed addresses, which vpsd's growing cache (models/kv_cache.py) gives up by
+design. So a captured model keeps ONE `FixedCache` of `capture_len` entries a layer (transformers' StaticCache
+layout: the whole buffer is attended to, the entries past the length masked), reused by every item it decodes:
+
+    adopt    a batch-1 prefill's cache is copied into the fixed buffers (once an item; the prefill itself, of
+             any length, stays eager)
+    step     k tokens through the compiled language model: one graph a distinct k (a decode step, each verify
+             width), none recompiled as the cache fills or rolls back (its length is a tensor)
+    crop     a rollback moves the length back in place (the graph reads it from its fixed address)
+    release  the entries copied back into a growing cache when a second item joins the batch (a batch of
+             several rows steps eagerly, models/batch.py) or the sequence outgrows the buffers
+
+The lease (`FixedCacheLease`) makes the buffers one sequence's at a time: a model that is its own draft
+(self-speculation) has two batches over one adapter, and the second steps eagerly.
+
+Outputs: the compiled step computes the same sums as the eager one, over the whole buffer with the unused
+entries masked out, in another kernel order: logits differ by float noise (bounded in tests/test_captured.py,
+~1e-6 in float32), and greedy outputs stay `ar`'s (the tests decode with it against eager `ar`), a difference
+being possible only at a near-tie (vpsd.decoders.lossless judges it by the margin, as for batched rows).
+Departure from transformers' StaticLayer: it cannot crop; `FixedLayer` adds a crop and an adopt that keep the
+buffers' addresses (the one internal it relies on, `cumulative_length`, is checked when a cache is built).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from vpsd.models.spec import CAPTURE_MODES
+CUDA_GRAPH_MODES = ("cudagraphs", "reduce-overhead", "max-autotune")
+# One graph a distinct step width (1, a decode step; each verify width up to gamma_max + 1) and cache bucket, for
+# a target and its draft in one process; torch's default limit (8 a code object) would send the rest back to
+# eager without a word.
+RECOMPILE_LIMIT = 512
+
+
+class FixedLayer(StaticLayer):
+    """A StaticLayer that can roll back (crop) and adopt entries, always writing into the same buffers."""
+
+    def __init__(self, max_cache_len: int) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        if not isinstance(getattr(self, "cumulative_length", None), torch.Tensor):
+            raise RuntimeError("this transformers' StaticLayer keeps no `cumulative_length` tensor: vpsd's captured "
+                               "steps do not support it (set the model's capture: null)")
+
+    def length(self) -> int:
+        return int(self.cumulative_length) if self.is_initialized else 0
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Holds exactly `keys` / `values` (1, H, n, d): copied into the buffers, the rest masked as unused."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)  # allocates, and marks the buffers' addresses static
+        n = keys.shape[-2]
+        self.keys[:, :, :n].copy_(keys)
+        self.values[:, :, :n].copy_(values)
+        self.cumulative_length.fill_(n)  # in place: a captured graph reads it from this address
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count (tokens to remove), got {tokens_to_remove}")
+        if self.is_initialized:
+            self.cumulative_length.fill_(max(0, self.length() + tokens_to_remove))
+
+
+class FixedCache(Cache):
+    """A language model's cache of `capacity` entries a layer in fixed buffers (see the module docstring)."""
+
+    def __init__(self, config: Any, capacity: int) -> None:
+        text = config.get_text_config()
+        if getattr(text, "use_sliding_window", False) or any(
+                t != "full_attention" for t in (getattr(text, "layer_types", None) or ())):
+            raise ValueError("captured steps support full-attention layers only (set the model's capture: null)")
+        super().__init__(layers=[FixedLayer(capacity) for _ in range(text.num_hidden_layers)])
+        self.capacity = capacity
+
+    def length(self) -> int:
+        return self.layers[0].length()
+
+    def entries(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's held (keys, values), (1, H, n, d) views of the buffers."""
+        n = self.length()
+        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]
+
+
+def held_entries(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) that `cache` holds (a fixed cache's without its unused room)."""
+    return cache.entries() if isinstance(cache, FixedCache) else [(l.keys, l.values) for l in cache.layers]
+
+
+class FixedCacheLease:
+    """One model's fixed caches, lent to one sequence at a time; each created on first use.
+
+    Attention reads a fixed cache's whole buffer (the unused entries masked), so a step over a buffer much longer
+    than its sequence pays for the difference: 8192 entries for a 1.4k context read 6x the keys and values it
+    needs. The buffers therefore come in buckets, `capacity` halved down to `MIN_BUCKET`, and a sequence takes
+    the smallest that holds it (and moves to the next when it outgrows it): a sequence reads at most twice its
+    entries, and the graphs are one set a bucket."""
+
+    MIN_BUCKET = 512
+
+    def __init__(self, config: Any, capacity: int) -> None:
+        self.config, self.capacity = config, capacity
+        self.buckets = sorted({max(1, capacity >> i) for i in range(16) if capacity >> i >= self.MIN_BUCKET}
+                              | {capacity})
+        self._caches: dict[int, FixedCache] = {}
+        self._holder: object | None = None
+        self._lock = threading.Lock()
+
+    def take(self, holder: object, entries: list[tuple[torch.Tensor, torch.Tensor]], room: int) -> FixedCache | None:
+        """A fixed cache holding a copy of `entries` (each layer's keys and values, `held_entries`), now
+        `holder`'s; None (the caller keeps its cache) when another holds one or they and `room` more fit none."""
+        n = int(entries[0][0].shape[-2])
+        size = next((b for b in self.buckets if n + room <= b), None)
+        with self._lock:
+            if self._holder not in (None, holder) or size is None:
+                return None
+            self._holder = holder
+        fixed = self._caches.get(size)
+        if fixed is None:
+            fixed = self._caches[size] = FixedCache(self.config, size)
+        for layer, (keys, values) in zip(fixed.layers, entries):
+            layer.adopt(keys, values)
+        return fixed
+
+    def give_back(self, holder: object) -> None:
+        with self._lock:
+            if self._holder is holder:
+                self._holder = None
+
+
+class CapturedLanguageModel:
+    """A language model compiled for steps over a FixedCache (`torch.compile`, fixed shapes)."""
+
+    def __init__(self, language_model: torch.nn.Module, mode: str, device: torch.device) -> None:
+        if mode not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {CAPTURE_MODES} or null, got {mode!r}")
+        if mode in CUDA_GRAPH_MODES and torch.device(device).type != "cuda":
+            raise ValueError(f"capture {mode!r} records CUDA graphs: the model is on {device}, not a GPU "
+                             f"(on a CPU use 'default', or null)")
+        import torch._dynamo as dynamo  # here, not at the top: it costs every rank ~1 s of import otherwise
+
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.mode = mode
+        if mode == "cudagraphs":
+            self.compiled = torch.compile(language_model, backend="cudagraphs", dynamic=False)
+        elif mode == "trace":
+            self.compiled = torch.compile(language_model, backend="eager", dynamic=False)
+        else:
+            self.compiled = torch.compile(language_model, mode=mode, dynamic=False)
+        self.steps = 0  # forwards run captured (the rest of a model's steps ran eagerly)
+
+    def __call__(self, **inputs: Any) -> Any:
+        self.steps += 1
+        return self.compiled(**inputs)
