@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from vpsd.models.cache_ops import CACHE_OPS
 from vpsd.models.captured import CapturedLanguageModel, FixedCache, FixedCacheLease
 from vpsd.models.hf_compat import cache_kwargs
 from vpsd.models.kv_cache import GrowingCache
@@ -101,6 +102,8 @@ class VideoLMAdapter(ABC):
         # the one fixed cache it steps over, lent to one sequence at a time (models/batch.py takes it).
         self.captured: CapturedLanguageModel | None = None
         self.fixed_cache: FixedCacheLease | None = None
+        # A tensor-parallel target's leader (models/tensor_parallel.py): its forwards and cache ops, mirrored.
+        self.mirror: Any = None
 
     def capture(self, mode: str, capacity: int) -> None:
         """Steps over a `FixedCache` run captured (`mode`: models/spec.CAPTURE_MODES); the prefill stays eager."""
@@ -161,9 +164,22 @@ class VideoLMAdapter(ABC):
 
     def run_language_model(self, cache: DynamicCache, **inputs: Any):
         """One language-model forward that appends to `cache` (the keyword it goes under: models/hf_compat.py);
-        compiled when the cache is the captured path's fixed one."""
+        compiled when the cache is the captured path's fixed one, mirrored to a tensor-parallel target's ranks."""
+        inputs["use_cache"] = True
+        if self.mirror is not None:
+            return self.mirror.forward(lambda **kw: self._forward(cache, kw), cache, inputs)
+        return self._forward(cache, inputs)
+
+    def _forward(self, cache: DynamicCache, inputs: dict[str, Any]):
         forward = self.captured if self.captured is not None and isinstance(cache, FixedCache) else self.language_model
-        return forward(**inputs, **cache_kwargs(self.language_model, cache), use_cache=True)
+        return forward(**inputs, **cache_kwargs(self.language_model, cache))
+
+    def cache_op(self, name: str, cache: DynamicCache, *args: Any) -> None:
+        """A cache operation of models/cache_ops.py by name (mirrored to a tensor-parallel target's ranks)."""
+        if self.mirror is not None:
+            self.mirror.cache_op(name, cache, *args)
+        else:
+            CACHE_OPS[name][0](cache, *args)
 
     def kept_sequence_positions(self, layout: VideoTokenLayout, seq_len: int, keep: torch.Tensor | None) -> torch.Tensor:
         """Sorted sequence positions that a prefill feeds: every non-video token plus the kept video tokens."""
@@ -276,6 +292,8 @@ class VideoLMAdapter(ABC):
         if keep == list(range(len(keep))):  # already in place: a crop does it
             self.rollback(state, start + len(keep))
             return
+        if self.mirror is not None:  # refused at launch (launch/preflight.py); this is the backstop
+            raise RuntimeError("a draft tree's cache compaction is not mirrored to a tensor-parallel target's ranks")
         idx = torch.tensor(keep, dtype=torch.long)
         for layer in state.cache.layers:
             tail = idx.to(layer.keys.device) + start
@@ -288,7 +306,7 @@ class VideoLMAdapter(ABC):
         if length > current or length < state.prefill_len:
             raise ValueError(f"cannot roll back a cache of length {current} to {length} (prefill {state.prefill_len})")
         if length < current:
-            state.cache.crop(-(current - length))
+            self.cache_op("crop", state.cache, current - length)
 
     @property
     def position_rows(self) -> int:

@@ -86,9 +86,7 @@ class BatchedCache:
         else:
             self._leave_fixed()
             width = max(self.width, n)
-            for mine, theirs in zip(self.cache.layers, state.cache.layers):
-                mine.keys = torch.cat([_widen(mine.keys, width), _widen(theirs.keys, width)])
-                mine.values = torch.cat([_widen(mine.values, width), _widen(theirs.values, width)])
+            self.adapter.cache_op("join_rows", self.cache, state.cache, width)
             row = torch.zeros(1, width, dtype=torch.bool)
             row[0, :n] = True
             self.valid = torch.cat([torch.nn.functional.pad(self.valid, (0, width - self.width)), row])
@@ -109,11 +107,9 @@ class BatchedCache:
                 self.adapter.fixed_cache.give_back(self)
             self.cache, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
             return
-        rest = torch.tensor([i for i in range(self.valid.shape[0]) if i != r])
-        self.valid = self.valid[rest]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[rest.to(layer.keys.device)]
-            layer.values = layer.values[rest.to(layer.values.device)]
+        rest = [i for i in range(self.valid.shape[0]) if i != r]
+        self.valid = self.valid[torch.tensor(rest)]
+        self.adapter.cache_op("select_rows", self.cache, rest)
         if self.size == 1:
             self._compact()  # a row alone has no holes (see `_alone`)
             self._enter_fixed()
@@ -234,10 +230,7 @@ class BatchedCache:
         for r in range(self.size):
             cols = torch.nonzero(self.valid[r]).squeeze(1)
             order[r, : cols.numel()] = cols
-        for layer in self.cache.layers:
-            index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+        self.adapter.cache_op("gather_columns", self.cache, order.tolist())
         self.valid = torch.arange(width)[None, :] < torch.tensor(self.lengths)[:, None]
 
     def entries(self, key: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +240,3 @@ class BatchedCache:
         src = self.cache.layers[layer]
         return src.keys[r][:, cols.to(src.keys.device)], src.values[r][:, cols.to(src.values.device)]
 
-
-def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, H, C, d) -> (B, H, width, d): hole columns (zeros) on the right."""
-    return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
