@@ -1,6 +1,7 @@
 """A target split over two ranks (models/tensor_parallel.py), through real torchrun and gloo: each rank holds
 half the KV heads, the leader's engine decodes every item as the unsharded target does (`ar` at B = 1 and 2,
-the target drafting for itself in a batch: its draft's forwards mirrored too), and the follower ran them."""
+the target drafting for itself in a batch: its draft's forwards mirrored too), and the follower ran them; a
+job whose pipelines carry a follower rank (launch/layout.py) equals `ar`; what it cannot run is refused."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import subprocess
 
 import pytest
 
-from tests.torchrun_jobs import ROOT, job_env, torchrun_cmd
+from tests.torchrun_jobs import ROOT, job_env, results, run_job, torchrun_cmd, world_manifest
+from vpsd.config import DEFAULT_ROLES, load_config
+from vpsd.launch.layout import FOLLOWER, plan
+from vpsd.launch.preflight import tensor_parallel_problems
 from vpsd.models.tensor_parallel import shard_problems
+from vpsd.pipeline.methods import get_method
 
 pytestmark = pytest.mark.torchrun
 
@@ -36,3 +41,47 @@ def test_a_split_that_does_not_divide_the_heads_is_named():
 
     assert shard_problems(Text, 2) == []
     assert shard_problems(Text, 4) == ["tensor_parallel 4: num_key_value_heads 2 is not a multiple of 4"]
+
+
+def test_a_job_whose_target_spans_two_ranks_equals_ar(tmp_path):
+    """pearl with its target over ranks 0 and 3 (the follower after the draft's and the pruner's): every output
+    equals a one-rank `ar` job's, and the follower ran the leader's forwards."""
+    manifest = world_manifest(str(tmp_path), count=2)
+    ar = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "ar", "ar", "--quiet", nproc=1)
+    assert ar.returncode == 0, ar.stderr[-3000:]
+    split = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "pearl", "pearl", "--quiet",
+                    "--set", "target.tensor_parallel=2", nproc=4)
+    assert split.returncode == 0, split.stderr[-3000:]
+    ref, got = results(tmp_path / "ar"), results(tmp_path / "pearl")
+    assert {i: r["token_ids"] for i, r in got.items()} == {i: r["token_ids"] for i, r in ref.items()}
+    follower = [json.loads(line) for f in (tmp_path / "pearl" / "traces").iterdir() for line in f.read_text().splitlines()
+                if '"follower_done"' in line]
+    assert len(follower) == 1 and follower[0]["rank"] == 3 and follower[0]["forwards"] > 10
+
+
+def test_the_split_targets_ranks_follow_its_roles_in_every_pipeline():
+    two = plan(8, 8, DEFAULT_ROLES, target_ranks=2)
+    assert [(p.ranks, p.followers) for p in two.pipelines] == [
+        ({"target": 0, "draft": 1, "pruner": 2}, (3,)), ({"target": 4, "draft": 5, "pruner": 6}, (7,))]
+    assert two.of_rank(7) == (two.pipelines[1], FOLLOWER)
+    solo = plan(5, 5, {"target": 0}, target_ranks=2)  # the target alone (ar, serial methods): 2 pipelines of 2
+    assert [p.target_ranks for p in solo.pipelines] == [[0, 1], [2, 3]] and solo.spare == [4]
+    assert "pipelines of 2 ranks" in solo.spare_line()
+    with pytest.raises(ValueError, match="and 1 more for the target's tensor_parallel 2"):
+        plan(3, 3, DEFAULT_ROLES, target_ranks=2)
+
+
+@pytest.mark.parametrize("method,more,expect", [
+    ("hippo", {}, "scores the target's attention"),
+    ("sd-tree", {}, "drafts a eagle tree"),
+    ("std", {}, "Sparse-to-Dense's sparse KV"),
+    ("ar", {"target.capture": "default"}, "captured steps"),
+    ("ar", {"target.tensor_parallel": 4}, "num_key_value_heads 2 is not a multiple of 4"),
+])
+def test_what_a_split_target_cannot_run_is_refused_at_launch(method, more, expect):
+    cfg = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", {"target.tensor_parallel": 2, **more,
+                                                                  "pruning.strategy": get_method(method).default_strategy})
+    problems = tensor_parallel_problems(cfg, get_method(method), gpus=0, local_world=4)
+    assert any(expect in p for p in problems), problems
+    fine = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", {"target.tensor_parallel": 2, "pruning.strategy": "uv"})
+    assert tensor_parallel_problems(fine, get_method("parallelvlm"), gpus=0, local_world=4) == []

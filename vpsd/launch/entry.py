@@ -17,6 +17,7 @@ import dataclasses
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Mapping
 
@@ -27,10 +28,11 @@ from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_over
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
 from vpsd.launch.job_identity import JobMismatch, check_resume
-from vpsd.launch.layout import SOLO, Layout, Pipeline, pinned_cores, plan
+from vpsd.launch.layout import FOLLOWER, SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.say import say
-from vpsd.launch.preflight import affinity_problems, checkpoint_problems, device_problems, path_problems
+from vpsd.launch.preflight import (affinity_problems, checkpoint_problems, device_problems, path_problems,
+                                   tensor_parallel_problems)
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
@@ -60,7 +62,9 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError([f"unknown pruning strategy {cfg.pruning.strategy!r}"
                            f"{nearest(cfg.pruning.strategy, STRATEGIES)}; known: {', '.join(sorted(STRATEGIES))}"])
     check_method_settings(method, cfg)
-    problems = checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, visible_gpus())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    problems = (checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, visible_gpus())
+                + tensor_parallel_problems(cfg, method, visible_gpus(), local_world))
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -122,10 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s = float(args.timeout or cfg.timeout_s)
     placed = layout.of_rank(rank)
     role = placed[1] if placed is not None else "spare"
-    if placed is not None and (in_roles or role == "target"):
+    if placed is not None and (in_roles or role in ("target", FOLLOWER)):
         import_role(role)
     rank, world, backend = init_distributed(timeout_s=timeout_s)
     configure_tracing(out, role, rank)
+    target_group = None
+    if placed is not None and placed[0].followers and role in ("target", FOLLOWER):
+        target_group = split_target_group(placed[0], backend)
+    if role == FOLLOWER:  # a share of the target: the leader's forwards until it says stop, then leave
+        run_follower(cfg, target_group, placed[0].target)
+        dist.destroy_process_group()
+        return 0
     if is_leader and (line := layout.spare_line()) is not None:
         say(line)
     # A rank leaves when its own work is done, never in a collective: a barrier waits under the process group's
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
         # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them.
         ctx.ctrl.start_heartbeat([k for r, k in pipeline.ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
-    run_role(ctx, args, out, layout, pipeline, secret if is_leader else None)
+    run_role(ctx, args, out, layout, pipeline, secret if is_leader else None, target_group)
     ctx.ctrl.close()
     dist.destroy_process_group()
     return 0
@@ -156,9 +167,28 @@ def launch_layout(cfg: RunConfig, in_roles: bool) -> Layout:
     # Outside torchrun (no world yet: init_distributed says so later), one pipeline, so what is checked first is.
     world = int(os.environ.get("WORLD_SIZE", str(max(roles.values()) + 1)))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    if not in_roles and world < max(roles.values()) + 1:
+    split = cfg.target.tensor_parallel
+    if not in_roles and world < max(roles.values()) + split:
         roles = dict(SOLO)
-    return plan(world, local, roles)
+    return plan(world, local, roles, split)
+
+
+def split_target_group(pipeline: Pipeline, backend: str):
+    """The process group of a split target's ranks (models/tensor_parallel.py), made by its members alone.
+    Its timeout is long: a follower waits in it for the leader's next forward while the pipeline has no item
+    (a dead leader is torchrun's to notice: it stops the job's ranks)."""
+    return dist.new_group(pipeline.target_ranks, backend=backend, timeout=timedelta(days=7),
+                          use_local_synchronization=True)
+
+
+def run_follower(cfg: RunConfig, group, leader: int) -> None:
+    from vpsd.models.registry import load_adapter
+    from vpsd.models.tensor_parallel import follow, shard
+
+    target = load_adapter(cfg.family, cfg.target)
+    shard(target.language_model, target.model.config.get_text_config(), group, target.device)
+    forwards = follow(target, group, leader)
+    get_logger().info("follower_done", leader=leader, forwards=forwards)
 
 
 def interrupted(is_target: bool, out: Path) -> None:
@@ -240,6 +270,8 @@ def import_role(role: str) -> None:
     about a second; and an import's seconds pass before the process group exists, never while a peer waits."""
     if role == "target":
         import vpsd.launch.job  # noqa: F401
+    elif role == FOLLOWER:
+        import vpsd.models.registry  # noqa: F401
     elif role == "draft":
         import vpsd.models.registry  # noqa: F401
         import vpsd.roles.draft  # noqa: F401
@@ -248,7 +280,7 @@ def import_role(role: str) -> None:
 
 
 def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layout, pipeline: Pipeline,
-             leader_secret: str | None) -> None:
+             leader_secret: str | None, target_group=None) -> None:
     """The role's work (and in the leader's process, the job's coordinator); a silent peer, a coordinator that
     failed or a full disk ends the rank with one line."""
     cfg, role, rank = ctx.config, ctx.role, ctx.rank
@@ -260,7 +292,8 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             if leader_secret is not None:
                 coordinator = Coordinator(layout, args, cfg, ctx.method.name, out, leader_secret)
                 coordinator.start()
-            run_pipeline(ctx, cfg, CoordinatorLink(ctx, pipeline.index, layout.coordinator), len(layout.pipelines))
+            run_pipeline(ctx, cfg, CoordinatorLink(ctx, pipeline.index, layout.coordinator), len(layout.pipelines),
+                         target_group)
             if coordinator is not None:
                 coordinator.join()
         elif role == "draft":

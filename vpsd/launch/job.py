@@ -29,6 +29,7 @@ from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.results import ItemError, ResultRow
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter, load_draft
+from vpsd.models.tensor_parallel import Mirror, shard
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
 from vpsd.reports.kept_log import KeptRecord, append_kept
@@ -164,9 +165,14 @@ def build_engine(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter,
                              shared_items=shared_items)
 
 
-def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipelines: int) -> None:
-    """This pipeline's share of the job: items from the coordinator until it has no more, then its run."""
+def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipelines: int,
+                 target_group=None) -> None:
+    """This pipeline's share of the job: items from the coordinator until it has no more, then its run.
+    `target_group`: the ranks of a split target, this one leading (models/tensor_parallel.py)."""
     target = load_adapter(cfg.family, cfg.target)
+    if target_group is not None:
+        shard(target.language_model, target.model.config.get_text_config(), target_group, target.device)
+        target.mirror = Mirror(target_group, ctx.rank, target.device)
     events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
     engine, scheduler = build_engine(ctx, cfg, target, shared_items=pipelines > 1)
     loop_start = time.perf_counter()
@@ -174,6 +180,8 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
     if engine.parallel:
         engine.drafter.shutdown()
+    if target.mirror is not None:
+        target.mirror.stop()  # the followers leave
     report = engine.report.as_dict() if cfg.batching.size > 1 else None
     if report is not None:
         get_logger().info("batching_done", **report)

@@ -6,7 +6,7 @@ some items decoded one way, the rest the other, and a summary over both. So ever
 the settings that decide its outputs and statistics (`identity`) in DIR/job.json, and a rerun whose settings
 differ stops at launch, before any rank loads a model, saying which settings differ.
 
-Not part of the identity: where and how fast the job runs (the model's device and captured steps, cpu affinity, roles,
+Not part of the identity: where and how fast the job runs (the model's device, captured steps and tensor parallelism, cpu affinity, roles,
 timeouts, how many items are in flight: `batching`, whose items decode exactly as at batch 1), how it is
 driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
 (`video.context_limit`, `video.subsample_to_fit`: an item that fits decodes the same either way, and
@@ -35,7 +35,8 @@ from vpsd.launch.results import ResultsFile
 JOB_FILE = "job.json"
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "tabed")
 NOT_IDENTITY = ("target.device", "draft.device", "target.capture", "draft.capture", "target.capture_len",
-                "draft.capture_len", "video.context_limit", "video.subsample_to_fit")
+                "draft.capture_len", "target.tensor_parallel", "draft.tensor_parallel", "video.context_limit",
+                "video.subsample_to_fit")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 SAMPLE = 1 << 20  # bytes read at each of a weight file's start, middle and end
 

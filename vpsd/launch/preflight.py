@@ -8,6 +8,7 @@ checkpoint names a frame rule. One line per problem.
 `device_problems(cfg, gpus)`: every model's `device` is "cpu", "cuda" (the rank's own GPU) or a "cuda:N" this
 node has.
 `path_problems(manifest, out)`: the manifest is a readable file, and --out is (or can be made) a directory.
+`tensor_parallel_problems(cfg, method, ...)`: what a target split over ranks cannot run with.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from vpsd.launch.layout import pinned_cores
 from vpsd.config import RunConfig, nearest
 from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_sampling
 from vpsd.models.spec import FAMILY_MODULES
+from vpsd.models.tensor_parallel import shard_problems
+from vpsd.pipeline.methods import BATCHABLE, Method
+from vpsd.pipeline.pruning.strategies import STRATEGIES
 
 
 # The weight files transformers' from_pretrained reads, whole or sharded.
@@ -152,3 +157,52 @@ def path_problems(manifest: Path, out: Path) -> list[str]:
     elif not os.access(there, os.W_OK | os.X_OK):
         problems.append(f"--out {out}: no permission to write in {there}")
     return problems
+
+
+def tensor_parallel_problems(cfg: RunConfig, method: Method, gpus: int, local_world: int) -> list[str]:
+    """What a target split over `target.tensor_parallel` ranks (models/tensor_parallel.py) cannot run with, said
+    at launch: every operation on the target's cache must be one its followers mirror."""
+    k = cfg.target.tensor_parallel
+    problems = []
+    if cfg.draft is not None and cfg.draft.tensor_parallel != 1:
+        problems.append(f"draft.tensor_parallel: {cfg.draft.tensor_parallel}: only the target is split over ranks")
+    if k == 1:
+        return problems
+    where = f"target.tensor_parallel {k}"
+    place = method.draft_place(cfg.batching.size, cfg.batching.pipelined)
+    if place == "reference":
+        what = f"a {method.tree} tree" if method.draft_tree(cfg.decoding.tree) else "Sparse-to-Dense's sparse KV"
+        problems.append(f"{where}: method {method.name} drafts {what}, whose cache surgery is not mirrored to the "
+                        f"target's other ranks; split targets run {', '.join(BATCHABLE)} (trees as chains: "
+                        f"decoding.tree: chain)")
+    if method.uses_draft and STRATEGIES[cfg.pruning.strategy].needs_attention:
+        problems.append(f"{where}: pruning strategy {cfg.pruning.strategy!r} scores the target's attention, whose "
+                        f"heads are split over its ranks; use one that reads no attention (uv, uniform, random, "
+                        f"temporal, spatial) or --pruning none")
+    if method.draft == "views" and place == "local" and cfg.draft is None:
+        problems.append(f"{where}: tabed's views of the target itself (draft: self) are not mirrored; give it a draft")
+    if cfg.target.capture is not None:
+        problems.append(f"{where}: captured steps (target.capture) do not run on a split target yet")
+    sizes = _text_sizes(cfg.target)
+    if sizes is not None:
+        problems += shard_problems(SimpleNamespace(**sizes), k)
+    if cfg.target.device.startswith("cuda") and gpus < local_world:
+        problems.append(f"{where}: a split target's ranks need a GPU each (NCCL refuses two ranks on one); this "
+                        f"node has {gpus} GPU{'s' if gpus != 1 else ''} for {local_world} ranks")
+    return problems
+
+
+def _text_sizes(spec) -> dict | None:
+    """The language model's head and MLP sizes from a tiny spec or a checkpoint's config.json (None: unknown)."""
+    names = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    if spec.tiny is not None:
+        text = spec.tiny.get("text", {})
+    else:
+        try:
+            data = json.loads((Path(spec.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        text = data.get("text_config") or data
+    if not all(n in text for n in (names[0], names[2])):
+        return None
+    return {n: text.get(n) or text[names[0]] for n in names}

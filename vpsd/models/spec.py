@@ -49,10 +49,15 @@ class ModelSpec:
     # default: on a CPU the compiled step is no faster). Longer sequences and batches of several items step eagerly.
     capture: str | None = None
     capture_len: int = 8192
+    # The target split over this many ranks (models/tensor_parallel.py): its pipeline takes k - 1 ranks more,
+    # after its roles' (launch/layout.py), each holding 1/k of the language model's layers and KV cache.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.capture is not None and self.capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {list(CAPTURE_MODES)} or null, got {self.capture!r}")
+        if type(self.tensor_parallel) is not int or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {self.tensor_parallel!r}")
         if type(self.capture_len) is not int or self.capture_len < 1:
             raise ValueError(f"capture_len must be a positive integer, got {self.capture_len!r}")
         if (self.path is None) == (self.tiny is None):
