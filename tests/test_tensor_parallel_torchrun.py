@@ -1,6 +1,8 @@
 """A target split over two ranks (models/tensor_parallel.py), through real torchrun and gloo: each rank holds
 half the KV heads, the leader's engine decodes every item as the unsharded target does (`ar` at B = 1 and 2,
-the target drafting for itself in a batch: its draft's forwards mirrored too), and the follower ran them; a
+the target drafting for itself in a batch: its draft's forwards mirrored too), the pruning signals of a split
+prefill (attention gathered over the ranks' heads, hidden states) are the unsharded target's, and the follower
+ran them; a
 job whose pipelines carry a follower rank (launch/layout.py) equals `ar`; what it cannot run is refused."""
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def test_a_target_over_two_ranks_decodes_as_its_one_rank_self(tmp_path, family):
     leader = json.loads((tmp_path / "leader.json").read_text())
     assert leader["local_kv_rows"] * 2 == leader["whole_kv_rows"]  # half of the KV projection a rank
     assert leader["prefill_logit_diff"] < 1e-5  # two partial sums added: float noise only
+    shapes = leader["attention_shape"]  # the pruner's attention signal: every KV head, gathered from both ranks
+    assert shapes[0] == shapes[1] and leader["signal_diff"] < 1e-5
     for case in ("ar_b1", "ar_b2", "self_sd_b2"):
         assert leader[case] == leader["reference"], case
     assert leader["self_sd_b2_accepted"] > 0
@@ -43,18 +47,20 @@ def test_a_split_that_does_not_divide_the_heads_is_named():
     assert shard_problems(Text, 4) == ["tensor_parallel 4: num_key_value_heads 2 is not a multiple of 4"]
 
 
-def test_a_job_whose_target_spans_two_ranks_equals_ar(tmp_path):
-    """pearl with its target over ranks 0 and 3 (the follower after the draft's and the pruner's): every output
-    equals a one-rank `ar` job's, and the follower ran the leader's forwards."""
+@pytest.mark.parametrize("method", ["hippo", pytest.param("pearl", marks=pytest.mark.slow)])
+def test_a_job_whose_target_spans_two_ranks_equals_ar(tmp_path, method):
+    """A parallel method with its target over ranks 0 and 3 (the follower after the draft's and the pruner's;
+    hippo's pruner scoring attention gathered from both): every output equals a one-rank `ar` job's, and the
+    follower ran the leader's forwards."""
     manifest = world_manifest(str(tmp_path), count=2)
     ar = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "ar", "ar", "--quiet", nproc=1)
     assert ar.returncode == 0, ar.stderr[-3000:]
-    split = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "pearl", "pearl", "--quiet",
+    split = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / method, method, "--quiet",
                     "--set", "target.tensor_parallel=2", nproc=4)
     assert split.returncode == 0, split.stderr[-3000:]
-    ref, got = results(tmp_path / "ar"), results(tmp_path / "pearl")
+    ref, got = results(tmp_path / "ar"), results(tmp_path / method)
     assert {i: r["token_ids"] for i, r in got.items()} == {i: r["token_ids"] for i, r in ref.items()}
-    follower = [json.loads(line) for f in (tmp_path / "pearl" / "traces").iterdir() for line in f.read_text().splitlines()
+    follower = [json.loads(line) for f in (tmp_path / method / "traces").iterdir() for line in f.read_text().splitlines()
                 if '"follower_done"' in line]
     assert len(follower) == 1 and follower[0]["rank"] == 3 and follower[0]["forwards"] > 10
 
@@ -72,7 +78,6 @@ def test_the_split_targets_ranks_follow_its_roles_in_every_pipeline():
 
 
 @pytest.mark.parametrize("method,more,expect", [
-    ("hippo", {}, "scores the target's attention"),
     ("sd-tree", {}, "drafts a eagle tree"),
     ("std", {}, "Sparse-to-Dense's sparse KV"),
     ("ar", {"target.capture": "default"}, "captured steps"),

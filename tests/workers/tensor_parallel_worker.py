@@ -20,6 +20,7 @@ from tests.engine_harness import local_engine, requests, run  # noqa: E402
 from vpsd.config import DecodingConfig, PruningConfig, load_config  # noqa: E402
 from vpsd.decoders.ar import decode_ar  # noqa: E402
 from vpsd.models.registry import load_adapter, tiny_tokenizer  # noqa: E402
+from vpsd.models.signals import prefill_with_signals  # noqa: E402
 from vpsd.models.tensor_parallel import Mirror, follow, shard  # noqa: E402
 
 
@@ -57,6 +58,12 @@ def main() -> None:
     emb = whole.embed(whole.prepare(todo[0].frames, todo[0].prompt))
     with torch.inference_mode():
         report["prefill_logit_diff"] = float((whole.prefill(emb).logits - target.prefill(emb).logits).abs().max())
+    # HIPPO's and UV-Prune's signals of a split prefill: every rank's heads scored, gathered on the leader
+    ref = prefill_with_signals(whole, emb, None, attention=True, hidden=True).signals
+    got = prefill_with_signals(target, emb, None, attention=True, hidden=True).signals
+    report["attention_shape"] = [list(ref.video_attention.shape), list(got.video_attention.shape)]
+    report["signal_diff"] = max(float((getattr(ref, f) - getattr(got, f)).abs().max())
+                                for f in ("video_attention", "video_hidden", "text_hidden"))
     target.mirror.stop()
     (out / "leader.json").write_text(json.dumps(report))
     dist.destroy_process_group()

@@ -24,7 +24,6 @@ from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_
 from vpsd.models.spec import FAMILY_MODULES
 from vpsd.models.tensor_parallel import shard_problems
 from vpsd.pipeline.methods import BATCHABLE, Method
-from vpsd.pipeline.pruning.strategies import STRATEGIES
 
 
 # The weight files transformers' from_pretrained reads, whole or sharded.
@@ -175,10 +174,6 @@ def tensor_parallel_problems(cfg: RunConfig, method: Method, gpus: int, local_wo
         problems.append(f"{where}: method {method.name} drafts {what}, whose cache surgery is not mirrored to the "
                         f"target's other ranks; split targets run {', '.join(BATCHABLE)} (trees as chains: "
                         f"decoding.tree: chain)")
-    if method.uses_draft and STRATEGIES[cfg.pruning.strategy].needs_attention:
-        problems.append(f"{where}: pruning strategy {cfg.pruning.strategy!r} scores the target's attention, whose "
-                        f"heads are split over its ranks; use one that reads no attention (uv, uniform, random, "
-                        f"temporal, spatial) or --pruning none")
     if method.draft == "views" and place == "local" and cfg.draft is None:
         problems.append(f"{where}: tabed's views of the target itself (draft: self) are not mirrored; give it a draft")
     if cfg.target.capture is not None:

@@ -134,10 +134,19 @@ def prefill_with_signals(
     attn_layers = len(layers) if num_layers is None else min(num_layers, len(layers))
     uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, len(layers))
     cache = adapter.new_cache()  # ours: the attention hooks read each layer's keys from it
-    hooks = _SignalHooks(emb, cache, attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
+    device = emb.embeds.device
+    hooks = _SignalHooks(text_positions(emb).to(device), emb.layout.seq_positions.to(device), emb.embeds, cache,
+                         attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
+    mirror = adapter.mirror  # a split target: its other ranks score their heads in the same forward
     handles = hooks.install(adapter.language_model)
     try:
-        result = adapter.prefill(emb, cache=cache)
+        if mirror is not None and hooks.attn_layers:
+            with mirror.lock:
+                mirror.score_next_forward(hooks.spec())
+                hooks.gather = mirror.gather_heads
+                result = adapter.prefill(emb, cache=cache)
+        else:
+            result = adapter.prefill(emb, cache=cache)
     finally:
         for h in handles:
             h.remove()
@@ -151,12 +160,15 @@ class _SignalHooks:
     """The forward hooks of one prefill with signals (`prefill_with_signals`) and what they collect. Each hook
     runs only on the thread that installed it (`_this_thread_only`)."""
 
-    def __init__(self, emb: SequenceEmbeddings, cache, attn_layers: int, uv_layers: int,
-                 on_ready: SignalsReady | None) -> None:
-        self.emb, self.cache, self.attn_layers, self.uv_layers, self.on_ready = emb, cache, attn_layers, uv_layers, on_ready
-        self.last = max(attn_layers, uv_layers)  # the signals are complete after this layer
-        self.text_pos = text_positions(emb).to(emb.embeds.device)
-        self.video_pos = emb.layout.seq_positions.to(self.text_pos.device)
+    def __init__(self, text_pos: torch.Tensor, video_pos: torch.Tensor, embeds: torch.Tensor | None, cache,
+                 attn_layers: int, uv_layers: int, on_ready: SignalsReady | None, last: int | None = None) -> None:
+        """text_pos / video_pos: the sequence positions of the text rows and the video tokens (`text_positions`,
+        the layout's); embeds: the prefill's input (UV-Prune's layer-0 rows; None without them)."""
+        self.embeds, self.cache, self.attn_layers, self.uv_layers, self.on_ready = embeds, cache, attn_layers, uv_layers, on_ready
+        self.last = last or max(attn_layers, uv_layers)  # the signals are complete after this layer
+        self.text_pos, self.video_pos = text_pos, video_pos
+        # A split target's: (L, Hkv/k, N) scored here -> (L, Hkv, N) of all its ranks (models/tensor_parallel.py)
+        self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []  # the (cos, sin) of this prefill's rows
         self.attention_rows: list[torch.Tensor | None] = [None] * attn_layers
         self.pending: dict[int, torch.Tensor] = {}  # layer -> text queries, between its q_proj and its attention
@@ -177,7 +189,7 @@ class _SignalHooks:
                 hook(attn.q_proj, self._capture_queries(i, attn))
                 hook(attn, self._score_layer(i))
         if self.uv_layers:
-            self._keep_rows(self.emb.embeds)  # layer 0's input: a full prefill feeds the embeddings as they are
+            self._keep_rows(self.embeds)  # layer 0's input: a full prefill feeds the embeddings as they are
             hook(layers[self.uv_layers - 1], lambda module, args, out: self._keep_rows(_layer_output(out)))
         hook(layers[self.last - 1], self._signals_done)  # after the row capture registered on the same layer
         return handles
@@ -198,6 +210,11 @@ class _SignalHooks:
 
         return score
 
+    def spec(self) -> dict:
+        """What a split target's other ranks need to score their heads in the same forward (`follower_hooks`)."""
+        return {"attn_layers": self.attn_layers, "last": self.last, "text_pos": self.text_pos.tolist(),
+                "video_pos": self.video_pos.tolist()}
+
     def _keep_rows(self, h: torch.Tensor) -> None:
         self.video_rows.append(h[0, self.video_pos])
         self.text_rows.append(h[0, self.text_pos])
@@ -206,12 +223,24 @@ class _SignalHooks:
         signals = PrefillSignals()
         if self.attn_layers:
             signals.video_attention = torch.stack(self.attention_rows)
+            if self.gather is not None:
+                signals.video_attention = self.gather(signals.video_attention)
         if self.uv_layers:
             signals.video_hidden = torch.stack(self.video_rows)
             signals.text_hidden = torch.stack(self.text_rows)
         self.ready.append(signals)
         if self.on_ready is not None:
             self.on_ready(signals)
+
+
+def follower_hooks(spec: dict, cache, device: torch.device, gather: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> _SignalHooks:
+    """A split target's follower's hooks for the leader's prefill with signals (`_SignalHooks.spec`): its heads
+    scored layer by layer, handed to `gather` where the leader gathers them."""
+    hooks = _SignalHooks(torch.tensor(spec["text_pos"], device=device), torch.tensor(spec["video_pos"], device=device),
+                         None, cache, spec["attn_layers"], 0, None, last=spec["last"])
+    hooks.gather = gather
+    return hooks
 
 
 def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:

@@ -22,10 +22,12 @@ leader drops is dropped by the followers with the next message. One lock makes e
 so the engine's prefill thread and its decode thread take turns (the forwards of the two would otherwise
 interleave their all-reduces). The header is msgpack; tensors follow as broadcasts on the target's group.
 
+A prefill that scores the target's attention for the pruner (HIPPO, SpecVLM, attn: models/signals.py) tells
+the followers to score their own heads in the same forward; at the layer where the signals are complete every
+rank hands its (L, Hkv/k, N) scores to one all-gather and the leader streams the whole (L, Hkv, N) on. Hidden
+states are whole on every rank after each layer's all-reduce, so UV-Prune's signals need nothing more.
 Not mirrored, so refused with a tensor-parallel target (launch/preflight.py says so at launch): the draft trees
-and Sparse-to-Dense's KV (their own cache surgery), captured steps (fixed caches), and strategies scoring the
-target's attention (its heads are split across ranks; HIPPO, SpecVLM, attn). Hidden states are whole on every
-rank after each layer's all-reduce, so UV-Prune's signals are the unsharded model's.
+and Sparse-to-Dense's KV (their own cache surgery) and captured steps (fixed caches).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class Mirror:
         self._ids = itertools.count(1)
         self._dropped: list[int] = []  # caches the leader let go of, told with the next message
         self._dropped_lock = threading.Lock()
+        self._signals: dict | None = None  # the next forward scores attention on every rank (models/signals.py)
 
     def cache_id(self, cache: Any) -> int:
         cid = getattr(cache, "_vpsd_mirror_id", None)
@@ -164,8 +167,18 @@ class Mirror:
         with self.lock:
             tensors: list[torch.Tensor] = []
             args = {name: _pack(value, tensors) for name, value in inputs.items()}
-            self.wire.send(self._header(op="forward", cache=self.cache_id(cache), inputs=args), tensors)
+            signals, self._signals = self._signals, None
+            self.wire.send(self._header(op="forward", cache=self.cache_id(cache), inputs=args, signals=signals),
+                           tensors)
             return run(**inputs)
+
+    def score_next_forward(self, spec: dict) -> None:
+        """The next forward (a prefill with signals, under this lock) runs the followers' attention hooks too."""
+        self._signals = spec
+
+    def gather_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """(L, Hkv/k, N) of this rank -> (L, Hkv, N) of all of them, in head order (the leader's shard first)."""
+        return gather_heads(scores, self.wire.group)
 
     def cache_op(self, name: str, cache: Any, *args: Any) -> None:
         fn, cache_args = CACHE_OPS[name]
@@ -177,6 +190,12 @@ class Mirror:
     def stop(self) -> None:
         with self.lock:
             self.wire.send(self._header(op="stop"), [])
+
+
+def gather_heads(scores: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(scores) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, scores.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 # ---- the followers' side ----------------------------------------------------------------------------------
@@ -201,7 +220,18 @@ def follow(adapter: Any, group: dist.ProcessGroup, leader: int) -> int:
                 cache = caches[header["cache"]] = adapter.new_cache()
             if op == "forward":
                 inputs = {name: _unpack(v, wire) for name, v in header["inputs"].items()}
-                lm(**inputs, **cache_kwargs(lm, cache))
+                handles = []
+                if header.get("signals"):  # the leader scores attention in this prefill: score our heads too
+                    from vpsd.models.signals import follower_hooks
+
+                    hooks = follower_hooks(header["signals"], cache, adapter.device,
+                                           lambda t: gather_heads(t, group))
+                    handles = hooks.install(lm)
+                try:
+                    lm(**inputs, **cache_kwargs(lm, cache))
+                finally:
+                    for h in handles:
+                        h.remove()
                 forwards += 1
             else:
                 fn, cache_args = CACHE_OPS[op]
