@@ -4,7 +4,7 @@ outgrowing the buffers and two batches over one model (self-speculation); the en
 it, one graph a step width, none recompiled as the cache fills and rolls back.
 
 torch.compile's inductor backend generates code for a graph in ~10 s on this CPU, so one test runs it (a plain
-`ar` decode, one graph); the others capture with mode "trace", the very same dynamo graphs run by the eager
+`ar` decode, one graph; with --slow); the others capture with mode "trace", the very same dynamo graphs run by the eager
 kernels (the capture, its guards, the fixed cache and its mask). "cudagraphs" and "reduce-overhead" need a GPU
 (tests/test_on_cuda.py)."""
 
@@ -151,8 +151,9 @@ def test_the_engine_with_captured_target_and_draft_decodes_ars_tokens(size):
 
 # torch's own inductor imports a deprecated torch.jit decorator of torch's (not vpsd's, not transformers').
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.slow  # inductor's code generation, 10-15 s cold: the graphs themselves are the "trace" tests'
 def test_inductor_captured_ar_decodes_ars_tokens():
-    """The real thing once: inductor's generated kernels, one graph (a decode step)."""
+    """Inductor's generated kernels once, one graph (a decode step)."""
     eager, target = adapters("qwen2_5_vl", mode="default")
     cfg = DecodingConfig(max_new_tokens=10, temperature=0.0)
     todo = requests(2, max_new=10)

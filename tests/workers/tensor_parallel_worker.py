@@ -43,8 +43,8 @@ def main() -> None:
     kv = target.language_model.layers[0].self_attn.k_proj.weight
     report = {"local_kv_rows": int(kv.to_local().shape[0]) if hasattr(kv, "to_local") else int(kv.shape[0]),
               "whole_kv_rows": int(whole.language_model.layers[0].self_attn.k_proj.weight.shape[0])}
-    todo = requests(4, max_new=14)
-    dec = DecodingConfig(gamma=3, max_new_tokens=14, temperature=0.0)
+    todo = requests(3, max_new=12)
+    dec = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.0)
     cases = {"ar_b1": (None, None, 1), "ar_b2": (None, None, 2),
              # the target drafting for itself on half the video: its draft's forwards are mirrored too
              "self_sd_b2": (target, PruningConfig("uniform", 0.5, seed=3), 2)}
