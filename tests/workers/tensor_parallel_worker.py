@@ -32,7 +32,7 @@ def main() -> None:
     cfg = load_config(config_path(family))
     tok = tiny_tokenizer()
     target = load_adapter(family, cfg.target, tok)
-    shard(target.language_model, target.model.config.get_text_config(), group, target.device)
+    shard(target, group)
     if rank == 1:
         forwards = follow(target, group, leader=0)
         (out / "follower.json").write_text(json.dumps({"forwards": forwards}))

@@ -186,7 +186,7 @@ def run_follower(cfg: RunConfig, group, leader: int) -> None:
     from vpsd.models.tensor_parallel import follow, shard
 
     target = load_adapter(cfg.family, cfg.target)
-    shard(target.language_model, target.model.config.get_text_config(), group, target.device)
+    shard(target, group)
     forwards = follow(target, group, leader)
     get_logger().info("follower_done", leader=leader, forwards=forwards)
 

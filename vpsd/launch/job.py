@@ -171,7 +171,7 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
     `target_group`: the ranks of a split target, this one leading (models/tensor_parallel.py)."""
     target = load_adapter(cfg.family, cfg.target)
     if target_group is not None:
-        shard(target.language_model, target.model.config.get_text_config(), target_group, target.device)
+        shard(target, target_group)
         target.mirror = Mirror(target_group, ctx.rank, target.device)
     events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
     engine, scheduler = build_engine(ctx, cfg, target, shared_items=pipelines > 1)

@@ -1,6 +1,6 @@
 """`python -m vpsd.launch.step_cost`: what a decode step and a verify cost eager and captured, side by side.
 
-    python -m vpsd.launch.step_cost --config C --manifest M [--set KEY=VALUE ...] [--mode reduce-overhead]
+    python -m vpsd.launch.step_cost --config C --manifest M [--set KEY=VALUE ...] [--mode cudagraphs]
                                     [--widths 1,8] [--steps 16] [--repeats 5] [--json OUT]
 
 The terms of App. C that captured steps (models/captured.py) move: the target's step T_p and the draft's T_q,

@@ -3,20 +3,21 @@
 On a GPU an eager transformers step of a 3B model is mostly Python and kernel launches (measured on an H200,
 2026-11-26: 59 ms a step where its weights read in ~1.2 ms; docs/benchmarks.md, "On a GPU"), which inflates
 every forward alike and squeezes the cost ratio c = T_p / T_q toward the ratio of layer counts (App. C: the
-speedup's ceiling falls with c). Captured, a step is a few launches (CUDA graphs under torch.compile's
-`mode="reduce-overhead"`), so a forward costs what it reads and c returns to the models' size ratio.
+speedup's ceiling falls with c). Captured, a step is one CUDA-graph replay (`capture: cudagraphs`, or inductor's
+`reduce-overhead`), so a forward costs what it reads and c returns to the models' size ratio.
 
 A graph needs fixed shapes and fixed addresses, which vpsd's growing cache (models/kv_cache.py) gives up by
-design. So a captured model keeps ONE `FixedCache` of `capture_len` entries a layer (transformers' StaticCache
-layout: the whole buffer is attended to, the entries past the length masked), reused by every item it decodes:
+design. So a captured model keeps `FixedCache`s (transformers' StaticCache layout: the whole buffer is attended
+to, the entries past the length masked) in a few bucket sizes up to `capture_len` (`FixedCacheLease`), reused by
+every item it decodes:
 
-    adopt    a batch-1 prefill's cache is copied into the fixed buffers (once an item; the prefill itself, of
-             any length, stays eager)
+    adopt    a batch-1 prefill's cache is copied into the smallest bucket that holds it (once an item; the
+             prefill itself, of any length, stays eager; a row that outgrows its bucket moves up one)
     step     k tokens through the compiled language model: one graph a distinct k (a decode step, each verify
-             width), none recompiled as the cache fills or rolls back (its length is a tensor)
+             width and bucket), none recompiled as the cache fills or rolls back (its length is a tensor)
     crop     a rollback moves the length back in place (the graph reads it from its fixed address)
     release  the entries copied back into a growing cache when a second item joins the batch (a batch of
-             several rows steps eagerly, models/batch.py) or the sequence outgrows the buffers
+             several rows steps eagerly, models/batch.py) or the sequence outgrows the largest bucket
 
 The lease (`FixedCacheLease`) makes the buffers one sequence's at a time: a model that is its own draft
 (self-speculation) has two batches over one adapter, and the second steps eagerly.
@@ -111,8 +112,7 @@ class FixedCacheLease:
 
     def __init__(self, config: Any, capacity: int) -> None:
         self.config, self.capacity = config, capacity
-        self.buckets = sorted({max(1, capacity >> i) for i in range(16) if capacity >> i >= self.MIN_BUCKET}
-                              | {capacity})
+        self.buckets = sorted({capacity >> i for i in range(16) if capacity >> i >= self.MIN_BUCKET} | {capacity})
         self._caches: dict[int, FixedCache] = {}
         self._holder: object | None = None
         self._lock = threading.Lock()

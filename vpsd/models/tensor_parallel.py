@@ -67,18 +67,18 @@ def shard_problems(text_config: Any, k: int) -> list[str]:
     return [f"tensor_parallel {k}: {name} {n} is not a multiple of {k}" for name, n in sizes.items() if n % k]
 
 
-def shard(language_model: torch.nn.Module, text_config: Any, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Splits every decoder layer of `language_model` over the ranks of `group` (see the module docstring)."""
+def shard(adapter: Any, group: dist.ProcessGroup) -> None:
+    """Splits every decoder layer of `adapter`'s language model over the ranks of `group` (module docstring)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     k = dist.get_world_size(group)
-    problems = shard_problems(text_config, k)
+    problems = shard_problems(adapter.model.config.get_text_config(), k)
     if problems:
         raise ValueError("; ".join(problems))
-    mesh = DeviceMesh.from_group(group, torch.device(device).type)
+    mesh = DeviceMesh.from_group(group, torch.device(adapter.device).type)
     plan = shard_plan()
-    for layer in language_model.layers:
+    for layer in adapter.language_model.layers:
         parallelize_module(layer, mesh, plan)
 
 
