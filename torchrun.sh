@@ -37,9 +37,6 @@ if ! printf '%s\n' "${torchrun_args[@]:-}" | grep -q -- '--log[-_]dir'; then
   torchrun_args+=(--log-dir "$VPSD_TORCHRUN_LOGS")
 fi
 trap 'rm -f "${VPSD_REFUSAL_MARK:-}" "${VPSD_INTERRUPT_MARK:-}"; [ -n "${VPSD_TORCHRUN_LOGS:-}" ] && rm -rf "$VPSD_TORCHRUN_LOGS"' EXIT
-# Restarts (--max-restarts) need a fresh store per attempt: with the store torchrun shares across
-# attempts, restarted ranks read the dead ranks' addresses and hang (pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 extra=()
 [ -n "${LOG_RANK:-}" ] && extra+=(--local-ranks-filter "$LOG_RANK")
 out=""; prev=""

@@ -44,3 +44,8 @@ def test_the_limit_scales_what_this_job_measured_with_a_floor_and_waits_idle_tim
     assert stuck_limit(0.0, timeout_s=5.0, idle_timeout_s=3600.0) == 3600.0
     assert stuck_limit(0.1, timeout_s=5.0, idle_timeout_s=3600.0) == 5.0  # 10 x 0.1 s is under --timeout
     assert stuck_limit(2.0, timeout_s=5.0, idle_timeout_s=3600.0) == STUCK_FACTOR * 2.0
+
+
+def test_loading_the_models_has_the_start_up_bound_whatever_other_work_took():
+    assert stuck_limit(0.0, timeout_s=5.0, idle_timeout_s=3600.0, phase="start", startup_timeout_s=600.0) == 600.0
+    assert stuck_limit(2.0, timeout_s=5.0, idle_timeout_s=3600.0, phase="start", startup_timeout_s=30.0) == 30.0

@@ -18,7 +18,6 @@ from tests.torchrun_jobs import (ROOT, job_args, job_env, launcher_cmd, results,
                                  torchrun_cmd, world_manifest)
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.launch.entry import restart_problem
 from vpsd.launch.manifest import check_manifest, load_manifest
 from vpsd.reports import timeline, timeline_plot
 from vpsd.reports.summary import EXIT_ITEMS_FAILED
@@ -266,13 +265,6 @@ def test_elastic_restart_resumes_after_a_rank_dies(tmp_path_factory, six, uninte
     assert_same_results(out, uninterrupted)
     run = json.loads((out / "summary.json").read_text())["run"]
     assert run["restart"] == 1 and run["skipped"] >= 2
-
-
-def test_a_restart_on_the_shared_store_fails_fast_instead_of_hanging():
-    assert restart_problem({"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
-    assert restart_problem({"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
-    problem = restart_problem({"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    assert problem is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
 
 
 def test_video_reading_is_timed_and_read_ahead(uninterrupted):

@@ -32,6 +32,7 @@ EXAMPLES: list[m.Message] = [
     m.ItemDone("item-7", [1, 2, 3], None),
     m.ItemDone("item-8", [], {"kind": "OOM", "rank": 0}),
     m.Heartbeat("draft", 1, 1_732_000_000.25),
+    m.Ready("draft", 1, 12.5),
     m.Shutdown("all items done"),
     m.Error("pruner", 2, "item-7", "scores had NaN"),
     m.WorkRequest(1, True),

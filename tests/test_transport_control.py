@@ -154,6 +154,22 @@ def test_heartbeats_are_consumed_and_refresh_liveness(world):
     assert info.value.rank in (1, 2) and info.value.role in ("draft", "pruner")
 
 
+def test_a_peer_never_heard_from_has_the_start_up_bound_and_then_the_timeout(world):
+    t, d, _ = world
+    time.sleep(0.05)
+    t.check_alive([1, 2], timeout_s=0.01, unheard_s=5.0)  # not heard from yet: still starting
+    with pytest.raises(PeerTimeout) as info:
+        t.check_alive([1], timeout_s=5.0, unheard_s=0.01)
+    assert info.value.rank == 1
+    d.heartbeat([0])
+    deadline = time.monotonic() + 2.0
+    while t.last_seen(1) is None and time.monotonic() < deadline:
+        t.poll(0.01)
+    time.sleep(0.05)
+    with pytest.raises(PeerTimeout):  # heard from once: --timeout rules from now on
+        t.check_alive([1], timeout_s=0.01, unheard_s=5.0)
+
+
 def test_unpublished_peer_times_out_by_name():
     store = dist.HashStore()
     with ControlChannel(0, 2, "target", store, secret=SECRET, connect_timeout_s=0.1) as ch:

@@ -7,9 +7,10 @@ of size (the most seconds a token or row took). The waiting peer then names a st
 its current work has run past `STUCK_FACTOR` times what such work took here, and past --timeout, or, before
 anything was measured, past `idle_timeout_s`.
 
-Phases: "prefill" (the target's vision and prefill, the draft's pruned prefill; size: tokens), "verify" (a
-target forward of the round; size: rows of the batch), "draft" (a draft forward; rows), "prune" (the pruner's
-selection; video tokens). `doing(phase, item, size)` marks one on the role's thread; work on other threads
+Phases: "start" (loading, and growing, the role's models: bounded by the start-up bound, `startup_timeout_s`, not by
+what other work took), "prefill" (the target's vision and prefill, the draft's pruned prefill; size: tokens),
+"verify" (a target forward of the round; size: rows of the batch), "draft" (a draft forward; rows), "prune" (the
+pruner's selection; video tokens). `doing(phase, item, size)` marks one on the role's thread; work on other threads
 (prefill-ahead) is not the role's, and is not reported.
 
 Test hooks (the stuck rule's tests through real ranks; never set outside tests): VPSD_TEST_HANG=<role>:<phase>:<n>
@@ -26,7 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-PHASES = ("prefill", "verify", "draft", "prune")
+PHASES = ("start", "prefill", "verify", "draft", "prune")
+START = "start"
 STUCK_FACTOR = 10.0
 
 
@@ -79,9 +81,13 @@ class Activity:
             return Report(phase, item, time.monotonic() - since, self._per_unit.get(phase, 0.0) * size)
 
 
-def stuck_limit(typical_s: float, timeout_s: float, idle_timeout_s: float) -> float:
+def stuck_limit(typical_s: float, timeout_s: float, idle_timeout_s: float, phase: str = "",
+                startup_timeout_s: float = 600.0) -> float:
     """How long a phase may run before its rank is called stuck: STUCK_FACTOR times what such work took in this
-    job, and never less than --timeout; before anything was measured, idle_timeout_s."""
+    job, and never less than --timeout; before anything was measured, idle_timeout_s. Starting (loading the
+    models) has the start-up bound."""
+    if phase == START:
+        return startup_timeout_s
     return max(timeout_s, STUCK_FACTOR * typical_s) if typical_s > 0 else idle_timeout_s
 
 

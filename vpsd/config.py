@@ -201,17 +201,20 @@ class RunConfig:
     tabed: TabedConfig | None = None
     # Where and how the ranks run (no output depends on them, so they are not part of a job's identity): each
     # role's rank in a pipeline and the cores it is pinned to (launch/layout.py), how long a peer may be silent
-    # before the job ends naming it (--timeout wins), and how long a live peer may be waited for.
+    # before the job ends naming it (--timeout wins), how long a live peer may be waited for, and how long the
+    # job may take to start: every rank up, models loaded (--startup-timeout wins; transport/startup.py).
     roles: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_ROLES))
     cpu_affinity: dict[str, list[int]] | None = None
     timeout_s: float = 120.0
     idle_timeout_s: float = 3600.0
+    startup_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if sorted(self.roles) != sorted(DEFAULT_ROLES) or len(set(self.roles.values())) != len(DEFAULT_ROLES):
             raise ValueError(f"roles must map target, draft and pruner to distinct ranks, got {self.roles}")
-        if self.timeout_s <= 0 or self.idle_timeout_s <= 0:
-            raise ValueError(f"timeout_s and idle_timeout_s must be > 0, got {self.timeout_s}, {self.idle_timeout_s}")
+        if min(self.timeout_s, self.idle_timeout_s, self.startup_timeout_s) <= 0:
+            raise ValueError(f"timeout_s, idle_timeout_s and startup_timeout_s must be > 0, got {self.timeout_s}, "
+                             f"{self.idle_timeout_s}, {self.startup_timeout_s}")
         for role, cpus in (self.cpu_affinity or {}).items():
             if role not in DEFAULT_ROLES:
                 raise ValueError(f"cpu_affinity: unknown role {role!r}{nearest(role, DEFAULT_ROLES)}; "
@@ -230,7 +233,7 @@ class RunConfig:
 DEFAULT_ROLES = {"target": 0, "draft": 1, "pruner": 2}
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
 # Top-level settings outside the sections (RunConfig's own fields), type-checked like a section's keys.
-TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s")
+TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_timeout_s")
 
 
 class ConfigError(ValueError):

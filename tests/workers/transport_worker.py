@@ -50,7 +50,7 @@ def ring(ch: ControlChannel, rank: int, world: int, round_: int) -> dict:
 
 
 def main(out_dir: Path) -> dict:
-    rank, world, backend = init_distributed(timeout_s=60)
+    rank, world, backend = init_distributed(startup_timeout_s=60)
     role = ROLES[rank]
     res: dict = {"rank": rank, "role": role, "backend": backend, "world": world}
     ch = ControlChannel.from_process_group(role)

@@ -59,7 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
                    help="draft tokens per chunk, or auto: matched live to T_p / T_q (ParallelVLM Eq. 6)")
     p.add_argument("--temperature", type=float, default=None, help="0: greedy (the default); > 0: sampling")
-    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds a role waits for a peer")
+    p.add_argument("--timeout", type=_positive_seconds, default=None,
+                   help="seconds a peer may be silent once the job runs (config timeout_s, default 120)")
+    p.add_argument("--startup-timeout", type=_positive_seconds, default=None,
+                   help="seconds the job may take to start: every rank up, models loaded (config startup_timeout_s, "
+                        "default 600)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set draft=self --set video.num_frames=16")
     p.add_argument("--retry-failed", action="store_true", help="run again the items whose result is an error")

@@ -19,11 +19,10 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping
 
 import torch.distributed as dist
 
-from vpsd.activity import ACTIVITY
+from vpsd.activity import ACTIVITY, START, doing
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
@@ -41,6 +40,7 @@ from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.placement import visible_gpus
+from vpsd.transport.startup import RanksMissing
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
 
@@ -81,21 +81,6 @@ def check_method_settings(method, cfg: RunConfig) -> None:
         raise SystemExit(f"vpsd: method {method.name}: {e}") from None
 
 
-def restart_problem(env: Mapping[str, str]) -> str | None:
-    """Why this torchrun restart cannot work, if it cannot.
-
-    torchrun shares its agent's TCPStore with the ranks by default, across restarts too: a restarted
-    rank then finds the dead ranks' addresses in it and hangs in init_process_group
-    (pytorch/pytorch#135712). Said at once, and how to avoid it, instead of hanging.
-    """
-    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return (f"torchrun restarted the ranks (attempt {restart}) with the store it shares across attempts, "
-                "where the process group hangs (pytorch/pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                "for torchrun (./torchrun.sh does)")
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
         die_with_parent()
@@ -124,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(secret, int):
         return secret  # refused
     timeout_s = float(args.timeout or cfg.timeout_s)
+    startup_timeout_s = float(args.startup_timeout or cfg.startup_timeout_s)
     placed = layout.of_rank(rank)
     role = placed[1] if placed is not None else "spare"
     if placed is not None and (in_roles or role in ("target", FOLLOWER)):
         import_role(role)
-    rank, world, backend = init_distributed(timeout_s=timeout_s)
+    try:  # start-up has its own bound: --timeout takes over once every rank is up
+        rank, world, backend = init_distributed(startup_timeout_s, say, progress=not args.quiet)
+    except RanksMissing:
+        return 2  # said by one rank; non-zero, so that torchrun stops the ranks still starting
     configure_tracing(out, role, rank)
     target_group = None
     if placed is not None and placed[0].followers and role in ("target", FOLLOWER):
@@ -147,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     pipeline = placed[0]
-    ctx = start_role(rank, role, pipeline, cfg, method, secret, timeout_s, out)
+    ctx = start_role(rank, role, pipeline, cfg, method, secret, timeout_s, startup_timeout_s, out)
     get_logger().info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
                       pid=os.getpid(), host=os.uname().nodename, pipeline=pipeline.index,
                       pipelines=len(layout.pipelines), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -204,8 +193,8 @@ def interrupted(is_target: bool, out: Path) -> None:
 
 def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Path, is_target: bool,
               layout: Layout) -> str | int:
-    """What every rank checks before any of them loads a model: paths, the cores of every pipeline on a node, a
-    restart's store, the job's secret, the lock on --out (the leader's), a resume's settings. Returns the
+    """What every rank checks before any of them loads a model: paths, the cores of every pipeline on a node, the
+    job's secret, the lock on --out (the leader's), a resume's settings. Returns the
     secret, or the refusal's exit status."""
     slots = max(p.node_slot for p in layout.pipelines) + 1
     if slots > 1 and (pinning := affinity_problems(cfg, slots=slots)):
@@ -217,9 +206,6 @@ def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Pat
             return refuse(problems)
         if is_target:
             return refuse(problems, reporter=True, every_rank=False)
-    problem = restart_problem(os.environ)
-    if problem is not None:
-        return refuse([problem])
     try:
         secret = job_secret()  # before anything binds a socket: no secret, no control plane
         if is_target:
@@ -236,14 +222,14 @@ def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Pat
 
 
 def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method: Method, secret: str,
-               timeout_s: float, out: Path) -> RoleContext:
+               timeout_s: float, startup_timeout_s: float, out: Path) -> RoleContext:
     """The rank's control channel, affinity and context (its config pinning its pipeline's cores); torchrun's
     SIGTERM said as one line."""
     # The control channel first: its ZeroMQ I/O thread starts with the socket and keeps the affinity it
     # starts with. Pinned to the role's core it must preempt the role's own compute thread to move every
     # message, on a core shared with whatever else runs there: sends took ~0.1 ms (median) to several ms,
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
-    ctrl = ControlChannel.from_process_group(role, secret=secret)
+    ctrl = ControlChannel.from_process_group(role, secret=secret, connect_timeout_s=startup_timeout_s)
     ACTIVITY.own(role)  # this thread's phases are what the heartbeats report (vpsd/activity.py)
     if cfg.cpu_affinity:  # this pipeline's cores: the config's layout shifted to its place on the node
         cfg = dataclasses.replace(cfg, cpu_affinity={r: pinned_cores(cfg.cpu_affinity, r, pipeline.node_slot) or []
@@ -251,8 +237,9 @@ def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method:
     cpus = (cfg.cpu_affinity or {}).get(role)
     if cpus is not None:  # e.g. pin target and draft to separate cores for a fair CPU benchmark
         os.sched_setaffinity(0, cpus)  # this thread (and threads it starts later) only
-    ctx = RoleContext(rank, role, dict(pipeline.ranks), ctrl, TensorChannel(ctrl), cfg, method, timeout_s=timeout_s,
-                      idle_timeout_s=cfg.idle_timeout_s, job_id=out.name, out=out)
+    ctx = RoleContext(rank, role, dict(pipeline.ranks), ctrl, TensorChannel(ctrl, timeout_s=timeout_s), cfg, method,
+                      timeout_s=timeout_s, idle_timeout_s=cfg.idle_timeout_s, startup_timeout_s=startup_timeout_s,
+                      job_id=out.name, out=out)
 
     def on_sigterm(signum, frame):  # torchrun stops the survivors when a rank dies: say so, and where
         msg = f"{role} (rank {rank}) stopped by torchrun while on item {ctx.item_id or '-'}: another rank failed"
@@ -300,7 +287,9 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             from vpsd.models.registry import load_adapter
             from vpsd.roles.draft import run_draft
 
-            run_draft(ctx, load_adapter(cfg.family, cfg.draft or cfg.target))
+            with doing(START):  # its peers wait on it for up to the start-up bound
+                draft = load_adapter(cfg.family, cfg.draft or cfg.target)
+            run_draft(ctx, draft)
         else:
             from vpsd.roles.pruner import run_pruner
 

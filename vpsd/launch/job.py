@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from vpsd.activity import START, doing
 from vpsd.config import RunConfig
 from vpsd.engine.engine import Engine
 from vpsd.engine.local_drafter import LocalDrafter
@@ -169,12 +170,15 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
                  target_group=None) -> None:
     """This pipeline's share of the job: items from the coordinator until it has no more, then its run.
     `target_group`: the ranks of a split target, this one leading (models/tensor_parallel.py)."""
-    target = load_adapter(cfg.family, cfg.target)
-    if target_group is not None:
-        shard(target, target_group)
-        target.mirror = Mirror(target_group, ctx.rank, target.device)
-    events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
-    engine, scheduler = build_engine(ctx, cfg, target, shared_items=pipelines > 1)
+    with doing(START):  # the models load (and grow) under the start-up bound, not --timeout
+        target = load_adapter(cfg.family, cfg.target)
+        if target_group is not None:
+            shard(target, target_group)
+            target.mirror = Mirror(target_group, ctx.rank, target.device)
+        events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
+        engine, scheduler = build_engine(ctx, cfg, target, shared_items=pipelines > 1)
+    if isinstance(engine.drafter, RemoteDrafter):
+        engine.drafter.await_peers(ctx.startup_timeout_s)  # start-up ends when the draft and pruner have loaded
     loop_start = time.perf_counter()
     scheduler.run(link, events)
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by

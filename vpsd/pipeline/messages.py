@@ -239,6 +239,15 @@ class Heartbeat(Message, tag="Heartbeat/2"):
     typical_s: float = 0.0
 
 
+class Ready(Message, tag="Ready/1"):
+    """A draft or pruner -> its target, once: its models are loaded. The target starts no item before every peer
+    said so, so no transfer of the job ever waits on a rank still loading (start-up has its own bound)."""
+
+    role: str
+    rank: Int
+    startup_s: float  # from the rank's process group to this message: its models' load (and growth)
+
+
 class Shutdown(Message, tag="Shutdown/1"):
     """Stop the receiving role's loop."""
 

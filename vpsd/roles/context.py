@@ -7,16 +7,17 @@ rank sends them from a thread, ControlChannel.start_heartbeat) for `timeout_s`, 
 ends the job within the timeout. A peer that is alive but stuck (its heartbeats say it has been in one phase,
 a prefill, a verify, a draft step, a pruning, far longer than such work took in this job: vpsd/activity.py)
 is named too, within that limit; a peer alive and busy but not in a phase (between items, reading a video)
-is waited for up to the wait's own limit (`idle_timeout_s` by default).
+is waited for up to the wait's own limit (`idle_timeout_s` by default). Start-up has its own bound
+(`startup_timeout_s`): a peer never heard from yet, or one loading its models, is waited for that long.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from vpsd.activity import stuck_limit
+from vpsd.activity import START, stuck_limit
 from vpsd.config import RunConfig
 from vpsd.pipeline.messages import Message
 from vpsd.pipeline.methods import Method
@@ -37,9 +38,11 @@ class RoleContext:
     method: Method
     timeout_s: float = 60.0
     idle_timeout_s: float = 3600.0  # the default limit of a wait on a live peer
+    startup_timeout_s: float = 600.0  # a peer never heard from yet, or loading its models, is waited for this long
     job_id: str = ""
     out: Path | None = None  # the run directory (kept-token log), when the job has one
     item_id: str = ""  # the item in flight, for error messages
+    started: float = field(default_factory=time.monotonic)  # when the role's transport was up
 
     def wait(self, src_role: str | None = None, limit_s: float | None = None, awaiting: str | None = None) -> None:
         """Block until a message from `src_role` (any peer if None) is ready.
@@ -55,7 +58,7 @@ class RoleContext:
         while not self.ctrl.poll(max(0.0, min(step, deadline - time.monotonic())), src=src):
             watched = [self.ranks[awaiting]] if awaiting else [r for k, r in self.ranks.items() if k != self.role]
             try:
-                self.ctrl.check_alive(watched, self.timeout_s)
+                self.ctrl.check_alive(watched, self.timeout_s, unheard_s=self.startup_timeout_s)
             except PeerTimeout as e:
                 raise RoleFailure(
                     f"{self.role} (rank {self.rank}) heard nothing from {e.role or 'a peer'} (rank {e.rank}) for "
@@ -77,9 +80,13 @@ class RoleContext:
             return
         beat, age = got
         busy = beat.busy_s + age
-        if busy <= stuck_limit(beat.typical_s, self.timeout_s, self.idle_timeout_s):
+        if busy <= stuck_limit(beat.typical_s, self.timeout_s, self.idle_timeout_s, beat.phase, self.startup_timeout_s):
             return
         peer = next((k for k, r in self.ranks.items() if r == rank), beat.role)
+        if beat.phase == START:
+            raise RoleFailure(f"{self.role} (rank {self.rank}): {peer} (rank {rank}) has been loading its models for "
+                              f"{busy:.0f} s, past the start-up bound ({self.startup_timeout_s:.0f} s, "
+                              f"--startup-timeout): it is stuck, or needs a longer bound", silent_rank=rank)
         measured = (f"such {beat.phase} work took at most {beat.typical_s:.2f} s in this job" if beat.typical_s > 0
                     else f"none had finished yet, and idle_timeout_s is {self.idle_timeout_s:.0f} s")
         raise RoleFailure(f"{self.role} (rank {self.rank}): {peer} (rank {rank}) has been in {beat.phase} of item "

@@ -25,6 +25,7 @@ the batch-1 forward itself (models/batch.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +39,8 @@ from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.cost import running_mean
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, JobStart, Message, Shutdown, TensorAnnounce, VerifyResult
+from vpsd.pipeline.messages import (DraftChunk, Error, ItemDone, JobStart, Message, Ready, Shutdown, TensorAnnounce,
+                                   VerifyResult)
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
 from vpsd.roles.context import RoleContext
@@ -258,6 +260,7 @@ def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
     videos = FramePrefetcher()
     try:
         link = RankLink(ctx)
+        link.send("target", Ready(ctx.role, ctx.rank, time.monotonic() - ctx.started))  # the model is loaded
         serve_draft(link, DraftWorker(link, draft, ctx.config, videos, drafts_from=ctx.method.draft))
     finally:
         videos.close()

@@ -13,6 +13,8 @@ RUN_DIR/kept.jsonl (reports/kept_log.py) for `vpsd bias`.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vpsd.activity import doing
@@ -20,7 +22,7 @@ from vpsd.decoders.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.config import RunConfig
-from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Message, Shutdown, TensorAnnounce
+from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Message, Ready, Shutdown, TensorAnnounce
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.link import Link, RankLink
 from vpsd.roles.signals_wire import unpack
@@ -82,6 +84,7 @@ class PrunerWorker:
 def run_pruner(ctx: RoleContext) -> None:
     link = RankLink(ctx)
     worker = PrunerWorker(link, ctx.config, ctx.out)
+    link.send("target", Ready(ctx.role, ctx.rank, time.monotonic() - ctx.started))
     while not worker.stopped:
         worker.handle(*link.recv("target"))
 

@@ -27,8 +27,9 @@ from vpsd.config import RunConfig
 from vpsd.engine.drafter import Proposal
 from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
-from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Shutdown, VerifyResult
+from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Ready, Shutdown, VerifyResult
 from vpsd.pipeline.sampling import probs_from_logits
+from vpsd.roles.context import RoleFailure
 from vpsd.roles.link import Link, recv_announced
 from vpsd.roles.starting import HeldSignals, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
@@ -49,6 +50,17 @@ class RemoteDrafter:
         self.num_kept: dict[str, int] = {}  # the pruner's reports
         self.pending_sends: list = []
         self._step: tuple[int, float] | None = None
+
+    def await_peers(self, limit_s: float) -> None:
+        """Before the first item: the draft's and the pruner's Ready (their models loaded), each waited for up to
+        the start-up bound, so that no transfer of the job waits on a rank still loading."""
+        took = {}
+        for role in ("draft", "pruner"):
+            _, msg = self.link.recv(role, limit_s=limit_s)
+            if not isinstance(msg, Ready):
+                raise RoleFailure(f"target: expected the {role}'s Ready before any item, got {type(msg).__name__}")
+            took[role] = round(msg.startup_s, 3)
+        log.info("peers_ready", **{f"{role}_startup_s": s for role, s in took.items()})
 
     # ---- an item's start ----------------------------------------------------------------------------
 

@@ -303,14 +303,16 @@ class ControlChannel:
         """time.monotonic() of the last valid message from `rank`, None if none yet."""
         return self._last_seen.get(rank)
 
-    def check_alive(self, ranks: Iterable[int], timeout_s: float) -> None:
-        """Raise PeerTimeout for the first rank silent for more than `timeout_s` (counted from channel start
-        for a rank never heard from). Drains pending messages first so queued heartbeats count."""
+    def check_alive(self, ranks: Iterable[int], timeout_s: float, unheard_s: float | None = None) -> None:
+        """Raise PeerTimeout for the first rank silent for more than `timeout_s`; a rank never heard from is
+        allowed `unheard_s` (default `timeout_s`) from channel start: the start-up bound, while it may still be
+        coming up. Drains pending messages first so queued heartbeats count."""
         self._drain()
         now = time.monotonic()
         for rank in ranks:
-            silent = now - self._last_seen.get(rank, self._started)
-            if silent > timeout_s:
+            seen = self._last_seen.get(rank)
+            silent = now - (self._started if seen is None else seen)
+            if silent > (timeout_s if seen is not None or unheard_s is None else unheard_s):
                 raise PeerTimeout(rank, self.peer_role(rank), silent, "a sign of life from")
 
     # --- teardown ---------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Point-to-point tensors over torch.distributed, announced on the control channel.
 
 Contract:
-- `init_distributed(timeout_s)` joins the process group torchrun describes (RANK, WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE) on the backend its placement picks
+- `init_distributed(startup_timeout_s)` waits for every rank of the launch (transport/startup.py: one line naming
+  a rank that never arrives, under the start-up bound), then joins the process group torchrun describes
+  (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE) on the backend its placement picks
   (transport/placement.py): "cpu:gloo,cuda:nccl" when every rank has a GPU of its own (cuda tensors travel on
   NCCL, cpu tensors on gloo); gloo when ranks share a GPU, a cuda tensor then staged through host memory by
   both ends (the receiver still gets it on its GPU); gloo without CUDA.
@@ -13,8 +14,9 @@ Contract:
   `recv(src, shapes, dtypes)`); tensors from one sender must be received in the order announced.
 - dtypes travel as names ("float32", "bfloat16", "int64"); unknown names raise ValueError.
 - Only tensors: never `send_object_list` and friends, which pickle.
-- A transfer the peer does not complete within the process group's timeout (a stopped or dead peer) raises
-  `PeerTimeout` naming the peer, not gloo's bare RuntimeError.
+- A transfer the peer does not complete within the channel's `timeout_s` (--timeout: a stopped or dead peer)
+  raises `PeerTimeout` naming the peer, not gloo's bare RuntimeError. The process group's own timeout is the
+  start-up bound (its connect must wait for ranks that come up late), so every wait here names its limit.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from vpsd.pipeline.messages import TensorAnnounce
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.placement import this_placement
+from vpsd.transport.startup import await_ranks, late_start_hook, make_store
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -63,8 +66,11 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype name {name!r}; known: {sorted(DTYPES)}") from None
 
 
-def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, str]:
-    """Join torchrun's process group (once) and return (rank, world_size, backend)."""
+def init_distributed(startup_timeout_s: float = 600.0, say: Callable[[str], None] = print,
+                     progress: bool = True) -> tuple[int, int, str]:
+    """Wait for every rank (RanksMissing naming those that never came, after `startup_timeout_s`, said once through
+    `say`; rank 0's progress lines meanwhile unless not `progress`), join torchrun's process group (once) and
+    return (rank, world_size, backend)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -72,10 +78,17 @@ def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, str]:
         raise RuntimeError(f"init_distributed needs torchrun's environment; missing {missing}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    placement = this_placement(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    placement = this_placement(local_rank, local_world)
     if placement.gpu is not None:  # a bare "cuda" (a model spec's device) is this GPU from now on
         torch.cuda.set_device(placement.gpu)
-    dist.init_process_group(placement.backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    late_start_hook(rank)
+    store = make_store(startup_timeout_s, say)
+    await_ranks(store, rank, world_size, local_world, startup_timeout_s, say, progress)
+    # Everyone is here: gloo's mesh connect is quick now. Its timeout stays the start-up bound (it is also the
+    # default of every later wait in this group; TensorChannel waits name their own, --timeout).
+    dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=startup_timeout_s))
     return rank, world_size, placement.backend
 
 
@@ -87,10 +100,11 @@ class SendHandle:
     tensors: list[torch.Tensor] = field(repr=False)  # the wire tensors, alive until the sends complete
     dst: int = -1
     dst_role: str | None = None
+    timeout_s: float = 60.0  # the channel's, when a wait names none
 
     def wait(self, timeout_s: float | None = None) -> None:
         for work in self.works:
-            _wait(work, timeout_s, self.dst, self.dst_role, "tensors to be taken by")
+            _wait(work, timeout_s or self.timeout_s, self.dst, self.dst_role, "tensors to be taken by")
         self.works.clear()
         self.tensors.clear()
 
@@ -101,9 +115,12 @@ class SendHandle:
 class TensorChannel:
     """Announced point-to-point tensor transfers for one rank (uses its ControlChannel for announces)."""
 
-    def __init__(self, control: ControlChannel, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, control: ControlChannel, group: dist.ProcessGroup | None = None,
+                 timeout_s: float = 60.0) -> None:
+        """`timeout_s`: how long a transfer may wait on its peer (--timeout), unless a wait names its own."""
         self.control = control
         self.group = group
+        self.timeout_s = timeout_s
         self._staged: bool | None = None
 
     @property
@@ -139,7 +156,7 @@ class TensorChannel:
         # once it knows the shapes; a large gloo/nccl send blocks until then.
         self.control.send(dst, announce)
         works = [dist.isend(t, dst, group=self.group) for t in wire if t.numel() > 0]
-        return SendHandle([w for w in works if w is not None], wire, dst, self.control.peer_role(dst))
+        return SendHandle([w for w in works if w is not None], wire, dst, self.control.peer_role(dst), self.timeout_s)
 
     def recv(
         self,
@@ -158,7 +175,7 @@ class TensorChannel:
         works = [dist.irecv(t, src, group=self.group) for t in out if t.numel() > 0]
         for work in works:
             if work is not None:
-                _wait(work, None, src, self.control.peer_role(src), "announced tensors from")
+                _wait(work, self.timeout_s, src, self.control.peer_role(src), "announced tensors from")
         return [t.to(d) for t, d in zip(out, places)]
 
     def recv_announced(self, announce: TensorAnnounce) -> list[torch.Tensor]:
@@ -166,14 +183,11 @@ class TensorChannel:
         return self.recv(announce.src, announce.shapes, announce.dtypes, announce.devices)
 
 
-def _wait(work: dist.Work, timeout_s: float | None, peer: int, role: str | None, what: str) -> None:
-    """work.wait(), with a timeout (the process group's when None) that names the peer."""
+def _wait(work: dist.Work, timeout_s: float, peer: int, role: str | None, what: str) -> None:
+    """work.wait(timeout), the timeout naming the peer."""
     started = time.monotonic()
     try:
-        if timeout_s is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=timeout_s))
+        work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as e:  # gloo: "Timed out waiting ...ms for send/recv operation", or the peer's socket closed
         raise PeerTimeout(peer, role, time.monotonic() - started, what) from e
 

@@ -1,0 +1,77 @@
+"""A slow start is not a fault, through real ranks: start-up (every rank up, the models loaded, the draft and pruner
+ready) has its own bound, --startup-timeout, and --timeout only rules once the job runs.
+
+Under --timeout 4 (the stuck-peer tests' setting): a rank that comes up 10 s after the others joins and the job
+completes, the waiting said in a progress line; a rank that never comes is named in one line within the start-up
+bound, with no traceback from any rank; a draft that takes 10 s more to load than its peers is waited for; one
+that never finishes loading is named once the bound has passed."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from tests.torchrun_jobs import ROOT, job_args, job_env, results, torchrun_cmd, world_manifest
+
+CONFIG = "tiny_qwen2_5_vl.yaml"
+ARGS = ("--gamma", "3", "--timeout", "4")
+BOUND_S = 8  # the start-up bound of the tests that wait it out
+
+
+def _run(tmp_path_factory, tmp_path, env: dict, *more: str):
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=3)
+    out = tmp_path / "job"
+    t0 = time.monotonic()
+    proc = subprocess.run(torchrun_cmd(3) + job_args(CONFIG, manifest, out, "hippo", *ARGS, *more), capture_output=True,
+                          text=True, timeout=240, env={**job_env(), **env}, cwd=ROOT)
+    return proc, out, time.monotonic() - t0
+
+
+def _said(proc) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("vpsd:")]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("env", [
+    {"VPSD_TEST_LATE_START": "1:10"},  # the draft's rank comes up 10 s after the others
+    pytest.param({"VPSD_TEST_SLOW": "draft:start:1:10"}, marks=pytest.mark.slow),  # ... or loads 10 s longer
+], ids=["late-rank", "slow-load"])
+def test_a_late_rank_joins_and_the_job_completes(tmp_path_factory, tmp_path, env):
+    proc, out, _ = _run(tmp_path_factory, tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(results(out)) == 3 and all(r["error"] is None for r in results(out).values())
+    if "VPSD_TEST_LATE_START" in env:
+        waiting = [ln for ln in _said(proc) if "starting: 2 of 3 ranks up, waiting for rank 1 (node 0)" in ln]
+        assert waiting, proc.stderr[-3000:]
+
+
+def _no_rank_traceback(proc) -> bool:
+    """torchrun's agent prints its own summary; no rank may print a traceback of vpsd's or torch's frames."""
+    return f'File "{ROOT}/vpsd' not in proc.stderr and "DistNetworkError" not in proc.stderr
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_never_starts_is_named_within_the_start_up_bound(tmp_path_factory, tmp_path):
+    proc, out, took = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_LATE_START": "2:never"},
+                           "--startup-timeout", str(BOUND_S))
+    assert proc.returncode != 0
+    lines = [ln for ln in _said(proc) if "did not start" in ln]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("vpsd: rank 2 (node 0, host ") and f"start-up bound ({BOUND_S} s" in lines[0]
+    assert _no_rank_traceback(proc), proc.stderr[-3000:]
+    assert took < BOUND_S + 30, took  # ranks up (~4 s), the bound, the reporter's moment, torchrun's stop
+    assert not results(out)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_a_draft_that_never_finishes_loading_is_named_after_the_start_up_bound(tmp_path_factory, tmp_path):
+    proc, _, took = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_HANG": "draft:start:1"},
+                         "--startup-timeout", str(BOUND_S))
+    assert proc.returncode != 0
+    lines = [ln for ln in _said(proc) if "loading its models" in ln]
+    assert lines and lines[0].startswith("vpsd: target (rank 0): draft (rank 1) has been loading its models for "), \
+        proc.stderr[-3000:]
+    assert took < BOUND_S + 30, took
