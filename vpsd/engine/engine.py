@@ -36,7 +36,7 @@ from vpsd.engine.report import EngineReport
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.batch import BatchedCache
-from vpsd.models.timing import settled_clock
+from vpsd.models.timing import Stopwatch
 from vpsd.pipeline.cost import ParallelWindow, SerialWindow
 from vpsd.pipeline.drafting_policy import ItemMeans
 from vpsd.pipeline.sampling import next_token
@@ -185,14 +185,16 @@ class Engine:
         tokens = sum(map(len, feed.values()))
         with doing("verify", next(iter(feed)), tokens), \
                 span("verify", round=self.report.rounds, items=list(feed), tokens=tokens, rows=rows, gamma=gamma) as fields:
-            t0 = settled_clock(self.target.device)
+            watch = Stopwatch(self.target.device)
             logits = (self.batch.step_rowwise if self.cfg.decoding.exact_verify else self.batch.step)(feed)
-            seconds = settled_clock(self.target.device) - t0
-            self._observe_verify(len(feed), rows, seconds)
+            watch.stop()
             windows = {rid: window_rows(logits[rid], first[rid], self.requests[rid].kept_row) for rid in proposals}
-            # Greedy: every row's argmax in one host transfer for the batch (pipeline/verification.py greedy_ids).
+            # Greedy: every row's argmax in one host transfer for the batch (pipeline/verification.py greedy_ids),
+            # the round's one host read; the forward's time is read after it, so timing waits for nothing.
             ids = (greedy_ids({**{r.id: logits[r.id][-1:] for r in plain}, **windows})
                    if self.cfg.decoding.temperature == 0.0 else {})
+            seconds = watch.seconds
+            self._observe_verify(len(feed), rows, seconds)
             outcome = [self._commit_plain(r, logits[r.id], ids.get(r.id)) for r in plain]
             outcome += [self._commit_window(self.requests[rid], p, windows[rid], ids.get(rid)) for rid, p in proposals.items()]
             # Per row, in the order of `items`: what reports/acceptance.py reads.

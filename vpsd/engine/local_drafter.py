@@ -68,11 +68,11 @@ class LocalDrafter:
             self.proposer.rollback(item, length)
         tokens: dict[str, list[int]] = {item: [] for item in active}
         probs: dict[str, list[torch.Tensor]] = {item: [] for item in active}
-        steps, spent = 0, 0.0
+        watches = []
         with span("draft", items=list(active), gamma=gamma):
             while feed:
-                _, dt = self.proposer.feed(feed)
-                steps, spent = steps + 1, spent + dt
+                _, watch = self.proposer.feed(feed)
+                watches.append(watch)
                 for item, pending in feed.items():
                     self.cursors[item].feed(pending)
                 feed = {}
@@ -85,7 +85,7 @@ class LocalDrafter:
                         probs[item].append(q)
                     if len(tokens[item]) < windows[item]:  # the last proposal is never fed (sd.draft_chunk)
                         feed[item] = [token]
-        self._step = (len(active), spent / steps)
+        self._step = (len(active), sum(w.seconds for w in watches) / len(watches))  # read after the tokens were
         return {item: Proposal(tokens[item], torch.stack(probs[item]) if probs[item] else None,
                                len(r.committed), gamma) for item, r in active.items()}
 

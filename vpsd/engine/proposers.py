@@ -17,13 +17,12 @@ touches no driver.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.batch import BatchedCache
-from vpsd.models.timing import settled_clock
+from vpsd.models.timing import Stopwatch
 from vpsd.models.views import prefill_views, step_views
 from vpsd.pipeline.ensemble import AdaptiveWeights, TabedConfig, weighted_average
 from vpsd.pipeline.sampling import probs_from_logits, sample
@@ -61,14 +60,14 @@ class ModelProposer:
     def propose(self, item: str, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
         return draw(self.last[item], temperature, gen)
 
-    def feed(self, feeds: dict[str, list[int]]) -> tuple[int, float]:
-        """One forward of every row's tokens; returns (rows, seconds) for the cost model."""
-        t0 = settled_clock(self.draft.device)  # not the joins' copies still queued on a GPU
+    def feed(self, feeds: dict[str, list[int]]) -> tuple[int, Stopwatch]:
+        """One forward of every row's tokens; returns (rows, its stopwatch) for the cost model: read its
+        `seconds` after a proposal from it (on a GPU, earlier would wait for the forward)."""
+        watch = Stopwatch(self.draft.device)
         logits = self.batch.step(feeds)
-        dt = settled_clock(self.draft.device) - t0
         for item, rows in logits.items():
             self.last[item] = rows[-1].clone()  # a copy: a view would keep the whole step's (B, k, V) logits
-        return len(feeds), dt
+        return len(feeds), watch.stop()
 
     def rollback(self, item: str, length: int) -> None:
         if length < self.batch.length(item):
@@ -115,12 +114,12 @@ class TabedProposer:
     def propose(self, item: str, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
         return self.items[item].propose(pos, temperature, gen)
 
-    def feed(self, feeds: dict[str, list[int]]) -> tuple[int, float]:
-        t0 = time.perf_counter()
+    def feed(self, feeds: dict[str, list[int]]) -> tuple[int, Stopwatch]:
+        watch = Stopwatch(self.draft.device)
         for item, tokens in feeds.items():  # each item's own forward, over its views
             views = self.items[item]
             views.logits = step_views(self.draft, views.batch, torch.tensor(tokens))[:, -1]
-        return sum(v.batch.num_views for v in (self.items[i] for i in feeds)), time.perf_counter() - t0
+        return sum(v.batch.num_views for v in (self.items[i] for i in feeds)), watch.stop()
 
     def rollback(self, item: str, length: int) -> None:
         views = self.items[item]

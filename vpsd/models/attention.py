@@ -45,6 +45,14 @@ AttentionInterface.register(NAME, grouped_sdpa)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Lq, Lk) bool, True where a query may attend -> the (B, 1, Lq, Lk) additive float mask that the language
+    model takes as it is (a 4-D mask skips transformers' own mask building, eager and sdpa alike). Why vpsd builds
+    its own where it has holes: transformers, given a 2-D padding mask and one query row, first asks whether the
+    mask is all True (to skip it), a host read that stalls a GPU's queue every batched decode step."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def use_grouped_sdpa(model: torch.nn.Module) -> None:
     """Runs `model`'s language model on `grouped_sdpa` (its vision tower keeps its own implementation)."""
     model.config.get_text_config()._attn_implementation = NAME

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from vpsd.models.attention import additive_mask
 from vpsd.models.cache_ops import CACHE_OPS
 from vpsd.models.captured import CapturedLanguageModel, FixedCache, FixedCacheLease
 from vpsd.models.hf_compat import cache_kwargs
@@ -270,8 +271,7 @@ class VideoLMAdapter(ABC):
             raise ValueError(f"tree step of {k} tokens got visible {tuple(visible.shape)} on a cache of {length}")
         allowed = torch.ones(k, length + k, dtype=torch.bool)
         allowed[:, length - m :] = visible
-        dtype = self.model.dtype
-        mask = torch.zeros(1, 1, k, length + k, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed[None], self.model.dtype)
         pos = (seq_index.long() + state.position_offset).view(1, 1, k).to(self.device)
         num_rows = self.position_rows
         out = self.run_language_model(

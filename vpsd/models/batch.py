@@ -36,6 +36,7 @@ from typing import Hashable
 
 import torch
 
+from vpsd.models.attention import additive_mask
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.captured import FixedCache, held_entries
 from vpsd.models.kv_cache import GrowingCache
@@ -175,12 +176,14 @@ class BatchedCache:
         pos = (start[:, None] + torch.arange(k)[None, :]).to(device)  # (B, k): padding continues harmlessly
         fed = torch.arange(k)[None, :] < torch.tensor(counts)[:, None]  # (B, k) real tokens; padding = holes
         self.valid = torch.cat([self.valid, fed], dim=1)
+        width = self.width
+        causal = torch.arange(width)[None, :] <= torch.arange(width - k, width)[:, None]  # (k, W): the new rows' past
         rows = self.adapter.position_rows
         out = self.adapter.run_language_model(
             self.cache,
             input_ids=ids.to(device),
             position_ids=pos[None].expand(rows, -1, -1) if rows > 1 else pos,
-            attention_mask=self.valid.long().to(device),
+            attention_mask=additive_mask(self.valid[:, None, :] & causal[None], self.adapter.model.dtype).to(device),
         )
         logits = self.adapter.model.lm_head(out.last_hidden_state).float()
         for r, c in enumerate(counts):
@@ -208,8 +211,7 @@ class BatchedCache:
             self.valid = self.valid[:, :length]
             self.lengths[r] = length
         elif length < self.lengths[r]:
-            cols = torch.nonzero(self.valid[r]).squeeze(1)
-            self.valid[r, cols[length:]] = False
+            self.valid[r] &= self.valid[r].cumsum(0) <= length  # its entries past the first `length` become holes
             self.lengths[r] = length
 
     @torch.inference_mode()

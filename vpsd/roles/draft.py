@@ -36,6 +36,7 @@ from vpsd.activity import doing
 from vpsd.config import RunConfig
 from vpsd.engine.proposers import ModelProposer, TabedProposer
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.timing import Stopwatch
 from vpsd.pipeline.cost import running_mean
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
@@ -93,6 +94,7 @@ class DraftWorker:
         self.early: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.finished: set[str] = set()  # items ended by the target: a kept set arriving now is dropped
         self.step_s = 0.0  # running mean of one batched step: T_q(B), sent with every chunk (pipeline/cost.py)
+        self._watch: Stopwatch | None = None  # the last step's, until read
         self.steps = 0
         self.stopped = False
 
@@ -199,6 +201,7 @@ class DraftWorker:
         whose cache lacks tokens of its sequence. False when no row could move (wait for a message)."""
         temperature = self.cfg.decoding.temperature
         proposed = 0
+        self._time_last_step()  # the proposals below read its logits: waiting for it here costs nothing more
         for item_id, row in self.rows.items():
             if self._can_propose(item_id, row):
                 pos = len(row.machine.sequence)
@@ -219,12 +222,17 @@ class DraftWorker:
             return proposed > 0
         rows = sum(len(t) for t in feed.values())
         with doing("draft", next(iter(feed)), rows), span("draft_step", items=list(feed), rows=rows):
-            _, dt = self.proposer.feed(feed)  # the span, too, times the forward and not its launch
+            _, self._watch = self.proposer.feed(feed)  # on a GPU the span times the launch; the watch the forward
         for item_id, pending in feed.items():
             self.rows[item_id].cursor.feed(pending)
-        self.step_s = running_mean(self.step_s or None, dt)  # 0.0: nothing measured yet
         self.steps += 1
         return True
+
+    def _time_last_step(self) -> None:
+        """The last forward's time into `step_s`, read once its proposals were (no wait on a GPU)."""
+        if self._watch is not None:
+            self.step_s = running_mean(self.step_s or None, self._watch.seconds)  # 0.0: nothing measured yet
+            self._watch = None
 
     def _can_propose(self, item_id: str, row: DraftRow) -> bool:
         return (self.proposer.ready(item_id) and len(row.cursor.fed) == len(row.machine.sequence)
