@@ -1,7 +1,7 @@
 """`python -m vpsd.launch.step_cost`: what a decode step and a verify cost eager and captured, side by side.
 
     python -m vpsd.launch.step_cost --config C --manifest M [--set KEY=VALUE ...] [--mode cudagraphs]
-                                    [--widths 1,8] [--steps 16] [--repeats 5] [--json OUT]
+                                    [--widths 1,8] [--steps 16] [--repeats 5] [--json OUT] [--profile]
 
 The terms of App. C that captured steps (models/captured.py) move: the target's step T_p and the draft's T_q,
 hence their ratio c = T_p / T_q, which on a GPU an eager step's launch overhead squeezes toward the ratio of
@@ -11,6 +11,9 @@ forwards of k tokens are timed eagerly and captured (the same model, the same we
 copy of the prefill in the fixed cache), rolled back after each run, the two interleaved `--repeats` times after a
 warm-up that compiles the graphs. Medians and the spread (max - min over median) a forward, the speedup, and the
 largest logit difference between the two paths at each width (float noise; greedy identity is the tests').
+
+`--profile` instead splits each eager forward into kernels, launches and host waits and counts its aten ops and
+host reads against transformers' own generate() step (launch/step_profile.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from vpsd.launch.manifest import load_manifest
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.captured import held_entries
 from vpsd.models.registry import load_adapter, load_draft
+from vpsd.launch.step_profile import StepProfile, format_profiles, profile_steps
 from vpsd.models.timing import settled_clock
 from vpsd.video.item import load_item_frames
 
@@ -114,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--draft-keep", type=float, default=0.1, help="share of the video the draft is prefilled on")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--profile", action="store_true",
+                   help="where an eager forward's time goes (kernels, launches, host waits) and its op count against "
+                        "transformers' generate() step, instead of eager against captured")
     a = p.parse_args(argv)
     cfg = load_config(a.config, parse_overrides(a.set))
     widths = [int(w) for w in a.widths.split(",")]
@@ -125,16 +132,28 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.draft is not None:
         models.append(("draft", load_draft(cfg.family, cfg.draft, target), a.draft_keep))
     costs: list[Cost] = []
+    profiles: list[StepProfile] = []
     for name, adapter, keep_share in models:
-        emb = adapter.embed(adapter.prepare(frames, item.prompt, times))
+        inputs = adapter.prepare(frames, item.prompt, times)
+        emb = adapter.embed(inputs)
         keep = None
         if keep_share is not None:
             n = emb.layout.num_tokens
             keep = torch.linspace(0, n - 1, max(1, round(keep_share * n))).round().long().unique()
         state = adapter.prefill(emb, keep).state
+        if a.profile:
+            hf = {"input_ids": inputs.input_ids, **inputs.pixel_inputs} if keep is None else None
+            profiles += [profile_steps(name, adapter, state, k, a.steps, hf) for k in widths]
+            print(format_profiles([p for p in profiles if p.model == name]), flush=True)
+            continue
         adapter.capture(a.mode, max(cfg.target.capture_len, state.length + max(widths) * a.steps))
         costs += measure(name, adapter, state, widths, a.steps, a.repeats)
         print(format_table([c for c in costs if c.model == name]), flush=True)
+    if a.profile:
+        print(f"\n{item.id} on {target.device}, {cfg.target.dtype}, eager\n{format_profiles(profiles)}")
+        if a.json:
+            a.json.write_text(json.dumps([asdict(p) for p in profiles], indent=1))
+        return 0
     print(f"\n{item.id}: capture {a.mode} on {target.device}, {cfg.target.dtype}")
     print(format_table(costs))
     if a.json:
