@@ -208,6 +208,9 @@ class RunConfig:
     timeout_s: float = 120.0
     idle_timeout_s: float = 3600.0
     startup_timeout_s: float = 600.0
+    # Where a parallel method's draft and pruner run: "rank", ranks of their own (roles:); "thread", threads of the
+    # target's process (on a GPU, their own CUDA streams: launch/in_process.py), the same roles either way.
+    draft_on: str = "rank"
 
     def __post_init__(self) -> None:
         if sorted(self.roles) != sorted(DEFAULT_ROLES) or len(set(self.roles.values())) != len(DEFAULT_ROLES):
@@ -215,6 +218,8 @@ class RunConfig:
         if min(self.timeout_s, self.idle_timeout_s, self.startup_timeout_s) <= 0:
             raise ValueError(f"timeout_s, idle_timeout_s and startup_timeout_s must be > 0, got {self.timeout_s}, "
                              f"{self.idle_timeout_s}, {self.startup_timeout_s}")
+        if self.draft_on not in DRAFT_ON:
+            raise ValueError(f"draft_on must be one of {', '.join(DRAFT_ON)}, got {self.draft_on!r}")
         for role, cpus in (self.cpu_affinity or {}).items():
             if role not in DEFAULT_ROLES:
                 raise ValueError(f"cpu_affinity: unknown role {role!r}{nearest(role, DEFAULT_ROLES)}; "
@@ -231,9 +236,10 @@ class RunConfig:
 
 
 DEFAULT_ROLES = {"target": 0, "draft": 1, "pruner": 2}
+DRAFT_ON = ("rank", "thread")
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
 # Top-level settings outside the sections (RunConfig's own fields), type-checked like a section's keys.
-TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_timeout_s")
+TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_timeout_s", "draft_on")
 
 
 class ConfigError(ValueError):

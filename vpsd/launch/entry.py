@@ -74,7 +74,7 @@ def check_method_settings(method, cfg: RunConfig) -> None:
     """Settings only one method reads, checked at launch: a bad one must stop the job before any rank
     loads a model, not crash the draft role on the first item."""
     try:
-        method.draft_place(cfg.batching.size, cfg.batching.pipelined)  # ValueError where it cannot run
+        method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on)  # ValueError where it cannot run
         if method.draft == "sparse_kv" and cfg.pruning.strategy != "none":
             raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
     except (ValueError, TypeError) as e:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # check_method_settings' message
         return refuse([str(e.code).removeprefix("vpsd: ")])
     method, out = get_method(args.method), Path(args.out)
-    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined) == "remote"
+    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) == "remote"
     try:
         layout = launch_layout(cfg, in_roles)
     except ValueError as e:

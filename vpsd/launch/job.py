@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from vpsd.activity import START, doing
 from vpsd.config import RunConfig
@@ -25,6 +26,7 @@ from vpsd.engine.local_drafter import LocalDrafter
 from vpsd.engine.reference import ReferenceEngine
 from vpsd.engine.request import Request
 from vpsd.engine.scheduler import Scheduler
+from vpsd.launch.in_process import RoleThreads
 from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.results import ItemError, ResultRow
@@ -143,11 +145,11 @@ class ItemEvents:
 
 
 def build_engine(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter,
-                 shared_items: bool = False) -> tuple[Engine, Scheduler]:
-    """The engine and its scheduler for the method at this batch size (`Method.draft_place`); `shared_items`:
-    other pipelines take from the same items."""
+                 shared_items: bool = False) -> tuple[Engine, Scheduler, Callable[[], None]]:
+    """The engine, its scheduler and what stops its drafter after the last item, for the method at this batch size
+    (`Method.draft_place`); `shared_items`: other pipelines take from the same items."""
     method, size = ctx.method, cfg.batching.size
-    place = method.draft_place(size, cfg.batching.pipelined)
+    place = method.draft_place(size, cfg.batching.pipelined, cfg.draft_on)
     cpus = (cfg.cpu_affinity or {}).get("draft")  # the prefill thread's: free where no draft rank works there
     budget = cfg.batching.kv_budget_bytes
     if place == "remote":
@@ -155,15 +157,19 @@ def build_engine(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter,
                                 target_probs=verdicts_carry_target_probs(method.draft, cfg.tabed_settings,
                                                                          cfg.decoding.temperature))
         engine = Engine(target, cfg, size, drafter)
-        return engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items)
+        return engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), drafter.shutdown
     draft = load_draft(cfg.family, cfg.draft, target) if method.loads_draft_model else None
+    if place == "threads":
+        threads = RoleThreads(target, draft, cfg, method, ctx.out, ctx.job_id, ctx.timeout_s)
+        engine = Engine(target, cfg, size, threads.drafter)
+        return engine, Scheduler(engine, budget, shared_items=shared_items), threads.stop
     if place == "reference":
         engine = ReferenceEngine(target, cfg, method, draft)
-        return engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items)
+        return engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), lambda: None
     drafter = LocalDrafter(target, draft, cfg.decoding, cfg.pruning, method.parallel) if place == "local" else None
     engine = Engine(target, cfg, size, drafter)
     return engine, Scheduler(engine, budget, draft if drafter is not None else None, prefill_cpus=cpus, lend_cores=True,
-                             shared_items=shared_items)
+                             shared_items=shared_items), lambda: None
 
 
 def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipelines: int,
@@ -176,14 +182,13 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
             shard(target, target_group)
             target.mirror = Mirror(target_group, ctx.rank, target.device)
         events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
-        engine, scheduler = build_engine(ctx, cfg, target, shared_items=pipelines > 1)
+        engine, scheduler, stop_drafter = build_engine(ctx, cfg, target, shared_items=pipelines > 1)
     if isinstance(engine.drafter, RemoteDrafter):
         engine.drafter.await_peers(ctx.startup_timeout_s)  # start-up ends when the draft and pruner have loaded
     loop_start = time.perf_counter()
     scheduler.run(link, events)
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
-    if engine.parallel:
-        engine.drafter.shutdown()
+    stop_drafter()
     if target.mirror is not None:
         target.mirror.stop()  # the followers leave
     report = engine.report.as_dict() if cfg.batching.size > 1 else None

@@ -168,7 +168,7 @@ def tensor_parallel_problems(cfg: RunConfig, method: Method, gpus: int, local_wo
     if k == 1:
         return problems
     where = f"target.tensor_parallel {k}"
-    place = method.draft_place(cfg.batching.size, cfg.batching.pipelined)
+    place = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on)
     if place == "reference":
         what = f"a {method.tree} tree" if method.draft_tree(cfg.decoding.tree) else "Sparse-to-Dense's sparse KV"
         problems.append(f"{where}: method {method.name} drafts {what}, whose cache surgery is not mirrored to the "

@@ -33,11 +33,13 @@ class Method:
         """Whether the run loads the config's draft model (sparse_kv drafts with the target's weights)."""
         return self.uses_draft and self.draft != "sparse_kv"
 
-    def draft_place(self, batch: int, pipelined: bool = False) -> str:
+    def draft_place(self, batch: int, pipelined: bool = False, draft_on: str = "rank") -> str:
         """Where this method's draft runs at `--batch batch` (the one place that decides it):
         "none"       `ar`: the engine alone;
         "remote"     its own rank beside the target, with the pruner's (roles/target.py): a parallel method at
                      batch 1, or over a batch when it is pipelined (`batching.pipelined`);
+        "threads"    where it would be "remote" but the run says `draft_on: thread`: the same draft and pruner
+                     roles on threads of the target's process (launch/in_process.py);
         "local"      in the target's process, draft and target taking turns (engine/local_drafter.py): a serial
                      chain method, or a parallel one over a batch that is not pipelined;
         "reference"  the method's own reference decoder, one item at a time (a tree, Sparse-to-Dense's KV);
@@ -45,7 +47,7 @@ class Method:
         if not self.uses_draft:
             return "none"
         if self.parallel and (batch == 1 or pipelined):
-            return "remote"
+            return "threads" if draft_on == "thread" else "remote"
         if self.tree is None and self.draft == "pruned_input":
             return "local"
         if batch == 1:

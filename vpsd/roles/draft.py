@@ -263,12 +263,21 @@ def serve_draft(link: Link, worker: DraftWorker) -> None:
                 link.wait()
 
 
-def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
-    """The draft rank of a pipelined batch: the worker over the rank's transport, videos read ahead."""
-    videos = FramePrefetcher()
+def draft_role(link: Link, draft: VideoLMAdapter, cfg: RunConfig, drafts_from: str, started: float,
+               videos: FrameSource | None = None) -> None:
+    """The draft role over any carrier (its rank's, or a thread's: launch/in_process.py): Ready (the model is
+    loaded), then the worker's loop until the target's Shutdown; videos read ahead from their files unless
+    `videos` hands them over (frames already in memory)."""
+    own = videos is None
+    videos = FramePrefetcher() if own else videos
     try:
-        link = RankLink(ctx)
-        link.send("target", Ready(ctx.role, ctx.rank, time.monotonic() - ctx.started))  # the model is loaded
-        serve_draft(link, DraftWorker(link, draft, ctx.config, videos, drafts_from=ctx.method.draft))
+        link.send("target", Ready("draft", link.rank, time.monotonic() - started))
+        serve_draft(link, DraftWorker(link, draft, cfg, videos, drafts_from=drafts_from))
     finally:
-        videos.close()
+        if own:
+            videos.close()
+
+
+def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
+    """The draft rank: the role over the rank's transport."""
+    draft_role(RankLink(ctx), draft, ctx.config, ctx.method.draft, ctx.started)

@@ -81,12 +81,18 @@ class PrunerWorker:
             append_kept(self.out, KeptRecord(job.item_id, cfg.strategy, ratio, keep, layout))
 
 
-def run_pruner(ctx: RoleContext) -> None:
-    link = RankLink(ctx)
-    worker = PrunerWorker(link, ctx.config, ctx.out)
-    link.send("target", Ready(ctx.role, ctx.rank, time.monotonic() - ctx.started))
+def pruner_role(link: Link, cfg: RunConfig, out, started: float) -> None:
+    """The pruner role over any carrier (its rank's, or a thread's): Ready, then the target's messages until its
+    Shutdown."""
+    worker = PrunerWorker(link, cfg, out)
+    link.send("target", Ready("pruner", link.rank, time.monotonic() - started))
     while not worker.stopped:
         worker.handle(*link.recv("target"))
+
+
+def run_pruner(ctx: RoleContext) -> None:
+    """The pruner rank: the role over the rank's transport."""
+    pruner_role(RankLink(ctx), ctx.config, ctx.out, ctx.started)
 
 
 def check_keep(keep: torch.Tensor, layout: VideoTokenLayout, ratio: float) -> None:
