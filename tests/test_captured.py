@@ -143,6 +143,8 @@ def test_the_engine_with_captured_target_and_draft_decodes_ars_tokens(size):
     todo = requests(3, max_new=12)
     got = run(local_engine(target, draft, cfg, PruningConfig("uniform", 0.5, seed=3), size)[1], todo)
     assert target.captured.steps > 0 and draft.captured.steps > 0  # a row alone stepped captured
+    graphs = len(target.captured._graphs)  # one a step width and bucket; each first forward timed, once
+    assert graphs >= 2 and target.captured.capture_s > 0 and target.captured.steps > graphs
     for it in todo:
         ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
         assert got[it.id].token_ids == ref.token_ids, it.id

@@ -144,3 +144,28 @@ def test_captured_steps_greedy_equal_ar(size, dtype):
     for it in todo:
         ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(dec, max_new_tokens=it.max_new_tokens))
         assert_lossless(eager, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids, f"{it.id} B={size}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_draft_on_a_thread_of_its_own_stream_greedy_equals_ar(dtype):
+    """`draft_on: thread` (launch/in_process.py): hippo's draft and pruner roles on threads, each issuing its
+    work on a CUDA stream of its own, their tensors handed over through stream events (roles/thread_link.py)."""
+    from tests.engine_harness import FramesInMemory, Jobs, fresh
+    from vpsd.engine.engine import Engine
+    from vpsd.engine.scheduler import Scheduler
+    from vpsd.launch.in_process import RoleThreads
+
+    target, draft = device_pair("qwen2_5_vl", dtype)
+    base = load_config(config_path("qwen2_5_vl"), {"pruning.strategy": "hippo", "pruning.ratio": 0.5,
+                                                   "decoding.gamma": 3})
+    todo = [dataclasses.replace(it, video={"item": it.id}) for it in device_items(3, max_new=10)]
+    threads = RoleThreads(target, draft, base, get_method("hippo"), None, "cuda", 30.0, videos=FramesInMemory(todo))
+    engine = Engine(target, base, 1, threads.drafter)
+    threads.drafter.await_peers(60.0)
+    jobs = Jobs()
+    Scheduler(engine, None).run(fresh(todo), jobs)
+    threads.stop()
+    for it in todo:
+        one = dataclasses.replace(base.decoding, max_new_tokens=it.max_new_tokens)
+        ref = decode_ar(target, it.frames, it.prompt, one)
+        assert_lossless(target, it.frames, it.prompt, ref.token_ids, jobs.out[it.id].token_ids, it.id)

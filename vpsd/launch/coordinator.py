@@ -158,10 +158,12 @@ class Coordinator:
                       "batching": runs[i].get("batching")}
                      for i, t in self.tally.items()]
         rss = [r["peak_rss_mib"] for r in runs.values() if r.get("peak_rss_mib") is not None]
+        captures = [r["capture_s"] for r in runs.values() if r.get("capture_s") is not None]
         run = {"total_s": time.perf_counter() - started, "items": todo, "failed": failures, "skipped": skipped,
                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "loop_s": loop_s,
                "peak_rss_mib": max(rss) if rss else None, "batching": runs[0].get("batching"), "stack": versions,
-               "pipelines": pipelines}
+               # captured steps' one-time cost (each graph's first forward), inside loop_s: the pipelines' most
+               "capture_s": max(captures) if captures else None, "pipelines": pipelines}
         summary = job_summary(self.out, self.method, run)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         get_logger().info("job_done", **summary)

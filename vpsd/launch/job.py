@@ -195,4 +195,11 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
     if report is not None:
         get_logger().info("batching_done", **report)
     link.done({"loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": report,
-               "items": events.finished_items, "failed": events.failures})
+               "items": events.finished_items, "failed": events.failures, "capture_s": capture_s(engine)})
+
+
+def capture_s(engine: Engine) -> float | None:
+    """The one-time cost of this process's captured steps (models/captured.py), target's and local draft's."""
+    models = {id(m): m for m in (engine.target, getattr(engine.drafter, "draft", None)) if m is not None}
+    graphs = [m.captured for m in models.values() if getattr(m, "captured", None) is not None]
+    return round(sum(g.capture_s for g in graphs), 3) if graphs else None

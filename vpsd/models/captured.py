@@ -39,6 +39,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from vpsd.models.spec import CAPTURE_MODES
+from vpsd.models.timing import settled_clock
 CUDA_GRAPH_MODES = ("cudagraphs", "reduce-overhead", "max-autotune")
 # One graph a distinct step width (1, a decode step; each verify width up to gamma_max + 1) and cache bucket, for
 # a target and its draft in one process; torch's default limit (8 a code object) would send the rest back to
@@ -159,7 +160,18 @@ class CapturedLanguageModel:
         else:
             self.compiled = torch.compile(language_model, mode=mode, dynamic=False)
         self.steps = 0  # forwards run captured (the rest of a model's steps ran eagerly)
+        self.device = torch.device(device)
+        self.capture_s = 0.0  # the one-time cost: the first forward of each graph (its compilation or recording)
+        self._graphs: set[tuple] = set()
 
     def __call__(self, **inputs: Any) -> Any:
         self.steps += 1
-        return self.compiled(**inputs)
+        key = tuple((name, tuple(v.shape) if isinstance(v, torch.Tensor) else getattr(v, "capacity", None))
+                    for name, v in sorted(inputs.items()))
+        if key in self._graphs:
+            return self.compiled(**inputs)
+        self._graphs.add(key)  # a new graph: timed whole, once (the only synchronisation captured steps add)
+        t0 = settled_clock(self.device)
+        out = self.compiled(**inputs)
+        self.capture_s += settled_clock(self.device) - t0
+        return out

@@ -5,7 +5,8 @@
 
 Each cell (method, B) is a real torchrun job of `vpsd.launch.entry --batch B` (B = 1: the method's own path, the
 roles for a parallel method; B > 1: continuous batching, engine/engine.py; a method written METHOD:pipelined
-runs with `batching.pipelined`, draft and target overlapping on their own ranks, roles/target.py). `--tile K` repeats the manifest K
+runs with `batching.pipelined`, draft and target overlapping on their own ranks, roles/target.py; METHOD:thread with
+its draft and pruner on threads of the target's process, launch/in_process.py; both: METHOD:pipelined+thread). `--tile K` repeats the manifest K
 times (new ids, the same videos) so a batch of 16 has items to keep it full. Timing is measured side by side:
 the whole grid runs `--repeats` times in rounds, each round every B, each B `ar` first; a cell reports the median
 over its repeats, and the spread of the `ar` runs at each B is printed as that B's timing noise.
@@ -52,7 +53,7 @@ from vpsd.reports.summary import read_rows
 
 
 # A method's variants, `--methods hippo:pipelined`: the settings that make them.
-VARIANTS = {"": [], "pipelined": ["--set=batching.pipelined=true"]}
+VARIANTS = {"": [], "pipelined": ["--set=batching.pipelined=true"], "thread": ["--set=draft_on=thread"]}
 
 
 @dataclass
@@ -70,6 +71,11 @@ class Cell:
     outputs: dict[str, list[int]]
     prefill_s: float  # mean per item: vision + prefill
     slowest_prefill_s: float = 0.0  # the slowest item's: far above the mean, a stall (STALL_FACTOR)
+
+
+def variant_args(method: str) -> list[str]:
+    """The settings of METHOD:VARIANT[+VARIANT...]."""
+    return [arg for v in method.partition(":")[2].split("+") for arg in VARIANTS[v]]
 
 
 def read_cell(path: Path) -> Cell:
@@ -305,7 +311,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated batch sizes, e.g. 1,2,4,8,16 (required unless --report-only)")
     p.add_argument("--methods", default="ar,sd,hippo",
                    help="comma-separated; ar is always run; METHOD:pipelined runs a parallel method over a batch "
-                        "with draft and target on their own ranks (batching.pipelined)")
+                        "with draft and target on their own ranks (batching.pipelined); METHOD:thread its draft and "
+                        "pruner on threads of the target's process (draft_on: thread)")
     p.add_argument("--tile", type=int, default=1, help="repeat the manifest this many times (new ids)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--nproc", type=int, default=3)
@@ -330,7 +337,7 @@ def _plan(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Path, list
     if not a.manifest.is_file():  # before a job runs: each would refuse it, one after another
         p.error(f"--manifest {a.manifest}: no such file")
     methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
-    unknown = [m for m in methods if m.partition(":")[2] not in VARIANTS]
+    unknown = [m for m in methods if any(v not in VARIANTS for v in m.partition(":")[2].split("+"))]
     if unknown:
         p.error(f"unknown variant in {', '.join(unknown)}; known: {', '.join(v for v in VARIANTS if v)}")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -355,7 +362,7 @@ def _run_cells(a: argparse.Namespace, manifest: Path, batches: list[int], method
             codes[m, b] = 0
         else:
             code = run_one(BenchRun(m, m.split(":")[0]), a.config, str(manifest), path, torchrun,
-                           extra + VARIANTS[m.partition(":")[2]] + ["--batch", str(b)])
+                           extra + variant_args(m) + ["--batch", str(b)])
             codes[m, b] = max(codes.get((m, b), 0), code)
             print(f"[{i}/{len(schedule)}] {m} B={b} r{rep + 1}  exit {code}  ({time.time() - t:.0f} s)", flush=True)
         cells.setdefault((m, b), []).append(read_cell(path))
