@@ -172,10 +172,9 @@ def split_target_group(pipeline: Pipeline, backend: str):
 
 def run_follower(cfg: RunConfig, group, leader: int) -> None:
     from vpsd.models.registry import load_adapter
-    from vpsd.models.tensor_parallel import follow, shard
+    from vpsd.models.tensor_parallel import follow
 
-    target = load_adapter(cfg.family, cfg.target)
-    shard(target, group)
+    target = load_adapter(cfg.family, cfg.target, group=group)  # this rank's share of the target's layers
     forwards = follow(target, group, leader)
     get_logger().info("follower_done", leader=leader, forwards=forwards)
 

@@ -26,8 +26,8 @@ from vpsd.models.tensor_parallel import shard_problems
 from vpsd.pipeline.methods import BATCHABLE, Method
 
 
-# The weight files transformers' from_pretrained reads, whole or sharded.
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# The weight files vpsd reads, whole or sharded (models/sharded_load.py: safetensors, sliced in place).
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def checkpoint_problems(cfg: RunConfig) -> list[str]:
@@ -62,7 +62,7 @@ def checkpoint_problems(cfg: RunConfig) -> list[str]:
                 problems.append(f"{role}.path: {e}")
                 continue
             if not any((path / f).is_file() for f in WEIGHTS):
-                problems.append(f"{role}.path: {path} holds no weights ({' or '.join(WEIGHTS)})")
+                problems.append(f"{role}.path: {path} holds no weights ({' or '.join(WEIGHTS)}; vpsd reads safetensors)")
     return problems or sampling_problems(cfg)
 
 
