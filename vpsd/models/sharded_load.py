@@ -10,10 +10,9 @@
    the same call that splits a loaded model (`shard_language_model`), on the meta parameters: no data moves,
    and each parameter becomes a DTensor whose local shard has the shape this rank keeps;
 3. every parameter is then read from the checkpoint into memory allocated on its device: a split one exactly
-   its rank's slice (`safe_open(...).get_slice`: rows for Shard(0), columns for Shard(1), the rank's chunk in
-   mesh order, which is what `distribute_tensor` keeps), a whole one whole. The file is opened per tensor, so
-   what a read maps of it is unmapped before the next (a mapping left open keeps every page read resident:
-   twice the weights at the end of a load).
+   its rank's slice (rows for Shard(0), columns for Shard(1), the rank's chunk in mesh order, which is what
+   `distribute_tensor` keeps), a whole one whole, each with `pread`s straight into the parameter's memory
+   (models/safetensors_file.py: nothing is mapped, so nothing read stays resident beside the parameters).
 
 A model that is not split (group None) loads the same way, straight onto its device. Tied parameters (an
 lm_head sharing the embeddings) are read once. Checkpoints written before transformers 5 name their keys by the
@@ -30,9 +29,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-import safetensors
 import torch
 from transformers import AutoConfig, GenerationConfig
+
+from vpsd.models.safetensors_file import SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -52,22 +52,23 @@ class LoadError(ValueError):
     """A checkpoint that cannot fill the model: no safetensors, or parameters it does not hold."""
 
 
-def weight_files(path: Path) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file holding it (from the index, or the one file)."""
+def weight_files(path: Path) -> dict[str, SafetensorsFile]:
+    """Checkpoint key -> the safetensors file holding it (from the index, or the one file), headers read once."""
     path = Path(path)
     if (path / INDEX).is_file():
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        return {key: path / name for key, name in weight_map.items()}
+        files = {name: SafetensorsFile(path / name) for name in set(weight_map.values())}
+        return {key: files[name] for key, name in weight_map.items()}
     if (path / SINGLE).is_file():
-        with safetensors.safe_open(str(path / SINGLE), framework="pt") as f:
-            return {key: path / SINGLE for key in f.keys()}
+        single = SafetensorsFile(path / SINGLE)
+        return {key: single for key in single.keys()}
     raise LoadError(f"{path} holds no safetensors weights ({SINGLE} or {INDEX}); vpsd loads safetensors only")
 
 
-def model_keys(family: str, files: dict[str, Path], wanted: set[str]) -> dict[str, tuple[Path, str]]:
+def model_keys(family: str, files: dict[str, SafetensorsFile], wanted: set[str]) -> dict[str, tuple[SafetensorsFile, str]]:
     """Model parameter name -> (file, checkpoint key), renaming legacy keys (LEGACY_KEYS)."""
     rules = [(re.compile(a), b) for a, b in LEGACY_KEYS.get(family, [])]
-    found: dict[str, tuple[Path, str]] = {}
+    found: dict[str, tuple[SafetensorsFile, str]] = {}
     for key, file in files.items():
         name = key
         if name not in wanted:
@@ -114,30 +115,19 @@ def build_empty(model_class: Any, path: Path, dtype: torch.dtype) -> Any:
     return model
 
 
-def _local_slice(param: torch.Tensor, group_rank: int) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of the slice this rank holds of a split parameter; None for a whole one."""
+def _local_slice(param: torch.Tensor, group_rank: int) -> tuple[int | None, int]:
+    """(dim, start) of the slice this rank holds of a split parameter; (None, 0) for a whole one."""
     placements = getattr(param, "placements", None)
     if not placements or not placements[0].is_shard():
-        return None
+        return None, 0
     dim = placements[0].dim
     size = param.to_local().shape[dim]
     if size * param.device_mesh.size() != param.shape[dim]:  # shard_problems refuses uneven splits at launch
         raise LoadError(f"a split of {tuple(param.shape)} on dim {dim} is uneven over {param.device_mesh.size()} ranks")
-    return dim, group_rank * size, (group_rank + 1) * size
+    return dim, group_rank * size
 
 
-def _read(file: Path, key: str, part: tuple[int, int, int] | None) -> torch.Tensor:
-    """One tensor, or its rows / columns [start, stop), as a view of the file's mapping (copy it before the
-    mapping closes)."""
-    with safetensors.safe_open(str(file), framework="pt") as f:
-        if part is None:
-            return f.get_tensor(key)
-        dim, start, stop = part
-        s = f.get_slice(key)
-        return s[start:stop] if dim == 0 else s[:, start:stop]
-
-
-def fill(model: Any, where: dict[str, tuple[Path, str]], device: torch.device, group_rank: int = 0) -> None:
+def fill(model: Any, where: dict[str, tuple[SafetensorsFile, str]], device: torch.device, group_rank: int = 0) -> None:
     """Every parameter of `model` (meta, some of them DTensors) replaced by one allocated on `device` and read
     from `where` (model name -> (file, key)); tied parameters once, shared as they were."""
     from torch.distributed.tensor import DTensor
@@ -151,11 +141,10 @@ def fill(model: Any, where: dict[str, tuple[Path, str]], device: torch.device, g
             if name not in where:
                 missing.append(name)
                 continue
-            part = _local_slice(param, group_rank)
             local = param.to_local() if isinstance(param, DTensor) else param
             data = torch.empty(local.shape, dtype=local.dtype, device=device)
-            with torch.no_grad():
-                data.copy_(_read(*where[name], part))
+            file, key = where[name]
+            file.read_into(key, data, *_local_slice(param, group_rank))
             if isinstance(param, DTensor):
                 data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
                                           shape=param.shape, stride=param.stride())
