@@ -1,6 +1,6 @@
 """Checkpoints read in place (models/sharded_load.py): over two torchrun ranks each family's tiny target, written
 in several safetensors shards with an index, loads as two shares that are exactly the unsplit model's slices and
-today's split of a model built whole, and decodes as the unsplit one; in one process a checkpoint loads exactly
+today's split of a model built whole, hold the bytes the memory plan says, and decode as the unsplit one; in one process a checkpoint loads exactly
 as `from_pretrained` loads it (every parameter, buffer and dtype), in the layout before transformers 5 too, with
 tied embeddings shared, and a checkpoint short of a parameter is named."""
 
@@ -36,6 +36,7 @@ def test_each_rank_reads_its_share_of_every_family_and_decodes_as_the_whole(tmp_
             assert got["split"] == 4 * (7 if fam == "qwen3_vl" else 10)
             assert got["unequal_to_slice"] == [] and got["unequal_to_built"] == []
             assert got["local_bytes"] < 0.8 * got["whole_bytes"]  # half of every layer's projections
+            assert got["local_bytes"] == got["plan_bytes"]  # the memory plan's weights for a rank of 2
         assert ranks[0][fam]["split_tokens"] == ranks[0][fam]["whole_tokens"]
         assert ranks[0][fam]["prefill_logit_diff"] < 1e-5  # two partial sums added: float noise only
         assert ranks[1][fam]["forwards"] > 5  # the follower ran the leader's forwards

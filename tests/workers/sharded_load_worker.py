@@ -23,7 +23,9 @@ from tests.engine_harness import requests  # noqa: E402
 from tests.official_layout import official_checkpoint  # noqa: E402
 from vpsd.config import DecodingConfig, load_config  # noqa: E402
 from vpsd.decoders.ar import decode_ar  # noqa: E402
+from vpsd.models.memory_plan import Held, weight_bytes  # noqa: E402
 from vpsd.models.registry import load_adapter, tiny_tokenizer  # noqa: E402
+from vpsd.models.shapes import model_shape  # noqa: E402
 from vpsd.models.spec import ModelSpec  # noqa: E402
 from vpsd.models.tensor_parallel import Mirror, follow  # noqa: E402
 
@@ -60,6 +62,8 @@ def one_family(family: str, out: Path, group, rank: int, tok) -> dict:
     split, whole = load_adapter(family, spec, tok, group=group), load_adapter(family, spec, tok)
     report = {"shards": len(list(ckpt.glob("*.safetensors"))), "index": (ckpt / "model.safetensors.index.json").is_file()}
     report.update(compare(split, whole, load_adapter(family, cfg.target, tok, group=group), rank))
+    # what the memory plan says a rank of 2 holds, from config.json alone (models/memory_plan.py)
+    report["plan_bytes"] = weight_bytes(Held(model_shape(family, json.loads((ckpt / "config.json").read_text())), 4, 2))
     if rank == 1:
         report["forwards"] = follow(split, group, leader=0)
         return report

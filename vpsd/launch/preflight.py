@@ -9,6 +9,7 @@ checkpoint names a frame rule. One line per problem.
 node has.
 `path_problems(manifest, out)`: the manifest is a readable file, and --out is (or can be made) a directory.
 `tensor_parallel_problems(cfg, method, ...)`: what a target split over ranks cannot run with.
+`memory_problems(cfg, method, ...)`: a layout whose ranks cannot fit this node's memory (launch/memory.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from vpsd.launch.layout import pinned_cores
+from vpsd.launch.memory import node_plan, refusal
 from vpsd.config import RunConfig, nearest
 from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_sampling
+from vpsd.models.shapes import ShapeError
 from vpsd.models.spec import FAMILY_MODULES
 from vpsd.models.tensor_parallel import shard_problems
 from vpsd.pipeline.methods import BATCHABLE, Method
@@ -201,3 +204,15 @@ def _text_sizes(spec) -> dict | None:
     if not all(n in text for n in (names[0], names[2])):
         return None
     return {n: text.get(n) or text[names[0]] for n in names}
+
+
+def memory_problems(cfg: RunConfig, method: Method, local_world: int, gpus: int) -> list[str]:
+    """The memory plan's line for a layout whose weights, one context-long item's KV cache and activations cannot
+    fit this node (launch/memory.py), said before any weight loads; nothing where a config's sizes are unknown
+    (the checks above name a missing config.json)."""
+    try:
+        lp, memory = node_plan(cfg, method, local_world, gpus)
+    except (ShapeError, ValueError):
+        return []
+    line = refusal(cfg, method, lp, memory)
+    return [line] if line else []

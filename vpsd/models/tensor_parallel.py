@@ -150,6 +150,7 @@ class Mirror:
 
     def __init__(self, group: dist.ProcessGroup, leader: int, device: torch.device) -> None:
         self.wire = _Wire(group, leader, device)
+        self.ranks = dist.get_world_size(group)  # the target's ranks, this one among them
         self.lock = threading.RLock()
         self._ids = itertools.count(1)
         self._dropped: list[int] = []  # caches the leader let go of, told with the next message
