@@ -83,7 +83,7 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_plans_line():
     assert refusal(load_config(BIG), get_method("hippo"), launch_plan(load_config(BIG), get_method("hippo")),
                    Memory(gpu=141 * GIB, host=64 * GIB)) is None
     assert refusal(cfg, get_method("hippo"), lp, Memory(gpu=40 * GIB, host=64 * GIB)).endswith(
-        "target.tensor_parallel 8 would fit ranks of 40.0 GiB")  # 4 would not: 53.0 GiB a rank
+        "target.tensor_parallel 8 would fit ranks of 40.0 GiB")  # 4 would not: 56.3 GiB a rank
     assert refusal(cfg, get_method("hippo"), lp, Memory(gpu=20 * GIB, host=64 * GIB)).endswith(
         "no target.tensor_parallel above 1 fits ranks of 20.0 GiB (a smaller video.context_limit may)")
 

@@ -28,7 +28,7 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CACHE_SPARE = 1.5  # 1 + models/kv_cache.SPARE (tests/test_memory_plan.py holds them together)
 RUNTIME_BYTES = {"cpu": int(0.4 * GIB), "cuda": int(1.5 * GIB)}
-SPLIT_EXTRA = 6  # measured: docs/design.md, "A target across ranks"
+SPLIT_EXTRA = 19  # measured over gloo on a CPU (16-20 on two shapes): docs/design.md, "A target across ranks"
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def prefill_bytes(held: Held, tokens: int) -> int:
     q, kv = s.heads * s.head_dim // k, s.kv_heads * s.head_dim // k
     attention = 2 * (q + 2 * kv) + q + s.hidden
     mlp = 3 * s.intermediate // k + s.hidden
-    # A split layer runs on DTensors: its all-reduced outputs are copies held until used, and measured peaks
-    # of a split prefill held SPLIT_EXTRA more (hidden + MLP share) rows a token than the plain one's.
-    split = SPLIT_EXTRA * (s.hidden + s.intermediate // k) if k > 1 else 0
+    # A split layer's outputs are all-reduced (DTensor, over the target's group): the measured peaks of split
+    # prefills held SPLIT_EXTRA hidden-sized rows a token more than the same prefill unsplit.
+    split = SPLIT_EXTRA * s.hidden if k > 1 else 0
     layer = tokens * b * (2 * s.hidden + max(attention, mlp) + split)
     if not held.embeds:
         return layer

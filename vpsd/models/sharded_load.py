@@ -158,13 +158,13 @@ def load_model(model_class: Any, family: str, path: Path, dtype: torch.dtype, de
                group: Any = None) -> Any:
     """The checkpoint at `path` built in place (module docstring): whole on `device`, or this rank's share of
     its decoder layers when `group` splits it."""
-    from vpsd.models.tensor_parallel import shard_language_model
-
     device = torch.device(device)
     model = build_empty(model_class, Path(path), dtype)
     group_rank = 0
     if group is not None:
         import torch.distributed as dist
+
+        from vpsd.models.tensor_parallel import shard_language_model
 
         shard_language_model(model.model.language_model, group, device.type, src_data_rank=None)
         group_rank = dist.get_rank(group)
