@@ -170,4 +170,7 @@ def load_model(model_class: Any, family: str, path: Path, dtype: torch.dtype, de
         group_rank = dist.get_rank(group)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     fill(model, model_keys(family, weight_files(Path(path)), names), device, group_rank)
-    return model.to(device).eval()  # the buffers (the parameters are there already: moving them is a no-op)
+    for module in model.modules():  # the buffers, built on the host (assigning keeps a buffer's persistence)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device))
+    return model.eval()
