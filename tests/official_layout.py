@@ -22,8 +22,9 @@ LLAVA_TEMPLATE = (
 MEAN, STD = [0.3, 0.4, 0.5], [0.2, 0.25, 0.3]
 
 
-def save_official(adapter, out: Path, processor: dict, template: str) -> Path:
-    adapter.model.save_pretrained(out)
+def save_official(adapter, out: Path, processor: dict, template: str, max_shard_size: str | None = None) -> Path:
+    """max_shard_size: the weights in several safetensors files and an index, as large checkpoints are."""
+    adapter.model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     adapter.model.generation_config.save_pretrained(out)
     tok = adapter.tokenizer
     previous = tok.chat_template
@@ -44,10 +45,10 @@ def _qwen_processor(adapter, **over) -> dict:
             "size": {"shortest_edge": 4 * f * f, "longest_edge": 4 * f * f}, "fps": 1.0, **over}
 
 
-def official_checkpoint(adapter, family: str, out: Path) -> Path:
+def official_checkpoint(adapter, family: str, out: Path, max_shard_size: str | None = None) -> Path:
     """`adapter`'s model saved in the official layout with its own processor settings (test_grow and others)."""
     if family == "llava_onevision":
         side = adapter.model.config.vision_config.image_size
         return save_official(adapter, out, {"size": {"height": side, "width": side}, "image_mean": MEAN,
-                                            "image_std": STD}, LLAVA_TEMPLATE)
-    return save_official(adapter, out, _qwen_processor(adapter), QWEN_TEMPLATE)
+                                            "image_std": STD}, LLAVA_TEMPLATE, max_shard_size)
+    return save_official(adapter, out, _qwen_processor(adapter), QWEN_TEMPLATE, max_shard_size)

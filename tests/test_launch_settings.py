@@ -243,7 +243,7 @@ def test_a_config_or_checkpoint_that_cannot_load_is_one_line_at_launch(tmp_path,
     config.write_text(f"family: qwen2_5_vl\ntarget: {{path: {ckpt}}}\n")
     (ckpt / "model.safetensors").unlink()
     assert said(config) == [f"vpsd: target.path: {ckpt} holds no weights (model.safetensors or "
-                            "model.safetensors.index.json or pytorch_model.bin or pytorch_model.bin.index.json)"]
+                            "model.safetensors.index.json; vpsd reads safetensors)"]
     (ckpt / "generation_config.json").unlink()
     assert said(config) == [f"vpsd: target.path: {ckpt / 'generation_config.json'}: missing (a published checkpoint "
                             "has it)"]

@@ -166,9 +166,10 @@ class BatchingConfig:
     """Many items in flight (engine/engine.py; `--batch N` sets `size`)."""
 
     size: int = 1  # items decoded together; 1: one at a time, through the roles for parallel methods
-    # KV cache the items in flight may reserve together, target and draft, in MiB (null: no limit). An item
-    # joins only while its cache (prompt + video + max_new_tokens + one window, both models) fits beside the
-    # others'; one that does not fit alone fails with that error, and the job goes on.
+    # KV cache the items in flight may reserve together, target and draft, in MiB (null: the room the memory plan
+    # leaves at launch, launch/memory.py; no limit outside a launch). An item joins only while its cache (prompt +
+    # video + max_new_tokens + one window, both models) fits beside the others'; one that does not fit alone fails
+    # with that error, and the job goes on.
     kv_budget_mib: float | None = None
     # A parallel method over a batch: false runs draft and target in turns on the target's rank (the draft's core
     # prefills the next items); true on their own ranks at the same time, each forward carrying the batch

@@ -55,9 +55,11 @@ class JobEvents(Protocol[T]):
 
 
 def kv_bytes_per_token(adapter: VideoLMAdapter) -> int:
-    """Bytes one token takes in a model's KV cache: keys and values, every layer, every KV head."""
+    """Bytes one token takes in a model's KV cache on this rank: keys and values, every layer, every KV head it
+    holds (1/k of them on each of a split target's k ranks)."""
     text = adapter.model.config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    heads = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // (
+        adapter.mirror.ranks if adapter.mirror is not None else 1)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return 2 * text.num_hidden_layers * heads * head_dim * adapter.model.dtype.itemsize
 

@@ -9,6 +9,7 @@
     vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile K]   throughput per batch size
     vpsd bench --report-only --out DIR                        that table again, from a finished run's jobs
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
+    vpsd plan --config C [--method M] [--set K=V] [--gpu-gib G]  each rank's memory, from the configs alone
     vpsd world [--kind short|long] --out DIR --count N [--seed S]   procedural videos and their manifest
 """
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.bench import main as run
     elif command == "grow":
         from vpsd.launch.grow import main as run
+    elif command == "plan":
+        from vpsd.launch.plan import main as run
     elif command == "world":
         from vpsd.world.dataset import main as run
     else:

@@ -24,14 +24,16 @@ import torch.distributed as dist
 
 from vpsd.activity import ACTIVITY, START, doing
 from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
+from vpsd.models.shapes import ShapeError
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import FOLLOWER, SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.say import say
-from vpsd.launch.preflight import (affinity_problems, checkpoint_problems, device_problems, path_problems,
-                                   tensor_parallel_problems)
+from vpsd.launch.memory import node_plan, with_kv_budget
+from vpsd.launch.preflight import (affinity_problems, checkpoint_problems, device_problems, memory_problems,
+                                   path_problems, tensor_parallel_problems)
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
@@ -65,9 +67,15 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     problems = (checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, visible_gpus())
                 + tensor_parallel_problems(cfg, method, visible_gpus(), local_world))
+    # What the layout needs of this node's memory, once the settings themselves are sound (launch/memory.py);
+    # the KV budget defaults to the room it leaves.
+    problems = problems or memory_problems(cfg, method, local_world, visible_gpus())
     if problems:
         raise ConfigError(problems)
-    return cfg
+    try:
+        return with_kv_budget(cfg, *node_plan(cfg, method, local_world, visible_gpus()))
+    except (ShapeError, ValueError):
+        return cfg
 
 
 def check_method_settings(method, cfg: RunConfig) -> None:
@@ -172,10 +180,9 @@ def split_target_group(pipeline: Pipeline, backend: str):
 
 def run_follower(cfg: RunConfig, group, leader: int) -> None:
     from vpsd.models.registry import load_adapter
-    from vpsd.models.tensor_parallel import follow, shard
+    from vpsd.models.tensor_parallel import follow
 
-    target = load_adapter(cfg.family, cfg.target)
-    shard(target, group)
+    target = load_adapter(cfg.family, cfg.target, group=group)  # this rank's share of the target's layers
     forwards = follow(target, group, leader)
     get_logger().info("follower_done", leader=leader, forwards=forwards)
 

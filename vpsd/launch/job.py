@@ -32,7 +32,7 @@ from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.results import ItemError, ResultRow
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter, load_draft
-from vpsd.models.tensor_parallel import Mirror, shard
+from vpsd.models.tensor_parallel import Mirror
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
 from vpsd.reports.kept_log import KeptRecord, append_kept
@@ -177,9 +177,8 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
     """This pipeline's share of the job: items from the coordinator until it has no more, then its run.
     `target_group`: the ranks of a split target, this one leading (models/tensor_parallel.py)."""
     with doing(START):  # the models load (and grow) under the start-up bound, not --timeout
-        target = load_adapter(cfg.family, cfg.target)
+        target = load_adapter(cfg.family, cfg.target, group=target_group)  # this rank's share, when split
         if target_group is not None:
-            shard(target, target_group)
             target.mirror = Mirror(target_group, ctx.rank, target.device)
         events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
         engine, scheduler, stop_drafter = build_engine(ctx, cfg, target, shared_items=pipelines > 1)

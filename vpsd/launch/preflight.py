@@ -9,6 +9,7 @@ checkpoint names a frame rule. One line per problem.
 node has.
 `path_problems(manifest, out)`: the manifest is a readable file, and --out is (or can be made) a directory.
 `tensor_parallel_problems(cfg, method, ...)`: what a target split over ranks cannot run with.
+`memory_problems(cfg, method, ...)`: a layout whose ranks cannot fit this node's memory (launch/memory.py).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from vpsd.launch.layout import pinned_cores
+from vpsd.launch.memory import node_plan, refusal
 from vpsd.config import RunConfig, nearest
 from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_sampling
+from vpsd.models.shapes import ShapeError
 from vpsd.models.spec import FAMILY_MODULES
 from vpsd.models.tensor_parallel import shard_problems
 from vpsd.pipeline.methods import BATCHABLE, Method
 
 
-# The weight files transformers' from_pretrained reads, whole or sharded.
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# The weight files vpsd reads, whole or sharded (models/sharded_load.py: safetensors, sliced in place).
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def checkpoint_problems(cfg: RunConfig) -> list[str]:
@@ -62,7 +65,7 @@ def checkpoint_problems(cfg: RunConfig) -> list[str]:
                 problems.append(f"{role}.path: {e}")
                 continue
             if not any((path / f).is_file() for f in WEIGHTS):
-                problems.append(f"{role}.path: {path} holds no weights ({' or '.join(WEIGHTS)})")
+                problems.append(f"{role}.path: {path} holds no weights ({' or '.join(WEIGHTS)}; vpsd reads safetensors)")
     return problems or sampling_problems(cfg)
 
 
@@ -201,3 +204,15 @@ def _text_sizes(spec) -> dict | None:
     if not all(n in text for n in (names[0], names[2])):
         return None
     return {n: text.get(n) or text[names[0]] for n in names}
+
+
+def memory_problems(cfg: RunConfig, method: Method, local_world: int, gpus: int) -> list[str]:
+    """The memory plan's line for a layout whose weights, one context-long item's KV cache and activations cannot
+    fit this node (launch/memory.py), said before any weight loads; nothing where a config's sizes are unknown
+    (the checks above name a missing config.json)."""
+    try:
+        lp, memory = node_plan(cfg, method, local_world, gpus)
+    except (ShapeError, ValueError):
+        return []
+    line = refusal(cfg, method, lp, memory)
+    return [line] if line else []

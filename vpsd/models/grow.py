@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel
 
+from vpsd.models.shapes import grown_text_sizes
 from vpsd.models.spec import FAMILY_MODULES
 
 
@@ -147,16 +148,12 @@ def grown_config(config, width: int, layers: int):
     """A copy of `config` with the language model k times wider and `layers` deep (vision tower unchanged)."""
     cfg = copy.deepcopy(config)
     text = cfg.get_text_config()
-    hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)  # kept explicit: kD / (k nH) may differ
-    source_layers = int(text.num_hidden_layers)
-    text.hidden_size = width * hidden
-    text.intermediate_size = width * int(text.intermediate_size)
-    text.num_attention_heads = width * heads
-    text.num_key_value_heads = width * kv_heads
-    text.head_dim = head_dim
-    text.num_hidden_layers = layers
+    hidden, source_layers = int(text.hidden_size), int(text.num_hidden_layers)
+    # head_dim is written explicitly: kD / (k nH) may differ from it (models/shapes.py: the one statement)
+    sizes = {n: getattr(text, n, None) for n in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                   "num_key_value_heads", "head_dim")}
+    for name, value in grown_text_sizes(sizes, width, layers).items():
+        setattr(text, name, value)
     if getattr(text, "layer_types", None) is not None:
         types = list(text.layer_types)
         text.layer_types = types + [types[-1]] * (layers - source_layers)  # appended copies of the last layer

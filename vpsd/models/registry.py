@@ -1,8 +1,9 @@
 """Model families and how to load one: from a local checkpoint, or a tiny seeded model built offline.
 
 `load_adapter(family, spec)` is the only way the rest of vpsd gets a model. A spec either names a
-local checkpoint directory laid out like the published ones (real weights; the checkpoint's own tokenizer,
-chat template and processor settings, see models/checkpoint.py) or describes a tiny model
+local checkpoint directory laid out like the published ones (real weights, read straight onto the model's
+device, or each rank's share of them for a split target: models/sharded_load.py; the checkpoint's own
+tokenizer, chat template and processor settings, see models/checkpoint.py) or describes a tiny model
 (text / vision sizes and a seed), built with the shared offline tokenizer so that a target and its
 draft agree on token ids.
 """
@@ -20,7 +21,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vpsd.models.attention import use_grouped_sdpa
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_checkpoint
+from vpsd.models.sharded_load import load_model
 from vpsd.models.spec import DTYPE_NAMES, FAMILY_MODULES, ModelSpec
+from vpsd.models.tensor_parallel import shard
 from vpsd.models.tokenizer import build_tokenizer
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -48,8 +51,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return build_tokenizer()
 
 
-def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> VideoLMAdapter:
-    """Builds or loads the model of `spec` and wraps it in its family's adapter."""
+def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase | None = None,
+                 group: Any = None) -> VideoLMAdapter:
+    """Builds or loads the model of `spec` and wraps it in its family's adapter. `group`: the ranks of a target
+    split over them (models/tensor_parallel.py), this one among them: a checkpoint is read in shards, each rank
+    its own (models/sharded_load.py); a tiny model is built whole and then split."""
     fam = family(family_name)
     dtype = DTYPES[spec.dtype]
     options = dict(spec.options)
@@ -63,7 +69,8 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
             from vpsd.models.grown_checkpoint import ensure_grown  # it imports this module
 
             weights = str(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
-        model = fam.model_class.from_pretrained(weights, dtype=dtype)
+        # Built in place, on its device, reading only what this rank holds (models/sharded_load.py).
+        model = load_model(fam.model_class, family_name, Path(weights), dtype, spec.device, group)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(spec.path)
     else:
         tiny = dict(spec.tiny)
@@ -73,11 +80,12 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
         with torch.random.fork_rng():
             torch.manual_seed(int(tiny.get("seed", 0)))
             model = fam.model_class(config)
-        model = model.to(dtype)
-    model = model.to(spec.device).eval()
+        model = model.to(dtype).to(spec.device).eval()
     if model.config.get_text_config()._attn_implementation == "sdpa":
         use_grouped_sdpa(model)  # the same sums, without copying the cache per query head (models/attention.py)
     adapter = fam.adapter(model, tokenizer, **options)
+    if group is not None and spec.tiny is not None:
+        shard(adapter, group)  # tiny: built whole (seeded), the leader's values kept
     if spec.capture is not None:
         adapter.capture(spec.capture, spec.capture_len)
     return adapter

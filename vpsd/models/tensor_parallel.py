@@ -68,18 +68,28 @@ def shard_problems(text_config: Any, k: int) -> list[str]:
 
 
 def shard(adapter: Any, group: dist.ProcessGroup) -> None:
-    """Splits every decoder layer of `adapter`'s language model over the ranks of `group` (module docstring)."""
+    """Splits every decoder layer of `adapter`'s language model over the ranks of `group` (module docstring):
+    a model built whole on every rank (a tiny one) keeps the leader's values, scattered."""
+    shard_language_model(adapter.language_model, group, torch.device(adapter.device).type)
+
+
+def shard_language_model(language_model: torch.nn.Module, group: dist.ProcessGroup, device_type: str,
+                         src_data_rank: int | None = 0) -> None:
+    """Splits every decoder layer of `language_model` over the ranks of `group`. `src_data_rank`: the rank whose
+    values every rank keeps a share of (scattered from it), or None: each keeps its share of its own tensors
+    without communication, which is how a model whose parameters are still on the meta device is split before
+    each rank reads its share from the checkpoint (models/sharded_load.py)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     k = dist.get_world_size(group)
-    problems = shard_problems(adapter.model.config.get_text_config(), k)
+    problems = shard_problems(language_model.config, k)
     if problems:
         raise ValueError("; ".join(problems))
-    mesh = DeviceMesh.from_group(group, torch.device(adapter.device).type)
+    mesh = DeviceMesh.from_group(group, device_type)
     plan = shard_plan()
-    for layer in adapter.language_model.layers:
-        parallelize_module(layer, mesh, plan)
+    for layer in language_model.layers:
+        parallelize_module(layer, mesh, plan, src_data_rank=src_data_rank)
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------
@@ -140,6 +150,7 @@ class Mirror:
 
     def __init__(self, group: dist.ProcessGroup, leader: int, device: torch.device) -> None:
         self.wire = _Wire(group, leader, device)
+        self.ranks = dist.get_world_size(group)  # the target's ranks, this one among them
         self.lock = threading.RLock()
         self._ids = itertools.count(1)
         self._dropped: list[int] = []  # caches the leader let go of, told with the next message
