@@ -26,7 +26,7 @@ def test_a_bad_tabed_setting_stops_the_launch():
 
 
 def test_std_refuses_an_input_pruning_strategy_at_launch():
-    with pytest.raises(SystemExit, match="method std: std picks its own KV entries"):
+    with pytest.raises(ConfigError, match="method std: std picks its own KV entries"):
         resolve_config(args("std", "--pruning", "hippo"))
     assert resolve_config(args("std", "--ratio", "0.5")).pruning.ratio == 0.5
 
@@ -60,13 +60,13 @@ def test_batch_size_at_launch():
     assert resolve_config(args("hippo", "--batch", "8")).batching.size == 8
     assert resolve_config(args("ar")).batching.size == 1
     for method, what in (("sd-tree", "tree"), ("std", "sparse kv"), ("tabed", "views")):
-        with pytest.raises(SystemExit, match=f"method {method}: it drafts a {what}.*--batch 2 runs ar, sd, pearl"):
+        with pytest.raises(ConfigError, match=f"method {method}: it drafts a {what}.*--batch 2 runs ar, sd, pearl"):
             resolve_config(args(method, "--batch", "2"))
-    with pytest.raises(SystemExit, match="and tabed with batching.pipelined=true"):
+    with pytest.raises(ConfigError, match="and tabed with batching.pipelined=true"):
         resolve_config(args("tabed", "--batch", "2"))
     # TABED's views run in the role workers, so a pipelined batch takes it; trees and std still refuse.
     assert resolve_config(args("tabed", "--batch", "2", "--set", "batching.pipelined=true")).batching.size == 2
-    with pytest.raises(SystemExit, match="method sd-tree: it drafts a tree"):
+    with pytest.raises(ConfigError, match="method sd-tree: it drafts a tree"):
         resolve_config(args("sd-tree", "--batch", "2", "--set", "batching.pipelined=true"))
     with pytest.raises(ConfigError, match="batching.size must be an int >= 1"):
         resolve_config(args("ar", "--batch", "0"))

@@ -1,6 +1,10 @@
 """vpsd: lossless, parallel speculative decoding for video-LLMs.
 
+From Python: `vpsd.LLM`, `vpsd.SamplingParams`, `vpsd.VideoRequest` (vpsd/api.py; imported on first use, so that a
+rank importing a submodule does not pay for the model stack). As a job: `./torchrun.sh run ...` (vpsd/launch).
+
 Layers (imports only point down this list):
+  api.py      the Python API                       -> launch (its wiring, below the I/O)
   launch/     torchrun entry, CLI, manifests       -> roles, models, transport, pipeline
   roles/      one module per rank role             -> models, transport, pipeline
   decoders/   single-process reference decoders    -> models, pipeline
@@ -10,3 +14,13 @@ Layers (imports only point down this list):
 """
 
 __version__ = "0.1.0"
+
+_API = ("LLM", "SamplingParams", "VideoRequest", "Output", "ConfigError", "VideoError")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from vpsd import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'vpsd' has no attribute {name!r}")

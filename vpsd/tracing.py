@@ -63,8 +63,9 @@ def trace_path(out_dir: Path, role: str, rank: int) -> Path:
     return Path(out_dir) / "traces" / f"rank{rank}_{role}.jsonl"
 
 
-def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
-    """Send every structlog event of this process to the rank's JSON-lines trace (see module doc)."""
+def configure_tracing(out_dir: Path | None, role: str, rank: int, stderr_level: int | None = None) -> None:
+    """Send every structlog event of this process to the rank's JSON-lines trace (see module doc);
+    `stderr_level`: the least level printed to stderr (default: warnings with a trace file, info without)."""
     global _trace_file, _direct
     close_tracing()
     identity = _Identity(role, rank)
@@ -74,7 +75,7 @@ def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
         structlog.processors.format_exc_info,
     ]
     if out_dir is None:
-        processors = shared + [_StderrLine(identity.prefix, _STDERR_LEVEL_ALONE, drop=True)]
+        processors = shared + [_StderrLine(identity.prefix, stderr_level or _STDERR_LEVEL_ALONE, drop=True)]
         factory: Any = structlog.ReturnLoggerFactory()  # never reached: _StderrLine drops every event
     else:
         path = trace_path(Path(out_dir), role, rank)
@@ -83,7 +84,8 @@ def configure_tracing(out_dir: Path | None, role: str, rank: int) -> None:
         # to its last whole line and raises DiskFull naming the directory (vpsd/storage.py).
         _trace_file = LineFile(path)
         renderer = structlog.processors.JSONRenderer(default=_jsonable)
-        processors = shared + [_StderrLine(identity.prefix, _STDERR_LEVEL_WITH_FILE, drop=False), renderer]
+        processors = shared + [_StderrLine(identity.prefix, stderr_level or _STDERR_LEVEL_WITH_FILE, drop=False),
+                                        renderer]
         factory = structlog.WriteLoggerFactory(file=_trace_file)
         _direct = _DirectWriter(_trace_file, role, rank, renderer)
     # No logger caching: module-level proxies must follow a later reconfiguration (tests, restarts).

@@ -23,70 +23,29 @@ from pathlib import Path
 import torch.distributed as dist
 
 from vpsd.activity import ACTIVITY, START, doing
-from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_overrides
-from vpsd.models.shapes import ShapeError
+from vpsd.config import ConfigError, RunConfig
 from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import FOLLOWER, SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
+from vpsd.launch.preflight import affinity_problems, path_problems
 from vpsd.launch.say import say
-from vpsd.launch.memory import node_plan, with_kv_budget
-from vpsd.launch.preflight import (affinity_problems, checkpoint_problems, device_problems, memory_problems,
-                                   path_problems, tensor_parallel_problems)
+from vpsd.launch.settings import run_config
 from vpsd.pipeline.methods import Method, get_method
-from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.storage import FULL, DiskFull
 from vpsd.tracing import configure_tracing, get_logger
 from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel, PeerTimeout
-from vpsd.transport.placement import visible_gpus
 from vpsd.transport.startup import RanksMissing
 from vpsd.transport.tensors import TensorChannel, init_distributed
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    method = get_method(args.method)
-    overrides = parse_overrides(args.set)
-    overrides["pruning.strategy"] = args.pruning or method.default_strategy
-    ratio = args.ratio if args.ratio is not None else method.default_ratio
-    if ratio is not None:
-        overrides["pruning.ratio"] = ratio
-    if args.gamma is not None:
-        overrides["decoding.gamma"] = args.gamma
-    if args.temperature is not None:
-        overrides["decoding.temperature"] = args.temperature
-    if args.batch is not None:
-        overrides["batching.size"] = args.batch
-    cfg = load_config(args.config, overrides)  # ConfigError: one line per bad setting (main prints them)
-    if cfg.pruning.strategy not in STRATEGIES:  # else a KeyError on the target rank and a ValueError on the pruner's
-        raise ConfigError([f"unknown pruning strategy {cfg.pruning.strategy!r}"
-                           f"{nearest(cfg.pruning.strategy, STRATEGIES)}; known: {', '.join(sorted(STRATEGIES))}"])
-    check_method_settings(method, cfg)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    problems = (checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, visible_gpus())
-                + tensor_parallel_problems(cfg, method, visible_gpus(), local_world))
-    # What the layout needs of this node's memory, once the settings themselves are sound (launch/memory.py);
-    # the KV budget defaults to the room it leaves.
-    problems = problems or memory_problems(cfg, method, local_world, visible_gpus())
-    if problems:
-        raise ConfigError(problems)
-    try:
-        return with_kv_budget(cfg, *node_plan(cfg, method, local_world, visible_gpus()))
-    except (ShapeError, ValueError):
-        return cfg
-
-
-def check_method_settings(method, cfg: RunConfig) -> None:
-    """Settings only one method reads, checked at launch: a bad one must stop the job before any rank
-    loads a model, not crash the draft role on the first item."""
-    try:
-        method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on)  # ValueError where it cannot run
-        if method.draft == "sparse_kv" and cfg.pruning.strategy != "none":
-            raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"vpsd: method {method.name}: {e}") from None
+    """The run's checked settings from the command line (launch/settings.py); ConfigError lists what is wrong."""
+    return run_config(args.config, args.method, pruning=args.pruning, ratio=args.ratio, gamma=args.gamma,
+                      temperature=args.temperature, batch=args.batch, overrides=args.set)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([f"no such config file: {e.filename}"])
     except (ConfigError, ValueError) as e:
         return refuse(str(e).splitlines())
-    except SystemExit as e:  # check_method_settings' message
-        return refuse([str(e.code).removeprefix("vpsd: ")])
     method, out = get_method(args.method), Path(args.out)
     in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) == "remote"
     try:

@@ -20,7 +20,8 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
 from vpsd.tracing import get_logger
 from vpsd.video.fit import fit_to_context
-from vpsd.video.item import FrameRequest, cap_frames, load_frames, timed
+from vpsd.video.errors import VideoError
+from vpsd.video.item import FrameRequest, cap_frames, load_frames, scale_to_max_side, timed
 
 
 def context_limit(target: VideoLMAdapter, cfg: RunConfig) -> int:
@@ -58,16 +59,42 @@ class ItemReader:
         timings: dict[str, float] = {}
         request = self.frame_request(item)
         frames, times = load_frames(request, item.id, timings)
-        reserve = self.max_new_tokens(item)
-        with timed("preprocess", timings, item=item.id, step="fit"):
+        frames, times, max_frames = self._fit(item.id, item.prompt, frames, times, self.max_new_tokens(item),
+                                              item.video, timings)
+        return LoadedItem(frames, times, request.to_wire(item.id, max_frames), timings)
+
+    def load_array(self, item_id: str, prompt: str, frames: np.ndarray, times: np.ndarray | None,
+                   max_new_tokens: int) -> LoadedItem:
+        """Frames already in memory ((T, H, W, 3) uint8; the API's): taken as they are, scaled to video.max_side and
+        fitted to the context as a file's are; `times` in seconds (default one frame a second). VideoError
+        ("bad_request") for an array that is not frames."""
+        frames = np.asarray(frames)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+            raise VideoError("bad_request", f"<frames of {item_id}>", f"frames must be a (T, H, W, 3) uint8 array with "
+                             f"T >= 1, got {frames.dtype} {tuple(frames.shape)}")
+        times = np.arange(len(frames), dtype=np.float64) if times is None else np.asarray(times, dtype=np.float64)
+        if times.shape != (len(frames),):
+            raise VideoError("bad_request", f"<frames of {item_id}>", f"{len(frames)} frames, {times.shape} frame_times")
+        timings: dict[str, float] = {}
+        with timed("preprocess", timings, item=item_id, step="scale"):
+            frames = scale_to_max_side(frames, self.cfg.video.max_side)
+        frames, times, max_frames = self._fit(item_id, prompt, frames, times, max_new_tokens, f"<frames of {item_id}>",
+                                              timings)
+        return LoadedItem(frames, times, {"item": item_id, "in_memory": True, "max_frames": max_frames}, timings)
+
+    def _fit(self, item_id: str, prompt: str, frames: np.ndarray, times: np.ndarray, reserve: int, where,
+             timings: dict[str, float]) -> tuple[np.ndarray, np.ndarray, int | None]:
+        """The frames that fit the context with `reserve` tokens to answer in (video.subsample_to_fit), their times,
+        and the cap applied (None: all of them)."""
+        with timed("preprocess", timings, item=item_id, step="fit"):
             # A capped clip's times are the same cap of the times (Qwen3-VL's prompt counts them).
             frames, max_frames = fit_to_context(
-                frames, lambda f: self.target.prepare(f, item.prompt, cap_frames(times, len(f))).seq_len + reserve,
-                self.limit, self.cfg.video.subsample_to_fit, item.video,
+                frames, lambda f: self.target.prepare(f, prompt, cap_frames(times, len(f))).seq_len + reserve,
+                self.limit, self.cfg.video.subsample_to_fit, where,
             )
         if max_frames is not None:
-            get_logger().info("video_subsampled", item=item.id, frames=max_frames, limit=self.limit)
-        return LoadedItem(frames, cap_frames(times, max_frames), request.to_wire(item.id, max_frames), timings)
+            get_logger().info("video_subsampled", item=item_id, frames=max_frames, limit=self.limit)
+        return frames, cap_frames(times, max_frames), max_frames
 
     def request(self, item: ManifestItem, loaded: LoadedItem, nxt: ManifestItem | None) -> Request:
         """The item as the engine takes it: its frames, and how a draft rank reads them and the next item's."""

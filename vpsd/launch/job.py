@@ -9,36 +9,30 @@ Contract (the README's "Batch jobs" section says it for users; the job as a whol
   ValueError while decoding it is written as that item's `error: {type, message}` (plus `kind` for a
   VideoError) and the job goes on. Anything else (a dead peer, a bug) ends the job, and what was finished stays.
 
-Wiring: `Method.draft_place` says where the method's draft runs; this builds the engine (engine/engine.py)
-with that drafter, and the scheduler's loop (engine/scheduler.py) runs every item.
+Wiring: `Method.draft_place` says where the method's draft runs; launch/wiring.py builds the engine
+(engine/engine.py) with that drafter, and the scheduler's loop (engine/scheduler.py) runs every item.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
 
 from vpsd.activity import START, doing
 from vpsd.config import RunConfig
 from vpsd.engine.engine import Engine
-from vpsd.engine.local_drafter import LocalDrafter
-from vpsd.engine.reference import ReferenceEngine
 from vpsd.engine.request import Request
-from vpsd.engine.scheduler import Scheduler
-from vpsd.launch.in_process import RoleThreads
 from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.manifest import ManifestItem
+from vpsd.launch.wiring import SharedFrames, build_engine
 from vpsd.launch.results import ItemError, ResultRow
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.registry import load_adapter, load_draft
+from vpsd.models.registry import load_adapter
 from vpsd.models.tensor_parallel import Mirror
-from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.link import RankLink
-from vpsd.roles.target import RemoteDrafter
 from vpsd.tracing import get_logger
 from vpsd.transport.control import PeerTimeout
 from vpsd.video.errors import VideoError
@@ -98,20 +92,24 @@ class ItemEvents:
     each finished or failed item becomes its results line, sent to the coordinator."""
 
     def __init__(self, ctx: RoleContext, cfg: RunConfig, reader: ItemReader, target: VideoLMAdapter,
-                 sink: CoordinatorLink) -> None:
-        self.ctx, self.cfg, self.reader, self.target, self.sink = ctx, cfg, reader, target, sink
+                 sink: CoordinatorLink, frames: SharedFrames | None = None) -> None:
+        self.ctx, self.cfg, self.reader, self.target, self.sink, self.frames = ctx, cfg, reader, target, sink, frames
         self.loaded: dict[str, LoadedItem] = {}
         self.failures = self.finished_items = 0
 
     def request(self, item: ManifestItem, nxt: ManifestItem | None) -> Request:
         loaded = self.reader.load(item)
         self.loaded[item.id] = loaded
+        if self.frames is not None:
+            self.frames.put(item.id, loaded.frames, loaded.times)
         return self.reader.request(item, loaded, nxt)
 
     def started(self, item: ManifestItem) -> None:
         self.ctx.item_id = item.id
 
     def finished(self, item: ManifestItem, request: Request) -> None:
+        if self.frames is not None:
+            self.frames.drop(item.id)
         if request.error is not None:
             self.failed(item, request.error)
             return
@@ -127,6 +125,8 @@ class ItemEvents:
                              self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)))
 
     def failed(self, item: ManifestItem, error: Exception | str) -> None:
+        if self.frames is not None:
+            self.frames.drop(item.id)
         self.failures += 1
         loaded = self.loaded.pop(item.id, None)
         get_logger().error("item_failed", item=item.id, error=str(error))
@@ -144,34 +144,6 @@ class ItemEvents:
                           error=None if row.error is None else row.error.to_json())
 
 
-def build_engine(ctx: RoleContext, cfg: RunConfig, target: VideoLMAdapter,
-                 shared_items: bool = False) -> tuple[Engine, Scheduler, Callable[[], None]]:
-    """The engine, its scheduler and what stops its drafter after the last item, for the method at this batch size
-    (`Method.draft_place`); `shared_items`: other pipelines take from the same items."""
-    method, size = ctx.method, cfg.batching.size
-    place = method.draft_place(size, cfg.batching.pipelined, cfg.draft_on)
-    cpus = (cfg.cpu_affinity or {}).get("draft")  # the prefill thread's: free where no draft rank works there
-    budget = cfg.batching.kv_budget_bytes
-    if place == "remote":
-        drafter = RemoteDrafter(RankLink(ctx), target, cfg, job_id=ctx.job_id, timeout_s=ctx.timeout_s,
-                                target_probs=verdicts_carry_target_probs(method.draft, cfg.tabed_settings,
-                                                                         cfg.decoding.temperature))
-        engine = Engine(target, cfg, size, drafter)
-        return engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), drafter.shutdown
-    draft = load_draft(cfg.family, cfg.draft, target) if method.loads_draft_model else None
-    if place == "threads":
-        threads = RoleThreads(target, draft, cfg, method, ctx.out, ctx.job_id, ctx.timeout_s)
-        engine = Engine(target, cfg, size, threads.drafter)
-        return engine, Scheduler(engine, budget, shared_items=shared_items), threads.stop
-    if place == "reference":
-        engine = ReferenceEngine(target, cfg, method, draft)
-        return engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), lambda: None
-    drafter = LocalDrafter(target, draft, cfg.decoding, cfg.pruning, method.parallel) if place == "local" else None
-    engine = Engine(target, cfg, size, drafter)
-    return engine, Scheduler(engine, budget, draft if drafter is not None else None, prefill_cpus=cpus, lend_cores=True,
-                             shared_items=shared_items), lambda: None
-
-
 def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipelines: int,
                  target_group=None) -> None:
     """This pipeline's share of the job: items from the coordinator until it has no more, then its run.
@@ -180,14 +152,17 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
         target = load_adapter(cfg.family, cfg.target, group=target_group)  # this rank's share, when split
         if target_group is not None:
             target.mirror = Mirror(target_group, ctx.rank, target.device)
-        events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link)
-        engine, scheduler, stop_drafter = build_engine(ctx, cfg, target, shared_items=pipelines > 1)
-    if isinstance(engine.drafter, RemoteDrafter):
-        engine.drafter.await_peers(ctx.startup_timeout_s)  # start-up ends when the draft and pruner have loaded
+        frames = SharedFrames()  # what a draft thread takes instead of reading the file again
+        events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link, frames)
+        wired = build_engine(cfg, ctx.method, target, rank_link=lambda: RankLink(ctx), out=ctx.out, job_id=ctx.job_id,
+                             timeout_s=ctx.timeout_s, videos=frames, shared_items=pipelines > 1)
+        engine, scheduler, stop_drafter = wired.engine, wired.scheduler, wired.stop
+    wired.ready(ctx.startup_timeout_s)  # start-up ends when a draft and pruner of their own have loaded
     loop_start = time.perf_counter()
     scheduler.run(link, events)
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
     stop_drafter()
+    frames.close()
     if target.mirror is not None:
         target.mirror.stop()  # the followers leave
     report = engine.report.as_dict() if cfg.batching.size > 1 else None

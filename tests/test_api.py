@@ -1,0 +1,124 @@
+"""vpsd from Python (vpsd/api.py): the job's path below the I/O, in the caller's process.
+
+Every method's outputs through the API equal `ar`'s (ar, sd, pearl, hippo at B = 1 and 2; the parallel ones with
+their roles on threads), `ar`'s equal plain autoregressive decoding, and hippo's equal the torchrun job's on the
+same items. Bad input fails only its own request, with the job's error; bad settings are a ConfigError before
+any model loads; a sampled call is reproducible from its seed; stop strings cut the text; nothing is left running
+after close()."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import vpsd
+from tests.torchrun_jobs import ROOT, results, run_job, world_manifest
+from vpsd.launch.manifest import load_manifest
+
+CONFIG = ROOT / "configs" / "tiny_qwen2_5_vl.yaml"
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return world_manifest(str(tmp_path_factory.getbasetemp()), count=3)
+
+
+@pytest.fixture(scope="module")
+def items(manifest) -> list[vpsd.VideoRequest]:
+    return [vpsd.VideoRequest(str(it.video), it.prompt, id=it.id) for it in load_manifest(manifest)[0]]
+
+
+@pytest.fixture(scope="module")
+def ar(items) -> dict[str, list[int]]:
+    with vpsd.LLM(CONFIG, method="ar") as llm:
+        return {o.id: o.token_ids for o in llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))}
+
+
+def test_ar_through_the_api_is_plain_autoregressive_decoding(manifest, ar):
+    from tests.test_pipeline_torchrun import ar_reference
+
+    assert ar == ar_reference("qwen2_5_vl", manifest)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("method", ["sd", "pearl", "hippo"])
+def test_every_method_equals_ar_at_batch_1_and_2(items, ar, method, batch):
+    with vpsd.LLM(CONFIG, method=method, batch=batch, gamma=3, settings={"draft": "self"}) as llm:
+        outs = llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))
+    assert {o.id: o.token_ids for o in outs} == ar
+    assert all(o.error is None and o.stats["rounds"] >= 1 for o in outs)
+    if method != "sd" or batch == 1:
+        assert sum(o.stats["accepted_tokens"] for o in outs) > 0  # it drafted (the target drafting for itself)
+
+
+def test_hippo_through_the_api_equals_the_torchrun_job(manifest, items, tmp_path):
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "job", "hippo", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with vpsd.LLM(CONFIG, method="hippo") as llm:
+        outs = llm.generate(items)
+    assert {o.id: o.token_ids for o in outs} == {k: r["token_ids"] for k, r in results(tmp_path / "job").items()}
+    assert [o.text for o in outs] == [results(tmp_path / "job")[o.id]["text"] for o in outs]
+
+
+def test_a_bad_request_fails_alone_with_the_jobs_error(items, ar):
+    bad = [vpsd.VideoRequest("/no/such/video.mp4", "Describe the video.", id="missing"),
+           vpsd.VideoRequest(np.zeros((4, 56, 56), np.uint8), "Describe the video.", id="not-frames"),
+           vpsd.VideoRequest(items[0].video, [{"role": "system", "content": "x"}], id="no-user-turn")]
+    with vpsd.LLM(CONFIG, method="hippo") as llm:
+        outs = {o.id: o for o in llm.generate([items[0], *bad, items[1]], vpsd.SamplingParams(max_new_tokens=24))}
+    assert outs[items[0].id].token_ids == ar[items[0].id] and outs[items[1].id].token_ids == ar[items[1].id]
+    assert outs["missing"].finish_reason == "error" and outs["missing"].error_kind == "missing"
+    assert outs["missing"].error == "VideoError: missing video /no/such/video.mp4: no such file or directory"
+    assert outs["not-frames"].error_kind == "bad_request" and "(T, H, W, 3) uint8" in outs["not-frames"].error
+    assert "exactly one user turn" in outs["no-user-turn"].error
+
+
+def test_bad_settings_are_a_config_error_before_any_model_loads():
+    with pytest.raises(vpsd.ConfigError, match="unknown method 'hipo'"):
+        vpsd.LLM(CONFIG, method="hipo")
+    with pytest.raises(vpsd.ConfigError, match=r"unknown key decoding\.gama \(did you mean 'gamma'\?\)"):
+        vpsd.LLM(CONFIG, method="ar", settings={"decoding.gama": 3})
+    with pytest.raises(vpsd.ConfigError, match="method sd-tree: it drafts a tree"):
+        vpsd.LLM(CONFIG, method="sd-tree", batch=2)
+    with vpsd.LLM(CONFIG, method="ar") as llm:
+        with pytest.raises(vpsd.ConfigError, match="only top_p = 1.0"):
+            llm.generate([], vpsd.SamplingParams(top_p=0.9))
+
+
+def test_arrays_chat_messages_seeds_and_stop_strings():
+    frames = np.random.default_rng(0).integers(0, 256, (4, 56, 56, 3), dtype=np.uint8)
+    chat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the video."}]}]
+    with vpsd.LLM(CONFIG, method="pearl", settings={"draft": "self"}) as llm:
+        sampled = vpsd.SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+        first = llm.generate(vpsd.VideoRequest(frames, chat), sampled)[0]
+        again = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
+        other = llm.generate(vpsd.VideoRequest(frames, "Describe the video."),
+                             vpsd.SamplingParams(max_new_tokens=12, temperature=1.0, seed=8))[0]
+        assert first.error is None and first.token_ids == again.token_ids != other.token_ids
+        greedy = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), vpsd.SamplingParams(max_new_tokens=12))[0]
+        stop = greedy.text[len(greedy.text) // 2:][:3]
+        cut = llm.generate(vpsd.VideoRequest(frames, "Describe the video."),
+                           vpsd.SamplingParams(max_new_tokens=12, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == greedy.text[:greedy.text.find(stop)]
+    assert cut.token_ids == greedy.token_ids[:len(cut.token_ids)] and len(cut.token_ids) <= len(greedy.token_ids)
+
+
+def test_nothing_is_left_running_after_close(items):
+    before = threading.active_count()
+    llm = vpsd.LLM(CONFIG, method="hippo")
+    llm.generate(items[:1])
+    llm.close()
+    assert threading.active_count() <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(items[:1])
+
+
+def test_the_example_script_runs_from_the_repository_root():
+    proc = subprocess.run([sys.executable, "examples/python_api.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("MAT") == 3

@@ -1,0 +1,272 @@
+"""vpsd from Python: load a model pair once, decode videos with any method, get texts and speculation stats back.
+
+    import vpsd
+
+    with vpsd.LLM(config="configs/world_qwen2_5_vl_scaled.yaml", method="hippo") as llm:
+        outs = llm.generate([vpsd.VideoRequest("clip.mp4", "Describe the video.")],
+                            vpsd.SamplingParams(max_new_tokens=64))
+    print(outs[0].text, outs[0].stats["mean_accepted_tokens"])
+
+Below the I/O this is the job's own path (launch/wiring.py): the same config resolution and checks, the same
+engine, scheduler and drafters, the same roles. Every method runs in the caller's process: serial and batched
+ones as in a one-rank job; a parallel method's draft and pruner roles on threads of this process
+(`draft_on: thread`, launch/in_process.py; on a GPU, each on its own CUDA stream), so an `LLM` starts no process
+and leaves none behind, and works inside a program that runs its own torch.distributed (lmms-eval under
+`accelerate launch`). A list of requests runs through the engine's continuous batching when `batch > 1`.
+
+Bad input: a setting that cannot run raises `ConfigError` (one line a problem, the job's lines) when the `LLM` is
+made; a request whose video is missing, corrupt or too long, or whose settings are wrong, does not stop the
+others: its `Output` carries the error (`error`, `error_kind`), as a job's result row does. `VideoError` is the
+same typed exception the job writes rows from.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import structlog
+
+from vpsd.config import ConfigError, RunConfig
+from vpsd.engine.request import Request
+from vpsd.launch.items import ItemReader
+from vpsd.launch.manifest import ManifestItem
+from vpsd.launch.settings import run_config
+from vpsd.launch.wiring import SharedFrames, build_engine
+from vpsd.models.registry import load_adapter
+from vpsd.pipeline.methods import get_method
+from vpsd.tracing import configure_tracing
+from vpsd.video.errors import VideoError
+
+__all__ = ["LLM", "SamplingParams", "VideoRequest", "Output", "ConfigError", "VideoError"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one `generate` call's requests. None: the config's value."""
+
+    max_new_tokens: int | None = None
+    temperature: float = 0.0  # 0: greedy; > 0: sampled, by the speculative-sampling rule
+    top_p: float = 1.0  # only 1.0: the speculative-sampling rule here is exact for the whole distribution
+    stop: tuple[str, ...] = ()  # the text is cut before the first of these (decoding runs to EOS or the budget)
+    seed: int | None = None  # every random stream of every request (target, draft, pruning) derives from it
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+            problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_p != 1.0:
+            problems.append(f"top_p {self.top_p}: vpsd samples from the whole distribution (the speculative-sampling "
+                            "rule is exact for it); only top_p = 1.0 runs")
+        return problems
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """One video and what to ask about it.
+
+    video: a video file, a folder of frame images (read at `video.fps`, else 1 frame a second), or the frames
+    themselves, a (T, H, W, 3) uint8 array (with `frame_times` in seconds; default one a second).
+    prompt: the question, or chat messages ([{"role": "user", "content": "..."}], content a string or a list of
+    {"type": "text", "text": ...} parts; the video goes in the user's turn, as a job's prompt does)."""
+
+    video: str | Path | np.ndarray
+    prompt: str | list[dict[str, Any]]
+    frame_times: np.ndarray | None = None
+    id: str | None = None
+
+
+@dataclass
+class Output:
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens), "error"
+    num_video_tokens: int | None = None
+    num_generated_tokens: int = 0
+    # What a job's result row carries: mean_accepted_tokens (MAT), acceptance_rate, rounds, prefill_s, decode_s,
+    # wall_s, tokens_per_s, num_kept, ...
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    error_kind: str | None = None  # a VideoError's kind ("missing", "corrupt", "too_long", ...)
+
+
+class LLM:
+    """A target (and draft) loaded once; `generate` as often as needed; `close()` (or a with block) at the end.
+
+    config: a YAML of configs/ (or any path); method: any of vpsd's (`ar` is the baseline); pruning, ratio, gamma,
+    batch: as the job's --pruning, --ratio, --gamma, --batch; settings: more KEY: VALUE overrides, as --set;
+    trace_dir: where the structlog JSON trace goes (DIR/traces/rank0_api.jsonl, readable by `vpsd timeline`);
+    without one, vpsd prints its warnings alone (unless the program configured structlog itself)."""
+
+    def __init__(self, config: str | Path, method: str = "hippo", *, pruning: str | None = None,
+                 ratio: float | None = None, gamma: int | str | None = None, batch: int = 1,
+                 settings: dict[str, Any] | None = None, trace_dir: str | Path | None = None) -> None:
+        try:
+            self.method = get_method(method)
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+        overrides = {"draft_on": "thread", **(settings or {})}  # no ranks here: a parallel draft runs on threads
+        self.config: RunConfig = run_config(config, method, pruning=pruning, ratio=ratio, gamma=gamma, batch=batch,
+                                            overrides=overrides, local_world=1)
+        if trace_dir is not None:
+            configure_tracing(Path(trace_dir), "api", 0)
+        elif not structlog.is_configured():
+            configure_tracing(None, "api", 0, stderr_level=logging.WARNING)
+        self.target = load_adapter(self.config.family, self.config.target)
+        self._draft = None  # loaded with the first engine that needs it, then kept
+        self._count = 0
+        self._closed = False
+        _open.add(self)
+
+    # ---- decoding -----------------------------------------------------------------------------------
+
+    def generate(self, requests: VideoRequest | Sequence[VideoRequest],
+                 params: SamplingParams | None = None) -> list[Output]:
+        """One Output per request, in order (a failed request's carries its error)."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        params = params or SamplingParams()
+        problems = params.check()
+        if problems:
+            raise ConfigError(problems)
+        todo = [self._item(r) for r in ([requests] if isinstance(requests, VideoRequest) else list(requests))]
+        if len({item.id for item in todo}) != len(todo):
+            raise ValueError("two requests of one generate call have the same id")
+        cfg = self._decoding_config(params)
+        frames = SharedFrames()
+        events = _Events(self.target, cfg, frames, params)
+        wired = build_engine(cfg, self.method, self.target, draft=self._load_draft(cfg), videos=frames,
+                             timeout_s=cfg.timeout_s, job_id="api")
+        try:
+            wired.ready(cfg.startup_timeout_s)
+            wired.scheduler.run(todo, events)
+        finally:
+            wired.stop()
+            frames.close()
+        return [events.outputs[item.id] for item in todo]
+
+    def _item(self, r: VideoRequest) -> _Item:
+        self._count += 1
+        return _Item(r.id or f"request-{self._count}", r.video, r.prompt, r.frame_times)
+
+    def _decoding_config(self, params: SamplingParams) -> RunConfig:
+        dec = dataclasses.replace(self.config.decoding, temperature=float(params.temperature))
+        if params.max_new_tokens is not None:
+            dec = dataclasses.replace(dec, max_new_tokens=params.max_new_tokens)
+        if params.seed is not None:
+            dec = dataclasses.replace(dec, seed=int(params.seed))
+        return dataclasses.replace(self.config, decoding=dec)
+
+    def _load_draft(self, cfg: RunConfig):
+        if self.method.loads_draft_model and self._draft is None:
+            from vpsd.models.registry import load_draft
+
+            self._draft = load_draft(cfg.family, cfg.draft, self.target)
+        return self._draft
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Frees the models (nothing else runs between calls: a generate's threads end with it)."""
+        self._closed = True
+        self.target = self._draft = None
+        _open.discard(self)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_open: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+atexit.register(lambda: [llm.close() for llm in list(_open)])
+
+
+@dataclass
+class _Item:
+    id: str
+    video: Any
+    prompt: str | list[dict[str, Any]]
+    frame_times: np.ndarray | None
+
+
+def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """A prompt, or the text of chat messages' one user turn (ValueError for what a video prompt cannot hold)."""
+    if isinstance(prompt, str):
+        return prompt
+    turns = [m for m in prompt if m.get("role") == "user"]
+    others = [m.get("role") for m in prompt if m.get("role") != "user"]
+    if len(turns) != 1 or others:
+        raise ValueError(f"chat messages must hold exactly one user turn (the video goes in it), got roles "
+                         f"{[m.get('role') for m in prompt]}")
+    content = turns[0].get("content")
+    if isinstance(content, str):
+        return content
+    return "\n".join(part["text"] for part in content or [] if part.get("type") == "text")
+
+
+class _Events:
+    """The scheduler's events (engine/scheduler.py JobEvents) over a generate call's requests."""
+
+    def __init__(self, target, cfg: RunConfig, frames: SharedFrames, params: SamplingParams) -> None:
+        self.target, self.cfg, self.frames, self.params = target, cfg, frames, params
+        self.reader = ItemReader(target, cfg)
+        self.outputs: dict[str, Output] = {}
+
+    def request(self, item: _Item, nxt: _Item | None) -> Request:
+        """The request's frames read and fitted (VideoError, ValueError: its Output carries them)."""
+        budget = self.cfg.decoding.max_new_tokens
+        prompt = _prompt_text(item.prompt)
+        if isinstance(item.video, np.ndarray):
+            loaded = self.reader.load_array(item.id, prompt, item.video, item.frame_times, budget)
+        else:
+            loaded = self.reader.load(ManifestItem(item.id, Path(item.video), prompt, budget, None, None, {}, 0))
+        self.frames.put(item.id, loaded.frames, loaded.times)  # a draft thread takes them from here
+        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None)
+
+    def started(self, item: _Item) -> None:
+        pass
+
+    def finished(self, item: _Item, request: Request) -> None:
+        self.frames.drop(item.id)
+        if request.error is not None:
+            self.failed(item, ValueError(request.error))
+            return
+        res = request.result()
+        tokens = list(res.token_ids)
+        text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
+        reason = "stop" if tokens and tokens[-1] in self.target.eos_token_ids else "length"
+        cut = _first_stop(text, self.params.stop)
+        if cut is not None:
+            text, tokens, reason = text[:cut], _tokens_for(self.target.tokenizer, tokens, text[:cut]), "stop"
+        self.outputs[item.id] = Output(item.id, text, tokens, reason, request.num_video_tokens, len(res.token_ids),
+                                       res.stats_dict())
+
+    def failed(self, item: _Item, error: Exception) -> None:
+        self.frames.drop(item.id)
+        kind = error.kind if isinstance(error, VideoError) else None
+        self.outputs[item.id] = Output(item.id, "", [], "error", error=f"{type(error).__name__}: {error}",
+                                       error_kind=kind)
+
+
+def _first_stop(text: str, stop: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def _tokens_for(tokenizer, tokens: list[int], text: str) -> list[int]:
+    """The shortest prefix of `tokens` whose text covers `text` (what was generated up to a stop string)."""
+    for n in range(len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:n], skip_special_tokens=True)) >= len(text):
+            return tokens[:n]
+    return tokens
