@@ -125,7 +125,7 @@ def bench(target, draft, cfg: RunConfig, items: list[Captured], strategies: list
             times.append(secs * 1e3 * 10_000 / item.layout.num_tokens)
             kept.append(int(keep.numel()))
             dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=item.max_new_tokens, temperature=0.0)
-            res = decode_sd(target, draft, item.frames, item.prompt, dec, lambda t_emb, t_pre, d_emb, k=keep: k,
+            res = decode_sd(target, draft, item.frames, item.prompt, dec, lambda t_emb, t_pre, d_emb, seed, k=keep: k,
                             frame_times=item.times)
             lossless &= res.token_ids == item.ar_tokens
             stats.extend(res.stats)

@@ -13,6 +13,7 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import done
+from vpsd.pipeline.seeds import verify_seed
 
 
 def decode_ar(
@@ -21,7 +22,7 @@ def decode_ar(
     t0 = time.perf_counter()
     emb = target.embed(target.prepare(frames, prompt, frame_times))
     pre = target.prefill(emb)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(verify_seed(cfg.seed))
     tokens = [next_token(pre.logits, cfg.temperature, gen)]
     t1 = time.perf_counter()
     stats = AcceptanceStats()

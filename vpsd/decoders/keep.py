@@ -14,6 +14,7 @@ import torch
 
 from vpsd.config import PruningConfig
 from vpsd.pipeline.pruning.specvlm import specvlm_lambda
+from vpsd.pipeline.seeds import pruning_seed
 from vpsd.pipeline.pruning.strategies import PruningSignals, Strategy, strategy_for
 
 if TYPE_CHECKING:  # the pruner rank uses configured_strategy and loads no model: no transformers in its process
@@ -29,7 +30,8 @@ def keep_policy_for(cfg: PruningConfig, family: str | None = None):
     """family: picks SpecVLM's per-family lambda when the config sets none."""
     strategy = configured_strategy(cfg, family)
 
-    def policy(t_emb: SequenceEmbeddings, t_pre: PrefillResult, d_emb: SequenceEmbeddings) -> torch.Tensor | None:
+    def policy(t_emb: SequenceEmbeddings, t_pre: PrefillResult, d_emb: SequenceEmbeddings,
+               item_seed: int = 0) -> torch.Tensor | None:
         if cfg.applied_ratio == 0.0:
             return None
         signals = PruningSignals()
@@ -39,6 +41,6 @@ def keep_policy_for(cfg: PruningConfig, family: str | None = None):
             if t_pre.signals is None:
                 raise ValueError(f"strategy {cfg.strategy!r} needs target prefill signals, none were captured")
             signals = t_pre.signals.merged_into(signals)
-        return strategy.select(signals, t_emb.layout, cfg.ratio, cfg.seed)
+        return strategy.select(signals, t_emb.layout, cfg.ratio, pruning_seed(cfg.seed, item_seed))
 
     return policy

@@ -23,6 +23,7 @@ from vpsd.models.signals import prefill_for_strategy
 from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
+from vpsd.pipeline.seeds import draft_seed, verify_seed
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree
@@ -30,7 +31,7 @@ from vpsd.pipeline.verification import verify_chunk, window_rows
 from vpsd.tracing import span
 
 # Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
-KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings], "torch.Tensor | None"]
+KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings, int], "torch.Tensor | None"]  # ..., item seed
 
 
 def draft_chunk(
@@ -96,11 +97,13 @@ def prefill_pair(
     frame_times: np.ndarray | None = None,
     target_emb: SequenceEmbeddings | None = None,
     parallel_signals: bool = False,
+    item_seed: int = 0,
 ) -> PairPrefill:
     """The target's full prefill (with the signals `pruning`'s strategy reads), the kept video tokens, and the
     draft's pruned prefill. `target_emb`: the target's embeddings when the caller already has them;
     `parallel_signals`: read the signals of the layers a parallel run streams (PruningConfig.signal_layers), so
-    a parallel method keeps the same video tokens here as in its pipeline."""
+    a parallel method keeps the same video tokens here as in its pipeline; `item_seed`: the item's seed, which a
+    random pruning's selection derives from (pipeline/seeds.py)."""
     t_emb = target_emb if target_emb is not None else target.embed(target.prepare(frames, prompt, frame_times))
     t0 = time.perf_counter()
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
@@ -109,7 +112,7 @@ def prefill_pair(
     t_pre = (target.prefill(t_emb) if pruning is None
              else prefill_for_strategy(target, t_emb, pruning, parallel=parallel_signals))
     t0 = time.perf_counter()
-    keep = keep_policy(t_emb, t_pre, d_emb)
+    keep = keep_policy(t_emb, t_pre, d_emb, item_seed)
     t_pre.signals = None  # the copied keys are not needed while decoding
     d_pre = draft.prefill(d_emb, keep=keep)
     draft_s += time.perf_counter() - t0
@@ -131,9 +134,9 @@ def decode_sd(
     `frame_times`: (T,) seconds of each frame (VideoLMAdapter.prepare);
     `tree`: draft and verify a static tree each round (tree_sd.py) instead of a chain of gamma tokens."""
     t0 = time.perf_counter()
-    pair = prefill_pair(target, draft, frames, prompt, keep_policy, pruning, frame_times)
+    pair = prefill_pair(target, draft, frames, prompt, keep_policy, pruning, frame_times, item_seed=cfg.seed)
     t_pre, d_pre = pair.target, pair.draft
-    verify_gen = torch.Generator().manual_seed(cfg.seed)
+    verify_gen = torch.Generator().manual_seed(verify_seed(cfg.seed))
     committed = [next_token(t_pre.logits, cfg.temperature, verify_gen)]
     t1 = time.perf_counter()
     if tree is None:
@@ -166,7 +169,7 @@ def speculate(
     The draft is any (adapter, state) pair: a smaller model, the target fed pruned video (sd, specvlm),
     or the target on a sparse KV cache (std). Returns the committed tokens, cut where `ar` stops.
     """
-    draft_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    draft_gen = torch.Generator().manual_seed(draft_seed(cfg.seed))
     t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
     stats = AcceptanceStats()
     eos = target.eos_token_ids

@@ -28,6 +28,7 @@ from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, Vid
 from vpsd.models.signals import prefill_with_signals
 from vpsd.pipeline.pruning.sparse_kv import gather_heads, sparse_cache_indices, topk_per_head
 from vpsd.pipeline.sampling import next_token
+from vpsd.pipeline.seeds import verify_seed
 
 
 def std_prefill(target: VideoLMAdapter, emb: SequenceEmbeddings) -> PrefillResult:
@@ -69,7 +70,7 @@ def decode_std(
     indices = std_cache_indices(pre, emb, pruning.ratio)
     pre.signals = None
     d_state = sparse_state(target, pre.state, indices, emb.next_position)
-    verify_gen = torch.Generator().manual_seed(cfg.seed)
+    verify_gen = torch.Generator().manual_seed(verify_seed(cfg.seed))
     committed = [next_token(pre.logits, cfg.temperature, verify_gen)]
     t1 = time.perf_counter()
     committed, stats = speculate(target, pre.state, target, d_state, committed, cfg, verify_gen)

@@ -30,6 +30,7 @@ from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree, propose_children, verify_tree
 from vpsd.tracing import span
+from vpsd.pipeline.seeds import draft_seed
 
 
 @dataclass
@@ -92,7 +93,7 @@ def speculate_tree(
     verify_gen: torch.Generator,
 ) -> tuple[list[int], AcceptanceStats]:
     """The serial tree loop from both prefills and the target's first token, to the end (cut where `ar` stops)."""
-    draft_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    draft_gen = torch.Generator().manual_seed(draft_seed(cfg.seed))
     t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
     stats = AcceptanceStats()
     eos = target.eos_token_ids

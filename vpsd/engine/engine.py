@@ -40,6 +40,7 @@ from vpsd.models.timing import Stopwatch
 from vpsd.pipeline.cost import ParallelWindow, SerialWindow
 from vpsd.pipeline.drafting_policy import ItemMeans
 from vpsd.pipeline.sampling import next_token
+from vpsd.pipeline.seeds import verify_seed
 from vpsd.pipeline.state_machine import TargetMachine
 from vpsd.pipeline.verification import greedy_ids, verify_chunk, window_rows
 from vpsd.tracing import get_logger, record_span, span
@@ -111,7 +112,7 @@ class Engine:
         pre, request.prefill = request.prefill, None
         drafted = request.drafted and self.drafter is not None
         machine = TargetMachine(request.max_new_tokens, self.eos, item_id=request.id, defer_bonus=self.parallel)
-        gen = torch.Generator().manual_seed(int(self.cfg.decoding.seed))
+        gen = torch.Generator().manual_seed(verify_seed(self.cfg.decoding.seed))
         if drafted and self.parallel:  # the draft proposes the first token; the prefill's row verifies it
             request.kept_row = pre.logits
         else:  # drawn from the prefill's row, as the item's batch-1 decoder draws it

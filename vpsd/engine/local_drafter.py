@@ -6,7 +6,7 @@ batched forward per token (`ModelProposer`), until each has its window (never pa
 item's draft side starts with the target's prefill: the signals its strategy reads, the kept video tokens,
 the draft's vision and its pruned prefill (`prefill_pair`, the serial reference's own), on whatever thread
 prefills the item; its row joins the draft's batch with the request. Each request drafts from its own
-random stream, seeded as its batch-1 run seeds it (`seed + 1`), so a sampled item's tokens never depend on
+random stream, seeded as its batch-1 run seeds it (pipeline/seeds.py), so a sampled item's tokens never depend on
 the batch.
 """
 
@@ -23,6 +23,7 @@ from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import VerifyResult
+from vpsd.pipeline.seeds import draft_seed
 from vpsd.tracing import span
 
 
@@ -46,7 +47,8 @@ class LocalDrafter:
 
     def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
         pair = prefill_pair(self.target, self.draft, request.frames, request.prompt, self.keep_policy, self.pruning,
-                            request.frame_times, target_emb=emb, parallel_signals=self.parallel_signals)
+                            request.frame_times, target_emb=emb, parallel_signals=self.parallel_signals,
+                            item_seed=self.decoding.seed)
         request.draft_handle = pair.draft
         request.num_kept, request.kept, request.layout = pair.num_kept, pair.kept_indices(), emb.layout
         request.draft_prefill_s = pair.draft_s
@@ -55,7 +57,7 @@ class LocalDrafter:
     def join(self, request: Request, gamma: int) -> None:
         pre, request.draft_handle = request.draft_handle, None
         self.cursors[request.id] = CacheCursor(self.proposer.join(request.id, pre))
-        self.gens[request.id] = torch.Generator().manual_seed(self.decoding.seed + 1)
+        self.gens[request.id] = torch.Generator().manual_seed(draft_seed(self.decoding.seed))
 
     def proposals(self, requests: list[Request], gamma: int) -> dict[str, Proposal]:
         windows = {r.id: max(0, min(gamma, r.max_new_tokens - len(r.committed) - 1)) for r in requests}

@@ -42,6 +42,7 @@ from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import (DraftChunk, Error, ItemDone, JobStart, Message, Ready, Shutdown, TensorAnnounce,
                                    VerifyResult)
+from vpsd.pipeline.seeds import draft_seed
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
 from vpsd.roles.context import RoleContext
@@ -159,7 +160,7 @@ class DraftWorker:
             return
         dec = self.cfg.decoding
         machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
-        gen = torch.Generator().manual_seed(dec.seed + job.seed + 1)  # as the batch-1 draft role seeds it
+        gen = torch.Generator().manual_seed(draft_seed(job.seed))  # the one rule, wherever the draft runs
         with doing("prefill", item_id, int(keep.numel())), span("prefill", item=item_id, kept=int(keep.numel()),
                                                                 draft=self.kind):
             length = self.proposer.admit(item_id, emb, keep, job.gamma)

@@ -21,6 +21,7 @@ from vpsd.activity import doing
 from vpsd.decoders.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.seeds import pruning_seed
 from vpsd.config import RunConfig
 from vpsd.pipeline.messages import ItemDone, JobStart, KeepIndices, Message, Ready, Shutdown, TensorAnnounce
 from vpsd.roles.context import RoleContext, RoleFailure
@@ -69,7 +70,7 @@ class PrunerWorker:
             if ratio == 0.0:
                 keep = torch.arange(layout.num_tokens)
             else:
-                keep = self.strategy.select(signals, layout, ratio, cfg.seed + job.seed)
+                keep = self.strategy.select(signals, layout, ratio, pruning_seed(cfg.seed, job.seed))
         keep = keep.long()
         check_keep(keep, layout, ratio)
         with span("send", item=job.item_id, what="keep"):
