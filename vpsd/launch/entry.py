@@ -48,19 +48,27 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
                       temperature=args.temperature, batch=args.batch, overrides=args.set)
 
 
-def main(argv: list[str] | None = None) -> int:
-    if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
-        die_with_parent()
+def command_line(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig] | int:
+    """The options and their checked settings, or the exit status of a refusal (said once, one line a problem)."""
     try:
         args = parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already refused (_Parser.error)
         return int(e.code or 0)
     try:
-        cfg = resolve_config(args)
+        return args, resolve_config(args)
     except FileNotFoundError as e:
         return refuse([f"no such config file: {e.filename}"])
     except (ConfigError, ValueError) as e:
         return refuse(str(e).splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
+        die_with_parent()
+    settings = command_line(argv)
+    if isinstance(settings, int):
+        return settings
+    args, cfg = settings
     method, out = get_method(args.method), Path(args.out)
     in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) == "remote"
     try:
