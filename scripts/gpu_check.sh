@@ -31,11 +31,14 @@
 #   b1_mps        ar, pearl, hippo at B = 1 captured again, the ranks under CUDA MPS (the check starts its own
 #                 daemon with its own pipe directory, checks the clients reach it, and stops it: no GPU setting
 #                 changes): with b1_captured's rows, the measurement that chooses draft_on
+#   Every B = 1 cell's target profiles 30 of its rounds in the job (profile_rounds: vpsd/profiling.py): kernels,
+#   launches, host waits and the rest (Python, other threads holding the GIL) where the step really runs.
 # Run 2: b8 (ar, pearl, hippo, hippo:pipelined and hippo:pipelined+thread at B = 8), b32 (ar, hippo at B = 32, the
-#   8 items tiled 4x), and the
-#   trained world pair's one-GPU pipeline at B = 1 and 8 (world_pair).
-# Each step runs under its own time limit (their sum fits the call) and the next runs whatever it did;
-# $OUT/steps.txt lists each step's exit status and seconds, $OUT/NAME.log its output, $OUT/NAME.json its table.
+#   8 items tiled 4x), and the trained world pair's one-GPU pipeline at B = 1 and 8 (world_pair).
+# Each step runs under its own time limit (their sum fits the call) and the next runs whatever it did. On the GPU
+# $OUT ends as three files (the device tool brings back 8): steps.txt (each step's exit status and seconds),
+# report.txt (every step's table, each profiled cell's split) and gpu_check.tgz (the logs, the tables' JSON, the
+# profiles); the dry run leaves them unpacked in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0; run=1; only=; pack=0
@@ -64,9 +67,9 @@ if [ "$pack" = 1 ]; then  # here: requirements.lock's versions of what the GPU m
   ls -la .gpu; exit 0
 fi
 
-# $OUT: the logs, steps.txt and each bench's table as JSON (8 files: what the device tool brings back); the runs
-# themselves (traces, results) go to $WORK.
-OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-$OUT/runs}"
+# $OUT: the logs, steps.txt and each bench's table as JSON (packed at the end on a GPU: the device tool brings back
+# 8 files); the runs themselves (traces, results) go to $WORK, outside $OUT.
+OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/vpsd_gpu_check_work}"
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$dry" = 1 ]; then
@@ -160,14 +163,16 @@ PY
     --profile "${prof[@]}" --json "$OUT/profile.json" "${on[@]}" "${small[@]}"
   step step_cost "$L_cost" python -m vpsd.launch.step_cost --config "$LONG" --manifest "$WORK/world_long.jsonl" \
     --mode "$capture" "${cost[@]}" --json "$OUT/step_cost.json" "${on[@]}" "${small[@]}"
-  [ -n "$b1" ] && bench b1_captured "$L_b1" "$LONG" "$WORK/world_long.jsonl" 1 "$b1" "${small[@]}" "${captured[@]}"
+  [ -n "$b1" ] && bench b1_captured "$L_b1" "$LONG" "$WORK/world_long.jsonl" 1 "$b1" "${small[@]}" "${captured[@]}" \
+    --set profile_rounds=30  # every cell's target profiles 30 rounds in the job (vpsd/profiling.py)
   # The ranks under CUDA MPS: one GPU context for the three processes, their kernels free to run at once.
   if [ "$dry" = 0 ] && command -v nvidia-cuda-mps-control > /dev/null; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/vpsd-mps CUDA_MPS_LOG_DIRECTORY=/tmp/vpsd-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && echo "mps: daemon up in $CUDA_MPS_PIPE_DIRECTORY" | tee -a "$OUT/steps.txt"
     ( sleep 40; echo ps | nvidia-cuda-mps-control > "$OUT/mps_clients.txt" 2>&1 ) &  # during a job: its clients
-    bench b1_mps "$L_mps" "$LONG" "$WORK/world_long.jsonl" 1 "$mps" "${small[@]}" "${captured[@]}"
+    bench b1_mps "$L_mps" "$LONG" "$WORK/world_long.jsonl" 1 "$mps" "${small[@]}" "${captured[@]}" \
+      --set profile_rounds=30
     echo quit | nvidia-cuda-mps-control
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   elif [ "$dry" = 0 ]; then
@@ -186,4 +191,17 @@ if [ "$run" = 2 ] || [ "$run" = all ]; then
   fi
 fi
 echo "== steps"; cat "$OUT/steps.txt"
-! grep -qv ' rc=0 \|^mps:' "$OUT/steps.txt"
+ok=0; grep -qv ' rc=0 \|^mps:' "$OUT/steps.txt" && ok=1
+if [ "$dry" = 0 ]; then
+  # The device tool brings back 8 files of $OUT: steps.txt, report.txt (every table, and each profiled cell's
+  # split), and everything else in gpu_check.tgz (logs, the tables' JSON, the cells' profile summaries).
+  for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "=== ${f##*/}"; grep -v '^\[\|^  ' "$f" | tail -40; } ; done \
+    > "$WORK/report.txt" 2>/dev/null
+  find "$WORK" -name 'profile_*.summary.json' -printf '=== %P\n' -exec cat {} \; >> "$WORK/report.txt" 2>/dev/null
+  mkdir -p "$OUT/profiles"
+  find "$WORK" -name 'profile_*.summary.json' -printf '%P\0' | while IFS= read -r -d '' p; do
+    cp "$WORK/$p" "$OUT/profiles/$(echo "$p" | tr '/' '_')"; done
+  tar -C "$OUT" -czf "$WORK/gpu_check.tgz" --exclude ./steps.txt . && find "$OUT" -mindepth 1 ! -name steps.txt -delete
+  mv "$WORK/gpu_check.tgz" "$WORK/report.txt" "$OUT/"
+fi
+exit "$ok"

@@ -212,6 +212,9 @@ class RunConfig:
     # Where a parallel method's draft and pruner run: "rank", ranks of their own (roles:); "thread", threads of the
     # target's process (on a GPU, their own CUDA streams: launch/in_process.py), the same roles either way.
     draft_on: str = "rank"
+    # Profile this many rounds of each pipeline's target (after 5; vpsd/profiling.py): the profiler's trace and the
+    # split of a round's time (kernels, launches, host waits, the rest) beside the rank's trace. 0: none.
+    profile_rounds: int = 0
 
     def __post_init__(self) -> None:
         if sorted(self.roles) != sorted(DEFAULT_ROLES) or len(set(self.roles.values())) != len(DEFAULT_ROLES):
@@ -219,6 +222,8 @@ class RunConfig:
         if min(self.timeout_s, self.idle_timeout_s, self.startup_timeout_s) <= 0:
             raise ValueError(f"timeout_s, idle_timeout_s and startup_timeout_s must be > 0, got {self.timeout_s}, "
                              f"{self.idle_timeout_s}, {self.startup_timeout_s}")
+        if self.profile_rounds < 0:
+            raise ValueError(f"profile_rounds must be >= 0, got {self.profile_rounds}")
         if self.draft_on not in DRAFT_ON:
             raise ValueError(f"draft_on must be one of {', '.join(DRAFT_ON)}, got {self.draft_on!r}")
         for role, cpus in (self.cpu_affinity or {}).items():
@@ -240,7 +245,8 @@ DEFAULT_ROLES = {"target": 0, "draft": 1, "pruner": 2}
 DRAFT_ON = ("rank", "thread")
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
 # Top-level settings outside the sections (RunConfig's own fields), type-checked like a section's keys.
-TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_timeout_s", "draft_on")
+TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_timeout_s", "draft_on",
+             "profile_rounds")
 
 
 class ConfigError(ValueError):

@@ -24,7 +24,7 @@ every method's batch-1 timing is its batch-1 decoder's; the next items' videos a
 from __future__ import annotations
 
 import time
-from typing import Generic, Iterable, Protocol, TypeVar
+from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from vpsd.engine.engine import Engine
 from vpsd.engine.prefill_ahead import ItemSource, ListSource, PrefillAhead
@@ -79,6 +79,7 @@ class Scheduler(Generic[T]):
         self.policy = DraftingPolicy(budget, always=dec.temperature > 0 or engine.window.fixed)
         self.round_end = 0.0
         self.rounds_s = 0.0  # the engine thread's time in rounds
+        self.on_round: Callable[[], None] | None = None  # told after each round (vpsd/profiling.py steps there)
         self._items: dict[str, T] = {}  # request id -> the launcher's item, while in flight
 
     # ---- admission -----------------------------------------------------------------------------------
@@ -172,6 +173,8 @@ class Scheduler(Generic[T]):
                 ran, left = e.round()
                 self.round_end = time.perf_counter()
                 self.rounds_s += self.round_end - t0
+                if self.on_round is not None:
+                    self.on_round()
                 for r in left:
                     events.finished(self._item(r), r)
                 if not ran and e.requests and e.parallel:

@@ -29,6 +29,7 @@ from vpsd.launch.results import ItemError, ResultRow
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter
 from vpsd.models.tensor_parallel import Mirror
+from vpsd.profiling import RoundProfile
 from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.roles.context import RoleContext, RoleFailure
@@ -158,9 +159,15 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
                              timeout_s=ctx.timeout_s, videos=frames, shared_items=pipelines > 1)
         engine, scheduler, stop_drafter = wired.engine, wired.scheduler, wired.stop
     wired.ready(ctx.startup_timeout_s)  # start-up ends when a draft and pruner of their own have loaded
+    profile = None
+    if cfg.profile_rounds > 0 and ctx.out is not None:
+        profile = RoundProfile(ctx.out, ctx.role, ctx.rank, cfg.profile_rounds, target.device.type == "cuda")
+        scheduler.on_round = profile.step
     loop_start = time.perf_counter()
     scheduler.run(link, events)
     loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
+    if profile is not None:
+        profile.close()
     stop_drafter()
     frames.close()
     if target.mirror is not None:

@@ -22,11 +22,7 @@ import torch
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.dispatch import audit
 from vpsd.models.timing import settled_clock
-
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemsetAsync")
-WAIT_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaMemcpyAsync", "cudaStreamWaitEvent")
-
+from vpsd.profiling import split_events
 
 @dataclass
 class StepProfile:
@@ -81,14 +77,8 @@ def _profiled(adapter: VideoLMAdapter, state: DecodeState, ids: torch.Tensor, st
             adapter.step(state, ids)
         settled_clock(adapter.device)
     adapter.rollback(state, start)
-    events = prof.key_averages()
-    if cuda:
-        device = sum(e.self_device_time_total for e in events) / 1e6
-    else:  # the ops' own time is the CPU's kernels
-        device = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6
-    launch = sum(e.self_cpu_time_total for e in events if e.key in LAUNCH_CALLS) / 1e6
-    wait = sum(e.self_cpu_time_total for e in events if e.key in WAIT_CALLS) / 1e6
-    return device / steps, launch / steps, wait / steps
+    split = split_events(prof.key_averages(), cuda)
+    return split.device_s / steps, split.launch_s / steps, split.host_wait_s / steps
 
 
 def generate_step(model: torch.nn.Module, inputs: dict, device: torch.device, n: int = 8) -> tuple[float, float, float]:
