@@ -176,3 +176,29 @@ def test_capture_is_a_checked_setting_outside_the_jobs_identity():
     captured = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, capture="reduce-overhead",
                                                                    capture_len=4096))
     assert differences(identity(cfg), identity(captured)) == []  # how fast, not what: a resume goes on
+
+
+def test_captured_target_and_draft_on_threads_decode_ars_tokens():
+    """The GPU layout under test in scripts/gpu_check.sh: hippo's draft (the target's weights, captured on its own
+    thread) beside the captured target, both models' graphs compiled and replayed on their own threads."""
+    from tests.engine_harness import FramesInMemory, Jobs, fresh
+    from vpsd.engine.engine import Engine
+    from vpsd.engine.scheduler import Scheduler
+    from vpsd.launch.in_process import RoleThreads
+    from vpsd.pipeline.methods import get_method
+
+    eager, target = adapters("qwen2_5_vl")
+    _, draft = adapters("qwen2_5_vl")
+    cfg = load_config(config_path("qwen2_5_vl"), {"pruning.strategy": "hippo", "pruning.ratio": 0.5, "decoding.gamma": 3,
+                                             "decoding.max_new_tokens": 12})
+    todo = requests(3, max_new=12)
+    threads = RoleThreads(target, draft, cfg, get_method("hippo"), None, "captured", 30.0, videos=FramesInMemory(todo))
+    engine = Engine(target, cfg, 1, threads.drafter)
+    threads.drafter.await_peers(30.0)
+    jobs = Jobs()
+    Scheduler(engine, None).run(fresh(todo), jobs)
+    threads.stop()
+    assert target.captured.steps > 0 and draft.captured.steps > 0
+    for it in todo:
+        ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(cfg.decoding, max_new_tokens=it.max_new_tokens))
+        assert jobs.out[it.id].token_ids == ref.token_ids, it.id
