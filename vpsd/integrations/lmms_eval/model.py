@@ -18,8 +18,9 @@ answered with an empty string and a warning naming it: the evaluation goes on an
 Data parallel (`accelerate launch` / `torchrun -m lmms_eval`): lmms-eval gives every rank its share of the
 requests; each rank holds its own `vpsd.LLM`, on its own GPU (`cuda:LOCAL_RANK`: a config's bare `cuda` device is
 the rank's) or on the CPU. vpsd starts no process group of its own (its parallel roles run on threads), so it
-never touches lmms-eval's; the only collective here is the speed files' gather, which every rank reaches once
-per `generate_until` even when its own requests failed.
+never touches lmms-eval's; the only collective here is the speed files' gather, in `clean()`, which lmms-eval
+calls once on every rank after the last request (not in `generate_until`: a rank whose requests all came from
+lmms-eval's response cache never calls it).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class VpsdLmms(lmms):
         self.speed = SpeedLog(method, {"config": str(config), "method": method, "pruning": pruning, "ratio": ratio,
                                        "gamma": gamma, "batch": engine_batch, **settings})
         self._warned: set[str] = set()
+        self._cleaned = False
 
     # ---- what lmms-eval reads ---------------------------------------------------------------------------
 
@@ -87,20 +89,7 @@ class VpsdLmms(lmms):
 
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult | str]:
         answers: list[GenerationResult | str] = [""] * len(requests)
-        failure: BaseException | None = None
-        try:
-            self._answer(requests, answers)
-        except Exception as e:  # noqa: BLE001 - raised below, after the collective every rank must reach
-            failure = e
-        summaries = self.speed.write(self.results_dir)
-        if failure is not None:
-            raise failure
-        if self._rank == 0:
-            for task, s in summaries.items():
-                where = f" -> {speed_file(self.results_dir, task, self.method)}" if self.results_dir else ""
-                vs = f", {s['speedup_vs_ar']:.2f}x ar's wall" if "speedup_vs_ar" in s else ""
-                eval_logger.info(f"vpsd {self.method} on {task}: {s['items_done']} items, {s['tokens_per_s']:.1f} "
-                                 f"tokens/s, MAT {s['mean_accepted_tokens']:.2f}{vs}{where}")
+        self._answer(requests, answers)
         return answers
 
     def _answer(self, requests: list[Instance], answers: list[GenerationResult | str]) -> None:
@@ -154,9 +143,20 @@ class VpsdLmms(lmms):
                                   "round seeing the previous answers) are not supported")
 
     def clean(self) -> None:
-        """After the last request: free the models (an LLM judge may need the memory next)."""
+        """After the last request, on every rank: the speed files (every rank's rows gathered, written on rank 0),
+        then the models freed (an LLM judge may need the memory next)."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        summaries = self.speed.write(self.results_dir)
         self.llm.close()
         super().clean()
+        if self._rank == 0:
+            for task, s in summaries.items():
+                where = f" -> {speed_file(self.results_dir, task, self.method)}" if self.results_dir else ""
+                vs = f", {s['speedup_vs_ar']:.2f}x ar's wall" if "speedup_vs_ar" in s else ""
+                eval_logger.info(f"vpsd {self.method} on {task}: {s['items_done']} items, {s['tokens_per_s']:.1f} "
+                                 f"tokens/s, MAT {s['mean_accepted_tokens']:.2f}{vs}{where}")
 
 
 def results_dir(argv: list[str]) -> Path | None:

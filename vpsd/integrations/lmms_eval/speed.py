@@ -13,7 +13,7 @@ writes its `<date>_results.json` (model.py `results_dir`). It holds:
   (reports/summary.py `compare_rows`): `speedup_vs_ar` (wall), `decode_speedup_vs_ar`, `tokens_per_s_vs_ar`,
   `identical_outputs` of `items_compared`.
 A later run of the same task and method replaces its file. Data-parallel ranks each hold their share of the
-rows; `SpeedLog.write` gathers them to rank 0, which writes (every rank must call it: it is a collective).
+rows; `SpeedLog.write` gathers them to rank 0, which writes (every rank must call it, once: it is a collective).
 """
 
 from __future__ import annotations
