@@ -26,7 +26,7 @@ python3 -m venv "$tmp/venv"
 if [ -n "$base" ] && [ "${VPSD_LMMS_FRESH:-0}" != 1 ]; then
     own=$("$tmp/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     [ "$(basename "$(dirname "$own")")" = "$(basename "$(dirname "$base")")" ] \
-        || { echo "test_lmms_eval: the active venv's Python ($base) is not python3's: set VPSD_LMMS_FRESH=1" >&2; exit 2; }
+        || { echo "test_lmms_eval: the active venv ($base) is not python3's version: VPSD_LMMS_FRESH=1" >&2; exit 2; }
     echo "import site; site.addsitedir('$base')" > "$own/zz_vpsd_base.pth"
     . "$tmp/venv/bin/activate"
     echo "test_lmms_eval: over $base"
@@ -35,7 +35,8 @@ else
     ./scripts/setup.sh
 fi
 ./scripts/setup_lmms_eval.sh
-echo "test_lmms_eval: installed in $((SECONDS - started)) s; lmms-eval $(python -c 'import importlib.metadata as m; print(m.version("lmms-eval"))'); $(python -m vpsd.provenance)"
+lmms_version=$(python -c 'import importlib.metadata as m; print(m.version("lmms-eval"))')
+echo "test_lmms_eval: installed in $((SECONDS - started)) s; lmms-eval $lmms_version; $(python -m vpsd.provenance)"
 # lmms-eval's datasets cache and anything it fetches stay in this run's folder.
 export HF_HOME="$tmp/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python -m pytest -q -p no:cacheprovider tests/test_lmms_eval_backend.py "$@"

@@ -81,7 +81,8 @@ def runs(tmp_path_factory, in_root) -> tuple[dict, dict, Path]:
     """ar in process, then hippo through the CLI, into one output folder (hippo's speed file then meets ar's)."""
     out = tmp_path_factory.mktemp("lmms_out")
     res = evaluate(f"config={CONFIG},method=ar,stats_dir={out}", [TASK], [TASKS_DIR])
-    ar = {"scores": res["results"][TASK], "answers": {s["doc_id"]: s["filtered_resps"][0] for s in res["samples"][TASK]},
+    ar = {"scores": res["results"][TASK],
+          "answers": {s["doc_id"]: s["filtered_resps"][0] for s in res["samples"][TASK]},
           "speed": json.loads((out / f"vpsd_speed_{TASK}_ar.json").read_text())}
     proc = cli("hippo", out, tmp_path_factory.mktemp("hf_home"))
     assert proc.returncode == 0 and "Error during evaluation" not in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
@@ -131,7 +132,8 @@ def test_sampled_batched_answers_are_vpsds_and_a_missing_video_fails_alone(refer
                                            f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n")
     out = evaluate(f"config={CONFIG},method=hippo,stats_dir={tmp_path / 'speed'}", [TASK, "vpsd_world_missing"],
                    [TASKS_DIR, tmp_path], batch_size=2, limit=3, gen_kwargs=f"temperature={SAMPLED},do_sample=true")
-    answers = {t: {s["doc_id"]: s["filtered_resps"][0] for s in out["samples"][t]} for t in (TASK, "vpsd_world_missing")}
+    answers = {t: {s["doc_id"]: s["filtered_resps"][0] for s in out["samples"][t]}
+               for t in (TASK, "vpsd_world_missing")}
 
     assert [answers[TASK][i] for i in range(3)] == [o.text for o in reference["sampled"]]
     assert [o.text for o in reference["sampled"]] != [o.text for o in reference["greedy"][:3]]

@@ -46,11 +46,13 @@ def test_what_vpsd_cannot_take_is_a_bad_request(messages, says):
 def test_generation_kwargs_as_sampling_params():
     greedy, ignored = sampling_params({"max_new_tokens": 16, "temperature": 0, "top_p": 0.5, "num_beams": 1,
                                        "do_sample": False, "until": ["\n\n"], "image_aspect_ratio": "pad"})
-    assert (greedy.max_new_tokens, greedy.temperature, greedy.top_p, greedy.stop, ignored) == (16, 0.0, 1.0, ("\n\n",), [])
+    assert (greedy.max_new_tokens, greedy.temperature, greedy.top_p, greedy.stop) == (16, 0.0, 1.0, ("\n\n",))
+    assert ignored == []
     # transformers' rule: do_sample false is greedy whatever the temperature.
     assert sampling_params({"temperature": 0.7, "do_sample": False})[0].temperature == 0.0
     sampled, ignored = sampling_params({"temperature": 0.7, "until": "Q:", "seed_of_my_own": 1})
-    assert (sampled.temperature, sampled.stop, sampled.max_new_tokens, ignored) == (0.7, ("Q:",), None, ["seed_of_my_own"])
+    assert (sampled.temperature, sampled.stop, sampled.max_new_tokens) == (0.7, ("Q:",), None)
+    assert ignored == ["seed_of_my_own"]
 
 
 def test_what_would_decode_another_distribution_is_refused():
@@ -78,7 +80,8 @@ def test_the_speed_file_sums_a_task_and_meets_ar(tmp_path):
     summary = ar.write(tmp_path)["t/1"]
     assert speed_file(tmp_path, "t/1", "ar").name == "vpsd_speed_t_1_ar.json"
     assert json.loads(speed_file(tmp_path, "t/1", "ar").read_text()) == summary
-    assert (summary["items_done"], summary["items_failed"], summary["tokens"], summary["generate_wall_s"]) == (2, 1, 8, 5.0)
+    assert (summary["items_done"], summary["items_failed"], summary["tokens"]) == (2, 1, 8)
+    assert summary["generate_wall_s"] == 5.0
     assert summary["mean_accepted_tokens"] == 1.0 and summary["tokens_per_s"] == 2.0 and "speedup_vs_ar" not in summary
 
     hippo = SpeedLog("hippo", {"method": "hippo"})
