@@ -11,8 +11,8 @@ The local task is examples/lmms_eval/vpsd_world.yaml: the eight clips of example
 - With an engine batch of 2 and lmms-eval's `--gen_kwargs` turning sampling on, the answers are what `vpsd.LLM`
   samples for the same requests (the ids and seed the backend gives them); a document whose video is missing is
   answered empty and scored wrong while the others are answered; the loglikelihood form is refused, saying why.
-- With --slow: the answers are the torchrun job's, token for token, and a data-parallel run (two ranks under
-  torchrun) answers and times every document once, as one process does.
+- With --slow: the answers are the torchrun job's, token for token, and a data-parallel run (two ranks, under
+  torchrun and under `accelerate launch`) answers and times every document once, as one process does.
 """
 
 from __future__ import annotations
@@ -158,9 +158,16 @@ def test_the_answers_are_the_torchrun_jobs(runs, tmp_path):
         f"{TASK}:test:{i}": job[doc["id"]]["token_ids"] for i, doc in enumerate(DOCS)}
 
 
+# lmms-eval's two data-parallel launchers (accelerate's multi-GPU one runs gloo ranks where there is no GPU).
+LAUNCHERS = {"torchrun": torchrun_cmd(2),
+             "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]}
+
+
 @pytest.mark.slow
-def test_data_parallel_ranks_answer_as_one_process(runs, tmp_path):
-    proc = cli("hippo", tmp_path / "dp", tmp_path / "hf", *torchrun_cmd(2))
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_data_parallel_ranks_answer_as_one_process(runs, tmp_path, launcher):
+    proc = cli("hippo", tmp_path / "dp", tmp_path / "hf", *LAUNCHERS[launcher])
     assert proc.returncode == 0 and "Error during evaluation" not in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
     dp = cli_run(tmp_path / "dp", "hippo")
     assert dp["answers"] == runs[1]["answers"]
