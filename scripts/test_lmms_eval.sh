@@ -6,8 +6,10 @@
 #   ./scripts/test_lmms_eval.sh                     # over the active venv's stack (CI: the locked .venv)
 #   VPSD_LMMS_FRESH=1 ./scripts/test_lmms_eval.sh   # everything from nothing, as scripts/setup.sh installs it
 #
-# Times on the 2-core CI machine: the install over the active venv ~25 s, from nothing ~2.5 min; the tests ~1.5 min
-# (two `python -m lmms_eval` runs, ~25 s each of which ~20 s are lmms-eval starting up, and a torchrun job).
+# Times on the 2-core machine (another job beside it): ~1.9 min in all, of which the install over the active venv
+# ~50 s (from nothing ~2.5 min) and the tests ~47 s: one `python -m lmms_eval` run (~30 s, two thirds of it
+# lmms-eval starting up: its imports and its index of ~2000 task files), the rest in process. `--slow` adds the
+# torchrun job and two data-parallel runs (~25 s each).
 #
 # Why a venv layered over the active one: lmms-eval must not land in the suite's venv, and the stack below it (torch,
 # transformers, the lock: 1.3 GB, ~2 min to install) is the one the suite just tested. A .pth line makes the active
