@@ -3,7 +3,8 @@
 - the core (vpsd.pipeline) imports no role, no launcher, no report and no model code;
 - a role imports no other role's module except the shared pieces, and nothing from vpsd.launch;
 - nothing outside vpsd.launch imports vpsd.launch (the launcher sits on top);
-- reports read what jobs wrote: they import neither roles nor the launcher.
+- reports read what jobs wrote: they import neither roles nor the launcher;
+- integrations (vpsd.integrations: vpsd inside other programs) sit on top of everything: nothing else imports them.
 """
 
 from __future__ import annotations
@@ -58,3 +59,11 @@ def test_roles_do_not_import_each_other(path):
     loops = {"vpsd.roles.target", "vpsd.roles.draft", "vpsd.roles.pruner"}
     own = f"vpsd.roles.{path.stem}"
     assert not (vpsd_imports(path) & loops) - {own}, f"{path.name} imports another role's loop"
+
+
+def test_nothing_imports_an_integration():
+    """An integration's host (lmms-eval...) is an optional install: vpsd must import and run without it."""
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) if "integrations" not in p.relative_to(PACKAGE).parts]
+    offenders = {str(p.relative_to(PACKAGE)): sorted(n for n in vpsd_imports(p) if layer(n) == "integrations")
+                 for p in outside}
+    assert not {k: v for k, v in offenders.items() if v}

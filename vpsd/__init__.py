@@ -4,6 +4,7 @@ From Python: `vpsd.LLM`, `vpsd.SamplingParams`, `vpsd.VideoRequest` (vpsd/api.py
 rank importing a submodule does not pay for the model stack). As a job: `./torchrun.sh run ...` (vpsd/launch).
 
 Layers (imports only point down this list):
+  integrations/ vpsd in other programs (lmms-eval) -> api; imported by those programs alone
   api.py      the Python API                       -> launch (its wiring, below the I/O)
   launch/     torchrun entry, CLI, manifests       -> roles, models, transport, pipeline
   roles/      one module per rank role             -> models, transport, pipeline

@@ -51,7 +51,11 @@ EXIT_ITEMS_FAILED = 3
 
 
 def summarize(run_dir: Path, method: str | None = None) -> dict:
-    rows = [r for r in read_rows(run_dir) if method is None or r.get("method") == method]
+    return summarize_rows([r for r in read_rows(run_dir) if method is None or r.get("method") == method])
+
+
+def summarize_rows(rows: list[dict]) -> dict:
+    """The sums of result rows (results.jsonl's form: method, token_ids, stats, error) of one method."""
     ok = [r for r in rows if r.get("error") is None]
     rounds = sum(r["stats"]["rounds"] for r in ok)
     tokens = sum(len(r["token_ids"]) for r in ok)
@@ -111,8 +115,13 @@ def last_method(run_dir: Path) -> str | None:
 
 
 def compare(baseline_dir: Path, run_dir: Path) -> dict:
-    base = {r["id"]: r for r in read_rows(baseline_dir) if r.get("error") is None}
-    run = {r["id"]: r for r in read_rows(run_dir) if r.get("error") is None}
+    return compare_rows(read_rows(baseline_dir), read_rows(run_dir))
+
+
+def compare_rows(baseline: list[dict], rows: list[dict]) -> dict:
+    """A run's rows against a baseline's (module docstring: on the ids both finished)."""
+    base = {r["id"]: r for r in baseline if r.get("error") is None}
+    run = {r["id"]: r for r in rows if r.get("error") is None}
     common = sorted(set(base) & set(run))
 
     def ratio(key: str) -> float:

@@ -1,0 +1,99 @@
+"""lmms-eval's chat requests in vpsd's terms: a task document's messages as a VideoRequest, a task's generation
+kwargs as SamplingParams.
+
+Pure (no lmms_eval import): the messages are the plain dicts a task's `doc_to_messages` returns
+(`[{"role": "user", "content": [{"type": "video", "url": PATH}, {"type": "text", "text": ...}]}]`), so vpsd's
+own suite tests this without lmms-eval.
+
+What vpsd takes: one user turn holding one video (a file or a folder of frames) and text; the text parts joined
+by newlines are the prompt, as `vpsd.LLM` joins a chat turn's. Anything else (images, audio, several videos, a
+clip's start/end times, system or assistant turns) is a `BadRequest` for that request alone: the backend answers
+it with an empty string and a warning, as it does a request whose video fails to read.
+
+Generation kwargs follow transformers' `generate`: greedy unless `do_sample` is not false and `temperature > 0`;
+`until` (a string or a list) are stop strings. What would decode another distribution than the one vpsd samples
+losslessly (beam search, top-p/top-k truncation, repetition penalties) is a `ConfigError` for the whole group: a
+score from settings silently ignored would not be the score the task asks for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+from vpsd.api import SamplingParams, VideoRequest
+from vpsd.config import ConfigError
+
+# Keys that only shape how transformers runs (not what it samples), or that greedy decoding ignores anyway.
+NEUTRAL_KEYS = frozenset({"max_new_tokens", "temperature", "do_sample", "until", "top_p", "top_k", "num_beams",
+                          "use_cache", "image_aspect_ratio"})
+# Keys whose non-default values change the distribution (or the search) in a way vpsd does not reproduce.
+UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0,
+               "typical_p": 1.0, "min_p": 0.0}
+
+
+class BadRequest(ValueError):
+    """A request vpsd cannot decode (its answer is empty; the others go on)."""
+
+
+def video_request(messages: Sequence[Mapping[str, Any]], request_id: str) -> VideoRequest:
+    """The video and the user's text of one task document's chat messages."""
+    roles = [m.get("role") for m in messages]
+    if roles != ["user"]:
+        raise BadRequest(f"vpsd takes one user turn (the video goes in it), got roles {roles}")
+    content = messages[0].get("content")
+    if isinstance(content, str):
+        raise BadRequest("the user turn holds no video (its content is text only)")
+    videos, texts, others = [], [], []
+    for part in content or []:
+        kind = part.get("type")
+        if kind == "video":
+            videos.append(part.get("url"))
+        elif kind == "text":
+            texts.append(part.get("text") or "")
+        else:
+            others.append(kind)
+    if others:
+        raise BadRequest(f"vpsd decodes one video and text; this request also holds {', '.join(map(str, others))}")
+    if len(videos) != 1:
+        raise BadRequest(f"vpsd decodes one video a request, this one holds {len(videos)}")
+    video = videos[0]
+    if isinstance(video, dict):  # lmms-eval's form of a clip: {"video": path, "video_start": s, "video_end": s}
+        raise BadRequest("a clip of a video (video_start / video_end) is not supported: vpsd reads the whole file")
+    if not isinstance(video, str):
+        raise BadRequest(f"the video must be a path (a file or a folder of frames), got {type(video).__name__}")
+    return VideoRequest(video, "\n".join(texts), id=request_id)
+
+
+def sampling_params(gen_kwargs: Mapping[str, Any]) -> tuple[SamplingParams, list[str]]:
+    """SamplingParams for one group of requests, and the keys it ignored (neither known nor refused)."""
+    problems = []
+    if int(gen_kwargs.get("num_beams") or 1) != 1:
+        problems.append(f"num_beams {gen_kwargs['num_beams']}: beam search is not what vpsd decodes (greedy or "
+                        "sampled); set num_beams 1")
+    for key, neutral in UNSUPPORTED.items():
+        if gen_kwargs.get(key) not in (None, neutral):
+            problems.append(f"{key} {gen_kwargs[key]}: vpsd samples from the model's own distribution; only "
+                            f"{key} {neutral} runs")
+    temperature = float(gen_kwargs.get("temperature") or 0.0)
+    sampled = temperature > 0 and gen_kwargs.get("do_sample") is not False
+    top_k = gen_kwargs.get("top_k")
+    if sampled and top_k not in (None, 0):
+        problems.append(f"top_k {top_k}: vpsd samples from the whole distribution (the speculative-sampling rule is "
+                        "exact for it); set top_k 0 or leave it out")
+    until = gen_kwargs.get("until") or ()
+    stop = (until,) if isinstance(until, str) else tuple(s for s in until if s)
+    max_new = gen_kwargs.get("max_new_tokens")
+    params = SamplingParams(max_new_tokens=int(max_new) if max_new is not None else None,
+                            temperature=temperature if sampled else 0.0,
+                            top_p=float(gen_kwargs.get("top_p") or 1.0) if sampled else 1.0, stop=stop)
+    problems += params.check()
+    if problems:
+        raise ConfigError(problems)
+    ignored = sorted(k for k in gen_kwargs if k not in NEUTRAL_KEYS and k not in UNSUPPORTED)
+    return params, ignored
+
+
+def group_key(gen_kwargs: Mapping[str, Any]) -> str:
+    """Requests with equal generation kwargs decode in one `generate` call (one batch for the engine)."""
+    return json.dumps(dict(gen_kwargs), sort_keys=True, default=repr)
