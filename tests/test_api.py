@@ -1,13 +1,16 @@
-"""vpsd from Python (vpsd/api.py): the job's path below the I/O, in the caller's process.
+"""vpsd from Python (vpsd/api.py): the job's path below the I/O.
 
 Every method's outputs through the API equal `ar`'s (ar, sd, pearl, hippo at B = 1 and 2; the parallel ones with
-their roles on threads), `ar`'s equal plain autoregressive decoding, and hippo's equal the torchrun job's on the
-same items. Bad input fails only its own request, with the job's error; bad settings are a ConfigError before
-any model loads; a sampled call is reproducible from its seed; stop strings cut the text; nothing is left running
-after close()."""
+their roles as child ranks, the default, and on threads), `ar`'s equal plain autoregressive decoding, and hippo's
+equal the torchrun job's on the same items. Bad input fails only its own request, with the job's error; bad
+settings are a ConfigError before any model loads; a sampled call is reproducible from its seed, and the same
+through ranks and threads; stop strings cut the text; the child ranks stop on close(), on an interrupt and when
+one of them dies (RanksFailed, then started again), leaving no process or thread behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -44,37 +47,49 @@ def test_ar_through_the_api_is_plain_autoregressive_decoding(manifest, ar):
     assert ar == ar_reference("qwen2_5_vl", manifest)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("method", ["sd", "pearl", "hippo"])
-def test_every_method_equals_ar_at_batch_1_and_2(items, ar, method, batch):
-    with vpsd.LLM(CONFIG, method=method, batch=batch, gamma=3, settings={"draft": "self"}) as llm:
+@pytest.mark.parametrize("method,batch,draft_on", [("sd", 1, None), ("sd", 2, None), ("pearl", 1, "thread"),
+                                                   ("pearl", 2, None), ("hippo", 1, "rank"), ("hippo", 1, "thread"),
+                                                   ("hippo", 2, None)])
+def test_every_method_equals_ar_at_batch_1_and_2(items, ar, method, batch, draft_on):
+    with vpsd.LLM(CONFIG, method=method, batch=batch, gamma=3, draft_on=draft_on, settings={"draft": "self"}) as llm:
+        assert llm.served == (draft_on == "rank")  # at B = 2 these draft in the target's process
         outs = llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))
     assert {o.id: o.token_ids for o in outs} == ar
     assert all(o.error is None and o.stats["rounds"] >= 1 for o in outs)
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
     if method != "sd" or batch == 1:
         assert sum(o.stats["accepted_tokens"] for o in outs) > 0  # it drafted (the target drafting for itself)
 
 
-def test_hippo_through_the_api_equals_the_torchrun_job(manifest, items, tmp_path):
-    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "job", "hippo", "--quiet")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with vpsd.LLM(CONFIG, method="hippo") as llm:
-        outs = llm.generate(items)
-    assert {o.id: o.token_ids for o in outs} == {k: r["token_ids"] for k, r in results(tmp_path / "job").items()}
-    assert [o.text for o in outs] == [results(tmp_path / "job")[o.id]["text"] for o in outs]
+BAD = [vpsd.VideoRequest("/no/such/video.mp4", "Describe the video.", id="missing"),
+       vpsd.VideoRequest(np.zeros((4, 56, 56), np.uint8), "Describe the video.", id="not-frames"),
+       vpsd.VideoRequest(ROOT / "README.md", [{"role": "system", "content": "x"}], id="no-user-turn")]
 
 
-def test_a_bad_request_fails_alone_with_the_jobs_error(items, ar):
-    bad = [vpsd.VideoRequest("/no/such/video.mp4", "Describe the video.", id="missing"),
-           vpsd.VideoRequest(np.zeros((4, 56, 56), np.uint8), "Describe the video.", id="not-frames"),
-           vpsd.VideoRequest(items[0].video, [{"role": "system", "content": "x"}], id="no-user-turn")]
-    with vpsd.LLM(CONFIG, method="hippo") as llm:
-        outs = {o.id: o for o in llm.generate([items[0], *bad, items[1]], vpsd.SamplingParams(max_new_tokens=24))}
-    assert outs[items[0].id].token_ids == ar[items[0].id] and outs[items[1].id].token_ids == ar[items[1].id]
+def check_bad(outs: dict[str, vpsd.Output]) -> None:
     assert outs["missing"].finish_reason == "error" and outs["missing"].error_kind == "missing"
     assert outs["missing"].error == "VideoError: missing video /no/such/video.mp4: no such file or directory"
     assert outs["not-frames"].error_kind == "bad_request" and "(T, H, W, 3) uint8" in outs["not-frames"].error
     assert "exactly one user turn" in outs["no-user-turn"].error
+
+
+def test_hippo_on_its_ranks_equals_the_torchrun_job_and_bad_requests_fail_alone(manifest, items, tmp_path):
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "job", "hippo", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = results(tmp_path / "job")
+    with vpsd.LLM(CONFIG, method="hippo") as llm:
+        assert llm.served
+        outs = {o.id: o for o in llm.generate([items[0], *BAD, *items[1:]])}
+    assert {k: outs[k].token_ids for k in job} == {k: r["token_ids"] for k, r in job.items()}
+    assert [outs[k].text for k in job] == [r["text"] for r in job.values()]
+    check_bad(outs)
+
+
+def test_a_bad_request_fails_alone_with_the_jobs_error(items, ar):
+    with vpsd.LLM(CONFIG, method="hippo", draft_on="thread") as llm:
+        outs = {o.id: o for o in llm.generate([items[0], *BAD, items[1]], vpsd.SamplingParams(max_new_tokens=24))}
+    assert outs[items[0].id].token_ids == ar[items[0].id] and outs[items[1].id].token_ids == ar[items[1].id]
+    check_bad(outs)
 
 
 def test_bad_settings_are_a_config_error_before_any_model_loads():
@@ -92,7 +107,7 @@ def test_bad_settings_are_a_config_error_before_any_model_loads():
 def test_arrays_chat_messages_seeds_and_stop_strings():
     frames = np.random.default_rng(0).integers(0, 256, (4, 56, 56, 3), dtype=np.uint8)
     chat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the video."}]}]
-    with vpsd.LLM(CONFIG, method="pearl", settings={"draft": "self"}) as llm:
+    with vpsd.LLM(CONFIG, method="pearl", draft_on="thread", settings={"draft": "self"}) as llm:
         sampled = vpsd.SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
         first = llm.generate(vpsd.VideoRequest(frames, chat), sampled)[0]
         again = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
@@ -107,14 +122,57 @@ def test_arrays_chat_messages_seeds_and_stop_strings():
     assert cut.token_ids == greedy.token_ids[:len(cut.token_ids)] and len(cut.token_ids) <= len(greedy.token_ids)
 
 
+def _children() -> set[int]:
+    """The vpsd ranks this process started and that still run (zombies, reaped or not, are gone)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"vpsd.launch.entry" in cmd:
+                found.add(int(entry))
+    return found
+
+
 def test_nothing_is_left_running_after_close(items):
     before = threading.active_count()
-    llm = vpsd.LLM(CONFIG, method="hippo")
+    llm = vpsd.LLM(CONFIG, method="hippo", draft_on="thread")
     llm.generate(items[:1])
     llm.close()
     assert threading.active_count() <= before
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(items[:1])
+
+
+def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_threads(items, ar):
+    frames = np.random.default_rng(1).integers(0, 256, (4, 56, 56, 3), dtype=np.uint8)
+    sampled = vpsd.SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    with vpsd.LLM(CONFIG, method="hippo", gamma=3, draft_on="thread", settings={"draft": "self"}) as llm:
+        on_threads = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
+    before = threading.active_count()
+    llm = vpsd.LLM(CONFIG, method="hippo", gamma=3, settings={"draft": "self"})
+    assert len(_children()) == 3  # target, draft, pruner
+    llm._ranks.children[1][1].kill()  # rank 1: the draft
+    with pytest.raises(vpsd.RanksFailed, match=r"the draft rank \(rank 1\) exited"):
+        llm.generate(items[:1])
+    assert not _children()
+    # The next call starts them again; a Ctrl-C in the middle of it stops them.
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        while True:  # starts the ranks (seconds), then decodes until the interrupt lands
+            llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))
+    timer.join()
+    assert not _children()
+    # Once more, whole: frames in memory, sampled, drawn as on threads (one seed rule wherever the draft runs).
+    on_ranks = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
+    assert on_ranks.error is None and on_ranks.token_ids == on_threads.token_ids
+    assert on_ranks.stats["num_kept"] == on_threads.stats["num_kept"]
+    llm.close()
+    assert not _children() and threading.active_count() <= before
 
 
 def test_the_example_script_runs_from_the_repository_root():

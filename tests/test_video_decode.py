@@ -312,3 +312,26 @@ def test_smart_resize_rejects_extreme_aspect_and_small_budget():
         smart_resize(10, 2500)
     with pytest.raises(ValueError):
         smart_resize(100, 100, min_pixels=100)
+
+
+def test_a_frames_file_reads_back_as_its_frames_under_every_rule(tmp_path):
+    """The Python API hands a rank frames it holds in memory as a frames file (.npz): read whole, it is exactly
+    those frames and times; by count, rate and cap it follows the rules a video's frames do."""
+    frames = np.random.default_rng(0).integers(0, 256, (10, 8, 12, 3), dtype=np.uint8)
+    times = np.arange(10) * 0.5  # 2 frames a second
+    path = tmp_path / "clip.npz"
+    decode_module.write_frames_file(path, frames, times)
+    whole = read_video(path, num_frames=10)
+    assert np.array_equal(whole.frames, frames) and np.array_equal(whole.timestamps, times)
+    by_count = read_video(path, num_frames=4)
+    assert by_count.indices.tolist() == uniform_indices(10, 4).tolist()
+    assert np.array_equal(by_count.frames, frames[by_count.indices])
+    assert read_video(path, fps=1.0).indices.tolist() == rate_indices(10, 2.0, 1.0).tolist()
+    assert read_video(path, max_frames=3).indices.tolist() == cap_indices(np.arange(10), 3).tolist()
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(VideoError) as e:
+        read_video(tmp_path / "bad.npz")
+    assert e.value.kind == "corrupt"
+    np.savez(tmp_path / "gray.npz", frames=frames[..., 0], times=times)
+    with pytest.raises(VideoError, match=r"need \(T, H, W, 3\) uint8"):
+        read_video(tmp_path / "gray.npz")

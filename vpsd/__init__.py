@@ -16,7 +16,7 @@ Layers (imports only point down this list):
 
 __version__ = "0.1.0"
 
-_API = ("LLM", "SamplingParams", "VideoRequest", "Output", "ConfigError", "VideoError")
+_API = ("LLM", "SamplingParams", "VideoRequest", "Output", "ConfigError", "VideoError", "RanksFailed")
 
 
 def __getattr__(name: str):

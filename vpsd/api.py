@@ -7,17 +7,24 @@
                             vpsd.SamplingParams(max_new_tokens=64))
     print(outs[0].text, outs[0].stats["mean_accepted_tokens"])
 
-Below the I/O this is the job's own path (launch/wiring.py): the same config resolution and checks, the same
-engine, scheduler and drafters, the same roles. Every method runs in the caller's process: serial and batched
-ones as in a one-rank job; a parallel method's draft and pruner roles on threads of this process
-(`draft_on: thread`, launch/in_process.py; on a GPU, each on its own CUDA stream), so an `LLM` starts no process
-and leaves none behind, and works inside a program that runs its own torch.distributed (lmms-eval under
-`accelerate launch`). A list of requests runs through the engine's continuous batching when `batch > 1`.
+Below the I/O this is the job's own path: the same config resolution and checks (launch/settings.py), the same
+engine, scheduler, drafters and roles. Where the method runs:
+- serial and batched methods (`ar`, sd, the trees, a batch that drafts in-process): in the caller's process, as in
+  a one-rank job (launch/wiring.py);
+- a parallel method (pearl, hippo, ...), by default: its target, draft and pruner ranks as child processes of the
+  caller (`draft_on: rank`, launch/served.py), started by the `LLM` over a local rendezvous of its own with the
+  job's entry, roles, transport and control plane, and stopped by `close()`, at interpreter exit, when the caller
+  dies, and on a KeyboardInterrupt in `generate` (the next call starts them again). The caller plays the job's
+  coordinator: each call's requests go to the pipeline as it has room, and each result comes back as the job's
+  result line. Their traces go to `trace_dir`;
+- with `draft_on="thread"`: the draft and pruner roles on threads of the caller's process (launch/in_process.py;
+  on a GPU each on its own CUDA stream), no child process at all.
+A list of requests runs through the engine's continuous batching when `batch > 1`.
 
 Bad input: a setting that cannot run raises `ConfigError` (one line a problem, the job's lines) when the `LLM` is
 made; a request whose video is missing, corrupt or too long, or whose settings are wrong, does not stop the
 others: its `Output` carries the error (`error`, `error_kind`), as a job's result row does. `VideoError` is the
-same typed exception the job writes rows from.
+same typed exception the job writes rows from; a child rank that dies is `RanksFailed`, with what it said.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import shutil
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,16 +44,20 @@ import structlog
 
 from vpsd.config import ConfigError, RunConfig
 from vpsd.engine.request import Request
-from vpsd.launch.items import ItemReader
+from vpsd.launch.items import ItemReader, checked_frames
 from vpsd.launch.manifest import ManifestItem
+from vpsd.launch.results import ResultRow, finish_reason
+from vpsd.launch.served import RanksFailed, ServedRanks
 from vpsd.launch.settings import run_config
 from vpsd.launch.wiring import SharedFrames, build_engine
-from vpsd.models.registry import load_adapter
+from vpsd.models.registry import load_adapter, load_tokenizer
 from vpsd.pipeline.methods import get_method
 from vpsd.tracing import configure_tracing
+from vpsd.video.decode import write_frames_file
 from vpsd.video.errors import VideoError
 
-__all__ = ["LLM", "SamplingParams", "VideoRequest", "Output", "ConfigError", "VideoError"]
+__all__ = ["LLM", "SamplingParams", "VideoRequest", "Output", "ConfigError", "VideoError", "RanksFailed"]
+SERVED_IDLE_S = 365 * 24 * 3600.0  # a child rank waits for the caller's next call as long as the caller lives
 
 
 @dataclass(frozen=True)
@@ -103,29 +116,44 @@ class LLM:
     """A target (and draft) loaded once; `generate` as often as needed; `close()` (or a with block) at the end.
 
     config: a YAML of configs/ (or any path); method: any of vpsd's (`ar` is the baseline); pruning, ratio, gamma,
-    batch: as the job's --pruning, --ratio, --gamma, --batch; settings: more KEY: VALUE overrides, as --set;
-    trace_dir: where the structlog JSON trace goes (DIR/traces/rank0_api.jsonl, readable by `vpsd timeline`);
-    without one, vpsd prints its warnings alone (unless the program configured structlog itself)."""
+    batch: as the job's --pruning, --ratio, --gamma, --batch; draft_on: where a parallel method's draft and
+    pruner run, "rank" (child processes, the default) or "thread" (module docstring); settings: more KEY: VALUE
+    overrides, as --set; trace_dir: where the structlog JSON traces go (DIR/traces/, one file a role, readable by
+    `vpsd timeline`); without one, vpsd prints its warnings alone (unless the program configured structlog)."""
 
     def __init__(self, config: str | Path, method: str = "hippo", *, pruning: str | None = None,
                  ratio: float | None = None, gamma: int | str | None = None, batch: int = 1,
-                 settings: dict[str, Any] | None = None, trace_dir: str | Path | None = None) -> None:
+                 draft_on: str | None = None, settings: dict[str, Any] | None = None,
+                 trace_dir: str | Path | None = None) -> None:
         try:
             self.method = get_method(method)
         except ValueError as e:
             raise ConfigError([str(e)]) from None
-        overrides = {"draft_on": "thread", **(settings or {})}  # no ranks here: a parallel draft runs on threads
+        overrides = {**({} if draft_on is None else {"draft_on": draft_on}), **(settings or {})}
         self.config: RunConfig = run_config(config, method, pruning=pruning, ratio=ratio, gamma=gamma, batch=batch,
                                             overrides=overrides, local_world=1)
         if trace_dir is not None:
             configure_tracing(Path(trace_dir), "api", 0)
         elif not structlog.is_configured():
             configure_tracing(None, "api", 0, stderr_level=logging.WARNING)
-        self.target = load_adapter(self.config.family, self.config.target)
-        self._draft = None  # loaded with the first engine that needs it, then kept
+        cfg = self.config
+        self.served = self.method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) == "remote"
         self._count = 0
+        self._calls = 0
         self._closed = False
+        self._draft = None  # loaded with the first engine that needs it, then kept
+        self._ranks: ServedRanks | None = None
+        self._ranks_for: tuple[float, int] | None = None  # the decoding (temperature, seed) they run
+        self._scratch = Path(trace_dir) if trace_dir is not None else Path(tempfile.mkdtemp(prefix="vpsd-llm-"))
+        self._own_scratch = trace_dir is None
         _open.add(self)
+        if self.served:  # the ranks start now: an LLM made is one ready to decode
+            self.target = None
+            self.tokenizer = load_tokenizer(cfg.target)
+            self._start_ranks(cfg)
+        else:
+            self.target = load_adapter(cfg.family, cfg.target)
+            self.tokenizer = self.target.tokenizer
 
     # ---- decoding -----------------------------------------------------------------------------------
 
@@ -142,6 +170,10 @@ class LLM:
         if len({item.id for item in todo}) != len(todo):
             raise ValueError("two requests of one generate call have the same id")
         cfg = self._decoding_config(params)
+        outputs = self._on_ranks(todo, cfg, params) if self.served else self._in_process(todo, cfg, params)
+        return [outputs[item.id] for item in todo]
+
+    def _in_process(self, todo: list[_Item], cfg: RunConfig, params: SamplingParams) -> dict[str, Output]:
         frames = SharedFrames()
         events = _Events(self.target, cfg, frames, params)
         wired = build_engine(cfg, self.method, self.target, draft=self._load_draft(cfg), videos=frames,
@@ -152,7 +184,56 @@ class LLM:
         finally:
             wired.stop()
             frames.close()
-        return [events.outputs[item.id] for item in todo]
+        return events.outputs
+
+    def _on_ranks(self, todo: list[_Item], cfg: RunConfig, params: SamplingParams) -> dict[str, Output]:
+        """The requests through the child ranks (launch/served.py). Their config holds the decoding's temperature
+        and seed, so a call with others starts them again; max_new_tokens goes with each item."""
+        if self._ranks is None or self._ranks_for != (cfg.decoding.temperature, cfg.decoding.seed):
+            self._stop_ranks()
+            self._start_ranks(cfg)
+        outputs: dict[str, Output] = {}
+        items, ids = [], {}
+        self._calls += 1
+        for n, item in enumerate(todo):
+            # On the wire an item's id is new to the ranks: a request's id may repeat across calls, and the roles
+            # tell one item's messages from another's by it. The traces show it as ID#CALL.
+            wire_id = f"{item.id}#{self._calls}"
+            ids[wire_id] = item.id
+            try:
+                items.append(self._manifest_item(item, wire_id, params.max_new_tokens, n))
+            except (VideoError, ValueError) as e:
+                outputs[item.id] = _failed(item.id, e)
+        assert self._ranks is not None
+        try:
+            rows = self._ranks.run(items)
+        except BaseException:
+            self._ranks = None  # stopped by run (interrupted, or a rank died): the next call starts them again
+            raise
+        finally:
+            shutil.rmtree(self._scratch / "frames", ignore_errors=True)
+        for wire_id, row in rows.items():
+            outputs[ids[wire_id]] = self._row_output(ids[wire_id], row, params.stop)
+        return outputs
+
+    def _manifest_item(self, item: _Item, wire_id: str, max_new_tokens: int | None, n: int) -> ManifestItem:
+        """A request as a job's item: a file or folder by its path; frames in memory written as a frames file
+        (video/decode.py) that the ranks read back whole."""
+        prompt = _prompt_text(item.prompt)
+        if not isinstance(item.video, np.ndarray):
+            return ManifestItem(wire_id, Path(item.video).absolute(), prompt, max_new_tokens, None, None, {}, 0)
+        frames, times = checked_frames(item.id, item.video, item.frame_times)
+        path = self._scratch / "frames" / f"{n}.npz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_frames_file(path, frames, times)
+        return ManifestItem(wire_id, path, prompt, max_new_tokens, len(frames), None, {}, 0)
+
+    def _row_output(self, item_id: str, row: ResultRow, stop: Sequence[str]) -> Output:
+        if row.error is not None:
+            return Output(item_id, "", [], "error", error=f"{row.error.type}: {row.error.message}",
+                          error_kind=row.error.kind)
+        return _output(item_id, self.tokenizer, row.token_ids, row.text, str(row.stats.get("finish_reason")),
+                       row.stats, stop)
 
     def _item(self, r: VideoRequest) -> _Item:
         self._count += 1
@@ -175,11 +256,29 @@ class LLM:
 
     # ---- lifetime -----------------------------------------------------------------------------------
 
+    def _start_ranks(self, cfg: RunConfig) -> None:
+        # The ranks wait for the next call as long as this process lives (they die with it).
+        served = dataclasses.replace(cfg, idle_timeout_s=max(cfg.idle_timeout_s, SERVED_IDLE_S))
+        self._ranks = ServedRanks(served, self.method.name, self._scratch, cfg.startup_timeout_s)
+        self._ranks_for = (cfg.decoding.temperature, cfg.decoding.seed)
+
+    def _stop_ranks(self) -> None:
+        if self._ranks is not None:
+            ranks, self._ranks = self._ranks, None
+            ranks.close()
+
     def close(self) -> None:
-        """Frees the models (nothing else runs between calls: a generate's threads end with it)."""
+        """Stops the child ranks (if any) and frees the models."""
+        if self._closed:
+            return
         self._closed = True
-        self.target = self._draft = None
-        _open.discard(self)
+        try:
+            self._stop_ranks()
+        finally:
+            self.target = self._draft = None
+            if self._own_scratch:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+            _open.discard(self)
 
     def __enter__(self) -> "LLM":
         return self
@@ -245,18 +344,29 @@ class _Events:
         res = request.result()
         tokens = list(res.token_ids)
         text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
-        reason = "stop" if tokens and tokens[-1] in self.target.eos_token_ids else "length"
-        cut = _first_stop(text, self.params.stop)
-        if cut is not None:
-            text, tokens, reason = text[:cut], _tokens_for(self.target.tokenizer, tokens, text[:cut]), "stop"
-        self.outputs[item.id] = Output(item.id, text, tokens, reason, request.num_video_tokens, len(res.token_ids),
-                                       res.stats_dict())
+        self.outputs[item.id] = _output(item.id, self.target.tokenizer, tokens, text,
+                                        finish_reason(tokens, self.target.eos_token_ids), res.stats_dict(),
+                                        self.params.stop)
 
     def failed(self, item: _Item, error: Exception) -> None:
         self.frames.drop(item.id)
-        kind = error.kind if isinstance(error, VideoError) else None
-        self.outputs[item.id] = Output(item.id, "", [], "error", error=f"{type(error).__name__}: {error}",
-                                       error_kind=kind)
+        self.outputs[item.id] = _failed(item.id, error)
+
+
+def _output(item_id: str, tokenizer, tokens: list[int], text: str, reason: str, stats: dict[str, Any],
+            stop: Sequence[str]) -> Output:
+    """A finished request's Output, its text cut before the first stop string (and its tokens to those covering
+    what is left)."""
+    generated = len(tokens)
+    cut = _first_stop(text, stop)
+    if cut is not None:
+        text, tokens, reason = text[:cut], _tokens_for(tokenizer, tokens, text[:cut]), "stop"
+    return Output(item_id, text, list(tokens), reason, stats.get("num_video_tokens"), generated, dict(stats))
+
+
+def _failed(item_id: str, error: Exception) -> Output:
+    kind = error.kind if isinstance(error, VideoError) else None
+    return Output(item_id, "", [], "error", error=f"{type(error).__name__}: {error}", error_kind=kind)
 
 
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:

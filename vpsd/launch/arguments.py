@@ -114,6 +114,9 @@ INTERRUPTED = 130  # the shells' status for a command ended by SIGINT (128 + 2)
 # Set by ./torchrun.sh for a single-node job: the target rank marks it on Ctrl-C, and the launcher exits 130
 # (torchrun itself exits 1 after a SIGINT, whatever its ranks did).
 INTERRUPT_MARK = "VPSD_INTERRUPT_MARK"
+# Set by the Python API for the ranks it starts (launch/served.py): the job's coordinator is the API's process,
+# which hands them the items of each generate call, so pipeline 0's target starts none of its own.
+SERVED = "VPSD_SERVED"
 
 
 def refuse(problems: list[str], reporter: bool | None = None, every_rank: bool = True) -> int:

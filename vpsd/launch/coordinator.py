@@ -29,8 +29,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from vpsd.launch.say import say
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.layout import Layout
@@ -42,6 +40,7 @@ from vpsd.provenance import stack
 from vpsd.reports.summary import job_summary
 from vpsd.tracing import get_logger
 from vpsd.transport.control import ControlChannel
+from vpsd.transport.startup import rendezvous_store
 
 
 @dataclass
@@ -80,7 +79,7 @@ class Coordinator:
 
     def _main(self) -> None:
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = rendezvous_store()
             with ControlChannel(self.layout.coordinator, self.layout.world + 1, "coordinator", store,
                                 secret=self.secret) as ctrl:
                 self.ready.set()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from vpsd.activity import ACTIVITY, START, doing
 from vpsd.config import ConfigError, RunConfig
-from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, parse_args, refuse  # noqa: F401
+from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, SERVED, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import FOLLOWER, SOLO, Layout, Pipeline, pinned_cores, plan
@@ -248,7 +248,7 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             from vpsd.launch.job import CoordinatorLink, run_pipeline
 
             coordinator = None
-            if leader_secret is not None:
+            if leader_secret is not None and os.environ.get(SERVED) != "1":
                 coordinator = Coordinator(layout, args, cfg, ctx.method.name, out, leader_secret)
                 coordinator.start()
             run_pipeline(ctx, cfg, CoordinatorLink(ctx, pipeline.index, layout.coordinator), len(layout.pipelines),

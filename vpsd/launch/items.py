@@ -39,6 +39,19 @@ class LoadedItem:
     timings: dict[str, float]  # video_read_s, preprocess_s
 
 
+def checked_frames(item_id: str, frames: np.ndarray, times: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Frames handed in memory and their times (default one frame a second); VideoError ("bad_request") for an
+    array that is not frames."""
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+        raise VideoError("bad_request", f"<frames of {item_id}>", f"frames must be a (T, H, W, 3) uint8 array with "
+                         f"T >= 1, got {frames.dtype} {tuple(frames.shape)}")
+    times = np.arange(len(frames), dtype=np.float64) if times is None else np.asarray(times, dtype=np.float64)
+    if times.shape != (len(frames),):
+        raise VideoError("bad_request", f"<frames of {item_id}>", f"{len(frames)} frames, {times.shape} frame_times")
+    return frames, times
+
+
 class ItemReader:
     def __init__(self, target: VideoLMAdapter, cfg: RunConfig) -> None:
         self.target, self.cfg = target, cfg
@@ -68,13 +81,7 @@ class ItemReader:
         """Frames already in memory ((T, H, W, 3) uint8; the API's): taken as they are, scaled to video.max_side and
         fitted to the context as a file's are; `times` in seconds (default one frame a second). VideoError
         ("bad_request") for an array that is not frames."""
-        frames = np.asarray(frames)
-        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
-            raise VideoError("bad_request", f"<frames of {item_id}>", f"frames must be a (T, H, W, 3) uint8 array with "
-                             f"T >= 1, got {frames.dtype} {tuple(frames.shape)}")
-        times = np.arange(len(frames), dtype=np.float64) if times is None else np.asarray(times, dtype=np.float64)
-        if times.shape != (len(frames),):
-            raise VideoError("bad_request", f"<frames of {item_id}>", f"{len(frames)} frames, {times.shape} frame_times")
+        frames, times = checked_frames(item_id, frames, times)
         timings: dict[str, float] = {}
         with timed("preprocess", timings, item=item_id, step="scale"):
             frames = scale_to_max_side(frames, self.cfg.video.max_side)

@@ -25,7 +25,7 @@ from vpsd.engine.request import Request
 from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.wiring import SharedFrames, build_engine
-from vpsd.launch.results import ItemError, ResultRow
+from vpsd.launch.results import ItemError, ResultRow, finish_reason
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter
 from vpsd.models.tensor_parallel import Mirror
@@ -121,7 +121,8 @@ class ItemEvents:
             append_kept(self.ctx.out, KeptRecord(item.id, pruning.strategy, pruning.applied_ratio, res.kept, res.layout))
         self.finished_items += 1
         stats = {**res.stats_dict(), **loaded.timings, "num_frames": int(loaded.frames.shape[0]),
-                 "batch": self.cfg.batching.size, "pipeline": self.sink.pipeline}
+                 "batch": self.cfg.batching.size, "pipeline": self.sink.pipeline,
+                 "finish_reason": finish_reason(res.token_ids, self.target.eos_token_ids)}
         self.record(self.row(item, res.token_ids, stats,
                              self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)))
 

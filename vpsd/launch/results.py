@@ -63,6 +63,12 @@ class ResultRow:
                 "error": None if self.error is None else self.error.to_json()}
 
 
+def finish_reason(token_ids: list[int], eos_token_ids: list[int]) -> str:
+    """A result's `finish_reason` stat: "stop" when the answer ended at an EOS token, "length" at the token
+    budget (max_new_tokens)."""
+    return "stop" if token_ids and token_ids[-1] in eos_token_ids else "length"
+
+
 class ResultsFile:
     def __init__(self, out_dir: Path):
         self.path = Path(out_dir) / "results.jsonl"

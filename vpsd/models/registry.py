@@ -91,6 +91,11 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
     return adapter
 
 
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    """The tokenizer `load_adapter` gives the model of `spec`, alone (no weights read)."""
+    return AutoTokenizer.from_pretrained(spec.path) if spec.path is not None else tiny_tokenizer()
+
+
 def load_draft(family_name: str, spec: ModelSpec | None, target: VideoLMAdapter) -> VideoLMAdapter:
     """The draft of a pair: its own model on the target's tokenizer (the two must agree on token ids), or the
     target itself when `spec` is None (self-speculation: the target's weights fed the pruned video)."""

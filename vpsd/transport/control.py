@@ -46,6 +46,7 @@ import zmq
 from vpsd.activity import ACTIVITY
 from vpsd.pipeline.messages import Heartbeat, Message, MessageError, decode, encode
 from vpsd.transport.auth import ZAP_DOMAIN, RankAuthenticator, job_secret, rank_keypair
+from vpsd.transport.startup import rendezvous_store
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +71,9 @@ class PeerTimeout(TimeoutError):
 def advertised_host(host: str | None = None) -> str:
     """The address peers use to reach this rank: `host`, else env VPSD_HOST, else 127.0.0.1."""
     return host or os.environ.get("VPSD_HOST") or "127.0.0.1"
+
+
+POLL_MAX_MS = 2**31 - 1  # zmq_poll's timeout is a C int (~24.8 days)
 
 
 class ControlChannel:
@@ -128,11 +132,11 @@ class ControlChannel:
 
     @classmethod
     def from_process_group(cls, role: str, **kwargs) -> "ControlChannel":
-        """A channel for this rank of the default process group, published in its TCPStore; the secret
+        """A channel for this rank of the default process group, published in its rendezvous store; the secret
         defaults to the job's (VPSD_JOB_SECRET, MissingSecret if unset). The control plane holds one identity
         more than torch.distributed: rank `world_size`, the job's coordinator (launch/coordinator.py), a
         thread with a channel of its own."""
-        store = kwargs.pop("store", None) or dist.distributed_c10d._get_default_store()
+        store = kwargs.pop("store", None) or rendezvous_store()
         secret = kwargs.pop("secret", None) or job_secret()
         return cls(dist.get_rank(), dist.get_world_size() + 1, role, store, secret=secret, **kwargs)
 
@@ -244,7 +248,7 @@ class ControlChannel:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                timeout_ms = math.ceil(remaining * 1000)
+                timeout_ms = min(math.ceil(remaining * 1000), POLL_MAX_MS)  # a longer wait polls again
             # Readiness may be a bad message that _drain drops, or another rank's: loop, do not return.
             self._router.poll(timeout_ms, zmq.POLLIN)
 

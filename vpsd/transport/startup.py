@@ -85,7 +85,27 @@ def make_store(startup_timeout_s: float, say: Callable[[str], None]) -> dist.Sto
         return store  # rank 0's, new with every attempt
     # The agent's store outlives a restart: each attempt keeps to keys of its own, or a restarted rank would read
     # the dead attempt's addresses and hang in the process group's connect (pytorch/pytorch#135712).
-    return dist.PrefixStore(f"vpsd/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    global _opened
+    _opened = attempt_store(store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return _opened
+
+
+_opened: dist.Store | None = None
+
+
+def rendezvous_store() -> dist.Store:
+    """The store this launch met in (its attempt's keys), as `make_store` opened it: where the control plane
+    publishes its addresses. Not the default group's view of it, whose key prefix is torch's business: a process
+    outside the group (the Python API playing a job's coordinator, launch/served.py) opens the same keys with
+    `attempt_store`."""
+    if _opened is None:  # a group made some other way (a test's own init_process_group)
+        return dist.distributed_c10d._get_default_store()
+    return _opened
+
+
+def attempt_store(store: dist.Store, attempt: int = 0) -> dist.Store:
+    """The keys of one restart attempt of a launch in its rendezvous store (torchrun's restarts share the store)."""
+    return dist.PrefixStore(f"vpsd/attempt-{attempt}", store)
 
 
 def late_start_hook(rank: int) -> None:

@@ -1,4 +1,4 @@
-"""Read a video file (or a folder of frame images) into sampled RGB frames.
+"""Read a video file (or a folder of frame images, or a frames file) into sampled RGB frames.
 
 Contract:
 - `read_video` returns a `VideoClip` with the frames a request selects (see `vpsd.video.sampling`
@@ -8,6 +8,8 @@ Contract:
 - Every failure is a `VideoError` whose `kind` tells callers what happened; no PyAV exception
   escapes. Any decoding error, even after some good frames, makes the video "corrupt": a truncated
   download is not silently read as a shorter video.
+- A frames file (`.npz`: `frames`, a (T, H, W, 3) uint8 array, and `times`, its (T,) seconds) is frames already
+  decoded, read under the same rules; the Python API hands its in-memory frames to a rank this way.
 - Only the first video stream is read. Sampling by rate assumes a constant frame rate (the
   stream's average rate); timestamps are the decoded frames' own presentation times, counted from
   the first frame.
@@ -72,6 +74,8 @@ def read_video(
         return _read_folder(path, folder_fps, request)
     if path.stat().st_size == 0:
         raise VideoError("empty", path, "file is zero bytes")
+    if path.suffix == FRAMES_SUFFIX:
+        return _read_frames_file(path, request)
     return _read_container(path, request)
 
 
@@ -114,6 +118,32 @@ def _read_folder(folder: Path, folder_fps: float, request: dict) -> VideoClip:
         duration_s=len(files) / float(folder_fps),
         indices=indices,
     )
+
+
+FRAMES_SUFFIX = ".npz"
+
+
+def write_frames_file(path: Path, frames: np.ndarray, times: np.ndarray) -> None:
+    """Frames already decoded, as `read_video` reads them back (uncompressed: written and read once)."""
+    np.savez(path, frames=np.ascontiguousarray(frames, dtype=np.uint8), times=np.asarray(times, dtype=np.float64))
+
+
+def _read_frames_file(path: Path, request: dict) -> VideoClip:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            frames, times = data["frames"], np.asarray(data["times"], dtype=np.float64)
+    except (OSError, ValueError, KeyError) as err:
+        raise VideoError("corrupt", path, f"not a frames file (.npz with frames and times): {err}") from None
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or times.shape != (len(frames),):
+        raise VideoError("corrupt", path, f"frames {frames.dtype} {tuple(frames.shape)} with times "
+                         f"{tuple(times.shape)}: need (T, H, W, 3) uint8 and (T,)")
+    if len(frames) == 0:
+        raise VideoError("empty", path, "frames file holds no frames")
+    span_s = float(times[-1] - times[0]) if len(times) > 1 else 0.0
+    fps = (len(times) - 1) / span_s if span_s > 0 else 1.0  # for a request by rate: the frames' mean rate
+    indices = select_indices(len(frames), fps, **request)
+    return VideoClip(frames=frames[indices], fps=fps, timestamps=times[indices], source_num_frames=len(frames),
+                     duration_s=len(frames) / fps, indices=indices)
 
 
 def _open(path: Path) -> av.container.InputContainer:

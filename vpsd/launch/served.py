@@ -1,0 +1,241 @@
+"""A method's ranks as child processes of the Python API (`vpsd.LLM(..., draft_on="rank")`, the API's default).
+
+`ServedRanks` starts one pipeline's ranks (target, draft, pruner; a split target's followers) the way torchrun
+starts a job's: the same entry (launch/entry.py), roles, transport and control plane, each child with torchrun's
+environment over a rendezvous store this process hosts. This process then plays the job's coordinator for them
+(launch/coordinator.py's protocol, over the control plane as its identity, rank `world`): each `run(items)` grants
+the items as the pipeline's target asks for them (`WorkRequest` / `WorkGrant`) and returns each item's result line
+(`ItemResult`) as it finishes. Between calls the target's request waits here, unanswered, with the models loaded;
+`close()` ends the pipeline as a job's end does (no more items, its run reported, `Shutdown`).
+
+Why child processes and not threads: each role gets its own interpreter (no GIL shared between the draft's and the
+target's eager steps) and its own CUDA context, as in a job; and this process needs no torch.distributed group of
+its own, so it runs inside a program that has one (lmms-eval under `accelerate launch`). Only a store, a ZeroMQ
+socket and the children.
+
+Lifetime: the children die with this process (PR_SET_PDEATHSIG, launch/lifetime.py: tied to the thread that
+started them, so start an `LLM` on a thread that outlives it, the main thread in a notebook) and run in a session
+of their own, so a terminal's Ctrl-C reaches only the caller, whose `KeyboardInterrupt` stops them (`kill`). A child
+that exits while this process waits for it is `RanksFailed`, with the lines it said (its stderr is kept in
+`out/ranks/`), never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from vpsd.config import RunConfig
+from vpsd.launch.arguments import SERVED
+from vpsd.launch.layout import Layout, plan
+from vpsd.launch.manifest import ManifestItem
+from vpsd.launch.results import ResultRow
+from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
+from vpsd.transport.auth import SECRET_ENV
+from vpsd.transport.control import ControlChannel, PeerTimeout
+from vpsd.transport.startup import attempt_store
+
+POLL_S = 0.5  # how often a wait looks at the children's health
+STOP_S = 30.0  # how long close() waits for the ranks to leave before it kills them
+
+
+class RanksFailed(RuntimeError):
+    """A child rank exited (or never started); the message holds what it said."""
+
+
+class ServedRanks:
+    def __init__(self, cfg: RunConfig, method: str, out: Path, startup_timeout_s: float) -> None:
+        """Starts the ranks and returns once the pipeline's target asks for its first item (models loaded, draft
+        and pruner up): the pipeline's start-up, bounded by `startup_timeout_s`."""
+        self.cfg, self.method, self.out = cfg, method, Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        size = max(cfg.roles.values()) + cfg.target.tensor_parallel  # one pipeline's ranks
+        self.layout: Layout = plan(size, size, dict(cfg.roles), cfg.target.tensor_parallel)
+        secret = secrets.token_hex(32)
+        self.children: list[tuple[int, subprocess.Popen, Path]] = []
+        self.ctrl: ControlChannel | None = None
+        self._asked: list[int] = []  # targets waiting for an item (WorkRequest with needed), unanswered
+        self._done: dict[str, ResultRow] = {}
+        self._closed = False
+        try:  # an interrupt (or a failure) while they start stops what has started
+            # This process hosts the store (on a free port); every child is a client of it, as a rank is of
+            # torchrun's agent store.
+            self._store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=startup_timeout_s), multi_tenant=True)
+            self._spawn(self._store.port, secret)
+            store = attempt_store(self._store)  # the keys the children publish their addresses under
+            self.ctrl = ControlChannel(self.layout.coordinator, self.layout.world + 1, "coordinator", store,
+                                       secret=secret.encode(), connect_timeout_s=startup_timeout_s)
+            self._await_request(startup_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    # ---- the children ----------------------------------------------------------------------------------
+
+    def _spawn(self, port: int, secret: str) -> None:
+        config = self.out / "config.yaml"
+        config.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        manifest = self.out / "served.jsonl"  # the job's manifest, empty: items come from here, not a file
+        manifest.touch()
+        logs = self.out / "ranks"
+        logs.mkdir(exist_ok=True)
+        p = self.cfg.pruning
+        argv = [sys.executable, "-m", "vpsd.launch.entry", "--config", str(config), "--manifest", str(manifest),
+                "--out", str(self.out), "--method", self.method, "--pruning", p.strategy, "--ratio", str(p.ratio),
+                "--quiet"]
+        world = self.layout.world
+        base = _child_environment()
+        for rank in range(world):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", SECRET_ENV: secret,
+                   SERVED: "1"}
+            log = logs / f"rank{rank}.log"
+            with open(log, "wb") as stderr:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                                        start_new_session=True)
+            self.children.append((rank, proc, log))
+
+    def check(self) -> None:
+        """RanksFailed when a child has exited (or the ranks were closed)."""
+        for rank, proc, log in self.children:
+            code = proc.poll()
+            if code is not None:
+                said = [line.removeprefix("vpsd: ") for line in _tail(log) if line.startswith("vpsd: ")]
+                role = next((r for r, k in self.layout.leader.ranks.items() if k == rank), "follower")
+                self.kill()
+                raise RanksFailed(f"the {role} rank (rank {rank}) exited with status {code}"
+                                  + (f": {'; '.join(said)}" if said else f"; its output is in {log}"))
+
+    def kill(self) -> None:
+        """Stops every child at once (a failure, an interrupt); the ranks cannot be used after it."""
+        self._closed = True
+        for _, proc, _ in self.children:
+            if proc.poll() is None:
+                proc.kill()
+        for _, proc, _ in self.children:
+            proc.wait()
+        if self.ctrl is not None:
+            self.ctrl.close()
+            self.ctrl = None
+
+    # ---- the coordinator's side ------------------------------------------------------------------------
+
+    def _recv(self, limit_s: float | None) -> tuple[int, object]:
+        """The next message from a rank, the children watched meanwhile (RanksFailed), within `limit_s`."""
+        deadline = None if limit_s is None else time.monotonic() + limit_s
+        while True:
+            try:
+                return self.ctrl.recv(timeout_s=POLL_S)
+            except PeerTimeout:
+                pass
+            self.check()  # outside the except: a RanksFailed is not "during handling of" a poll's timeout
+            if deadline is not None and time.monotonic() > deadline:
+                self.kill()
+                raise RanksFailed(f"the ranks did not start within the start-up bound ({limit_s:.0f} s, "
+                                  f"startup_timeout_s); their output is in {self.out / 'ranks'}")
+
+    def _await_request(self, limit_s: float) -> None:
+        while not self._asked:
+            src, msg = self._recv(limit_s)
+            self._answer(src, msg, [])
+
+    def _answer(self, src: int, msg: object, queue: list[ManifestItem]) -> None:
+        if isinstance(msg, WorkRequest):
+            if queue:  # needed or read ahead: the pipeline takes the call's items as it has room
+                self.ctrl.send(src, WorkGrant(queue.pop(0).to_wire(), more=True))
+            elif msg.needed:
+                self._asked.append(src)  # answered with the next call's first item, or at close
+            else:
+                self.ctrl.send(src, WorkGrant(None, more=True))  # not now
+        elif isinstance(msg, ItemResult):
+            row = ResultRow.from_json(msg.row)
+            self._done[row.id] = row
+        elif isinstance(msg, PipelineDone):
+            self.ctrl.send(src, Shutdown("the API closed its ranks"))
+            self._asked.append(-1)  # marks the pipeline's end for close()
+
+    def run(self, items: Iterable[ManifestItem]) -> dict[str, ResultRow]:
+        """Each item's result line, by id, once all of them have finished (KeyboardInterrupt: the ranks are
+        stopped, as a job's are by Ctrl-C)."""
+        queue = list(items)
+        wanted = {item.id for item in queue}
+        try:
+            while self._asked and queue:
+                self.ctrl.send(self._asked.pop(0), WorkGrant(queue.pop(0).to_wire(), more=True))
+            while not wanted <= self._done.keys():
+                src, msg = self._recv(None)
+                self._answer(src, msg, queue)
+        except BaseException:  # an interrupt, or a rank gone (already stopped): nothing is left running
+            self.kill()
+            raise
+        return {i: self._done.pop(i) for i in wanted}
+
+    def close(self) -> None:
+        """The pipeline's end, as a job's (its target reports its run and is told to stop), then the children's;
+        any that has not left within STOP_S is killed."""
+        if self._closed or self.ctrl is None:
+            return
+        self._closed = True
+        try:
+            for src in self._asked:
+                self.ctrl.send(src, WorkGrant(None, more=False))
+            self._asked = []
+            deadline = time.monotonic() + STOP_S
+            while -1 not in self._asked and time.monotonic() < deadline:
+                try:
+                    src, msg = self.ctrl.recv(timeout_s=POLL_S)
+                except PeerTimeout:
+                    if any(proc.poll() is not None for _, proc, _ in self.children):
+                        break
+                    continue
+                if isinstance(msg, WorkRequest):
+                    self.ctrl.send(src, WorkGrant(None, more=False))
+                else:
+                    self._answer(src, msg, [])
+            for _, proc, _ in self.children:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            if self.ctrl is not None:
+                self.ctrl.close()
+                self.ctrl = None
+
+
+def _child_environment() -> dict[str, str]:
+    """The caller's environment without what a launcher gave the caller itself (it may be one rank of its own
+    launch: lmms-eval under torchrun or `accelerate launch`). Such a caller's ranks get its GPU alone, so that
+    their placement (transport/placement.py, by local rank) stays on the GPU the caller was given."""
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "VPSD_REFUSAL_MARK", "VPSD_INTERRUPT_MARK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+        gpus = [g for g in visible.split(",") if g.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = gpus[int(local_rank) % len(gpus)]
+    return env
+
+
+def _tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
