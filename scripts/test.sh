@@ -2,5 +2,8 @@
 # The test suite: unit tests, model tests on tiny offline models, and multi-process tests through torchrun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# --durations: the slowest cases, so that a CI run says where its time went. --slow: the further torchrun combinations.
-exec python -m pytest -q -p no:cacheprovider --durations=25 tests "$@"
+# On every core (pytest-xdist): most cases launch torchrun jobs whose ranks spend much of their time starting up or
+# waiting on each other, so a second worker fills the idle core. --dist loadfile keeps a file's cases (and its
+# module fixtures, often a reference job) on one worker. --durations: the slowest cases, so that a CI run says where
+# its time went. --slow: the further torchrun combinations.
+exec python -m pytest -q -p no:cacheprovider -n "${VPSD_TEST_WORKERS:-auto}" --dist loadfile --durations=25 tests "$@"

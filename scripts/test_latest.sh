@@ -47,7 +47,7 @@ subset=(
 )
 if [ "${1:-}" = "--all" ]; then subset=(tests); fi
 status=0
-python -m pytest -q -p no:cacheprovider "${subset[@]}" || status=$?
+python -m pytest -q -p no:cacheprovider -n "${VPSD_TEST_WORKERS:-auto}" --dist loadfile "${subset[@]}" || status=$?
 if [ "$status" != 0 ]; then
     echo "test_latest: FAILED on the newest releases; what differs from the tested lock:" >&2
     python -m vpsd.provenance >&2
