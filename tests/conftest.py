@@ -27,7 +27,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the `slow` cases: further combinations of torchrun checks the suite makes once")
 
 
+# The files whose cases take longest (their waits for start-up bounds and timeouts included), longest first, as
+# measured by `scripts/test.sh --durations`: run first, so that the workers of `-n auto --dist loadfile` end
+# together instead of one finishing a long file alone (the rest keep their order).
+LONGEST_FIRST = ["test_gpu_check.py", "test_startup_torchrun.py", "test_batch_torchrun.py", "test_scale_out_torchrun.py",
+                 "test_tensor_parallel_torchrun.py", "test_stuck_torchrun.py", "test_api.py", "test_pipeline_torchrun.py",
+                 "test_batch_decode.py", "test_job_safety_torchrun.py", "test_batch_workers.py"]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's cases keep their order
     # CI runs the suite in well under 15 minutes by launching each torchrun scenario once; the extra combinations
     # (another phase of the same stuck-peer check, the same fault at batch 1 and batched...) run with --slow.
     if config.getoption("--slow") or os.environ.get("VPSD_SLOW") == "1":
