@@ -159,13 +159,18 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
     with pytest.raises(vpsd.RanksFailed, match=r"the draft rank \(rank 1\) exited"):
         llm.generate(items[:1])
     assert not _children()
-    # The next call starts them again; a Ctrl-C in the middle of it stops them.
+    # The next call starts them again; a Ctrl-C in the middle of it stops them. Python's own SIGINT handler, as in
+    # a caller's program: another test in this process may have run a job's entry in it, which installs its own.
+    default = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        while True:  # starts the ranks (seconds), then decodes until the interrupt lands
-            llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))
-    timer.join()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            while True:  # starts the ranks (seconds), then decodes until the interrupt lands
+                llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, default)
     assert not _children()
     # Once more, whole: frames in memory, sampled, drawn as on threads (one seed rule wherever the draft runs).
     on_ranks = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
