@@ -8,6 +8,7 @@ that never finishes loading is named once the bound has passed."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -19,28 +20,34 @@ CONFIG = "tiny_qwen2_5_vl.yaml"
 ARGS = ("--gamma", "3", "--timeout", "4")
 
 
-@pytest.fixture(scope="module")
-def bound_s(tmp_path_factory) -> int:
-    """The start-up bound of the tests that wait it out: long enough for every rank of a job to come up on this
-    machine, as a job here measured it (the launch to the last rank's role_started), twice over and a little: a
-    bound of a constant named ranks that were only slow on a machine twice as slow as this one."""
-    import json
+LATE_S = 10  # the draft's rank comes up this long after the others
 
-    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=1)
-    out = tmp_path_factory.mktemp("come_up") / "job"
-    t0 = time.time()
-    proc = subprocess.run(torchrun_cmd(3) + job_args(CONFIG, manifest, out, "hippo", "--quiet"),
-                          capture_output=True, text=True, timeout=240, env=job_env(), cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+@pytest.fixture(scope="module")
+def late_job(tmp_path_factory):
+    """The job whose draft rank comes up LATE_S after the others (under --timeout 4), run once for the tests of this
+    file: (the finished process, its out dir, {line: seconds since the launch}, seconds from the launch to the last
+    rank's role_started)."""
+    proc, out, when, t0 = _run(tmp_path_factory, tmp_path_factory.mktemp("late"), {"VPSD_TEST_LATE_START": f"1:{LATE_S}"})
     started = [json.loads(line)["t"] for trace in (out / "traces").glob("*.jsonl")
                for line in trace.read_text().splitlines() if '"role_started"' in line]
-    assert len(started) == 3
-    return max(8, round(2 * (max(started) - t0)) + 4)
+    return proc, out, when, (max(started) - t0 if started else None)
+
+
+@pytest.fixture(scope="module")
+def bound_s(late_job) -> int:
+    """The start-up bound of the tests that wait it out: long enough for every rank of a job to come up on this
+    machine, as the late-rank job measured it (the launch to the last rank's role_started, its LATE_S taken off),
+    twice over and a little: a bound of a constant named ranks that were only slow on a machine twice as slow as
+    this one."""
+    proc, _, _, come_up_s = late_job
+    assert proc.returncode == 0 and come_up_s is not None, proc.stderr[-3000:]
+    return max(8, round(2 * (come_up_s - LATE_S)) + 4)
 
 
 def _run(tmp_path_factory, tmp_path, env: dict, *more: str):
     """The job, its stderr read line by line as it comes: (the finished process, its out dir, {line: seconds
-    since the launch it arrived at}) for the lines vpsd says."""
+    since the launch it arrived at} for the lines vpsd says, the launch's wall-clock time)."""
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=3)
     out = tmp_path / "job"
     t0 = time.monotonic()
@@ -52,7 +59,8 @@ def _run(tmp_path_factory, tmp_path, env: dict, *more: str):
         if line.startswith("vpsd:"):
             when[line.rstrip("\n")] = time.monotonic() - t0
     proc.wait(timeout=240)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, "", "".join(lines)), out, when
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", "".join(lines)), out, when, time.time() - (
+        time.monotonic() - t0)
 
 
 def _said(proc) -> list[str]:
@@ -60,17 +68,20 @@ def _said(proc) -> list[str]:
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("env", [
-    {"VPSD_TEST_LATE_START": "1:10"},  # the draft's rank comes up 10 s after the others
-    pytest.param({"VPSD_TEST_SLOW": "draft:start:1:10"}, marks=pytest.mark.slow),  # ... or loads 10 s longer
-], ids=["late-rank", "slow-load"])
-def test_a_late_rank_joins_and_the_job_completes(tmp_path_factory, tmp_path, env):
-    proc, out, _ = _run(tmp_path_factory, tmp_path, env)
+def test_a_late_rank_joins_and_the_job_completes(late_job):
+    proc, out, _, _ = late_job
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(results(out)) == 3 and all(r["error"] is None for r in results(out).values())
-    if "VPSD_TEST_LATE_START" in env:
-        waiting = [ln for ln in _said(proc) if "starting: 2 of 3 ranks up, waiting for rank 1 (node 0)" in ln]
-        assert waiting, proc.stderr[-3000:]
+    waiting = [ln for ln in _said(proc) if "starting: 2 of 3 ranks up, waiting for rank 1 (node 0)" in ln]
+    assert waiting, proc.stderr[-3000:]
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_a_rank_that_loads_longer_is_waited_for(tmp_path_factory, tmp_path):
+    proc, out, _, _ = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_SLOW": f"draft:start:1:{LATE_S}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(results(out)) == 3 and all(r["error"] is None for r in results(out).values())
 
 
 def _no_rank_traceback(proc) -> bool:
@@ -80,7 +91,7 @@ def _no_rank_traceback(proc) -> bool:
 
 @pytest.mark.torchrun
 def test_a_rank_that_never_starts_is_named_within_the_start_up_bound(tmp_path_factory, tmp_path, bound_s):
-    proc, out, when = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_LATE_START": "2:never"},
+    proc, out, when, _ = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_LATE_START": "2:never"},
                            "--startup-timeout", str(bound_s))
     assert proc.returncode != 0
     lines = [ln for ln in _said(proc) if "did not start" in ln]
@@ -97,7 +108,7 @@ def test_a_rank_that_never_starts_is_named_within_the_start_up_bound(tmp_path_fa
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_a_draft_that_never_finishes_loading_is_named_after_the_start_up_bound(tmp_path_factory, tmp_path, bound_s):
-    proc, _, _ = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_HANG": "draft:start:1"},
+    proc, _, _, _ = _run(tmp_path_factory, tmp_path, {"VPSD_TEST_HANG": "draft:start:1"},
                       "--startup-timeout", str(bound_s))
     assert proc.returncode != 0
     lines = [ln for ln in _said(proc) if "loading its models" in ln]
