@@ -97,8 +97,8 @@ def test_bad_settings_are_a_config_error_before_any_model_loads():
         vpsd.LLM(CONFIG, method="hipo")
     with pytest.raises(vpsd.ConfigError, match=r"unknown key decoding\.gama \(did you mean 'gamma'\?\)"):
         vpsd.LLM(CONFIG, method="ar", settings={"decoding.gama": 3})
-    with pytest.raises(vpsd.ConfigError, match="method sd-tree: it drafts a tree"):
-        vpsd.LLM(CONFIG, method="sd-tree", batch=2)
+    with pytest.raises(vpsd.ConfigError, match="method tabed: it drafts with TABED's views"):
+        vpsd.LLM(CONFIG, method="tabed", batch=2)
     with vpsd.LLM(CONFIG, method="ar") as llm:
         with pytest.raises(vpsd.ConfigError, match="only top_p = 1.0"):
             llm.generate([], vpsd.SamplingParams(top_p=0.9))

@@ -8,7 +8,8 @@ import torch
 from tests.conftest import random_frames, tiny_pair
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.std import decode_std, sparse_state, std_cache_indices, std_prefill
+from vpsd.decoders.std import decode_std
+from vpsd.models.sparse_kv import sparse_state, std_cache_indices, std_prefill
 from vpsd.pipeline.pruning.sparse_kv import gather_heads, sparse_cache_indices
 
 

@@ -16,7 +16,7 @@ draft's own plug-in (engine/proposers.py), whichever place it runs in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,16 +24,29 @@ import torch
 from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings
 from vpsd.pipeline.messages import VerifyResult
+from vpsd.pipeline.tree import DraftTree
+
+
+@dataclass
+class DraftedTree:
+    """A draft tree's round: the (truncated) tree, its node tokens (node 0 the root, the last committed token)
+    and, when sampling, the q each expanded node's candidates were drawn from (pipeline/tree.py)."""
+
+    tree: DraftTree
+    tokens: list[int]
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class Proposal:
-    """A window of draft tokens for one request, to verify after its first `start` committed tokens."""
+    """A window of draft tokens for one request, to verify after its first `start` committed tokens: a chain, or
+    a tree's nodes (`tree`; token_ids are its nodes 1..N, verified together in one forward, pipeline/tree.py)."""
 
     token_ids: list[int]
-    q: torch.Tensor | None  # (k, V) the draft's distributions, when sampling
+    q: torch.Tensor | None  # (k, V) the draft's distributions, when sampling a chain
     start: int
-    gamma: int  # the window it was drafted under
+    gamma: int  # the window it was drafted under (a tree: its depth)
+    tree: DraftedTree | None = None
 
 
 class Drafter(Protocol):

@@ -35,13 +35,14 @@ from vpsd.engine.drafter import Drafter, Proposal
 from vpsd.engine.report import EngineReport
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
-from vpsd.models.batch import BatchedCache
+from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
 from vpsd.pipeline.cost import ParallelWindow, SerialWindow
 from vpsd.pipeline.drafting_policy import ItemMeans
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.seeds import verify_seed
 from vpsd.pipeline.state_machine import TargetMachine
+from vpsd.pipeline.tree import verify_tree
 from vpsd.pipeline.verification import greedy_ids, verify_chunk, window_rows
 from vpsd.tracing import get_logger, record_span, span
 
@@ -171,13 +172,16 @@ class Engine:
         return proposals, plain
 
     def _verify(self, proposals: dict[str, Proposal], plain: list[Request]) -> None:
-        feed, first = {}, {}
+        feed, first, trees = {}, {}, {}
         for r in plain:
             length, feed[r.id], first[r.id] = r.cursor.verify_feed(r.committed, [])
             self.batch.rollback(r.id, length)
         for rid, p in proposals.items():
             r = self.requests[rid]
-            length, feed[rid], first[rid] = r.cursor.verify_feed(r.committed, p.token_ids)
+            if p.tree is not None:
+                length, feed[rid], first[rid], trees[rid] = self._tree_feed(r, p)
+            else:
+                length, feed[rid], first[rid] = r.cursor.verify_feed(r.committed, p.token_ids)
             if r.machine.holds_next_row != (first[rid] < 0):
                 raise EngineFailure(f"the target's cache of item {rid} disagrees with its committed tokens")
             self.batch.rollback(rid, length)
@@ -187,7 +191,9 @@ class Engine:
         with doing("verify", next(iter(feed)), tokens), \
                 span("verify", round=self.report.rounds, items=list(feed), tokens=tokens, rows=rows, gamma=gamma) as fields:
             watch = Stopwatch(self.target.device)
-            logits = (self.batch.step_rowwise if self.cfg.decoding.exact_verify else self.batch.step)(feed)
+            # exact_verify: one token a forward, the shapes `ar` runs; a tree is one forward whatever is set
+            logits = (self.batch.step_rowwise(feed) if self.cfg.decoding.exact_verify and not trees
+                      else self.batch.step(feed, trees))
             watch.stop()
             windows = {rid: window_rows(logits[rid], first[rid], self.requests[rid].kept_row) for rid in proposals}
             # Greedy: every row's argmax in one host transfer for the batch (pipeline/verification.py greedy_ids),
@@ -197,7 +203,8 @@ class Engine:
             seconds = watch.seconds
             self._observe_verify(len(feed), rows, seconds)
             outcome = [self._commit_plain(r, logits[r.id], ids.get(r.id)) for r in plain]
-            outcome += [self._commit_window(self.requests[rid], p, windows[rid], ids.get(rid)) for rid, p in proposals.items()]
+            outcome += [self._commit_window(self.requests[rid], p, windows[rid], ids.get(rid), first[rid])
+                        for rid, p in proposals.items()]
             # Per row, in the order of `items`: what reports/acceptance.py reads.
             names = ("drafted", "accepted", "committed", "mode", "start")
             fields.update({name: list(col) for name, col in zip(names, zip(*outcome))})
@@ -232,22 +239,40 @@ class Engine:
         r.stats.record(0, 0)
         return 0, 0, 1, None, None
 
-    def _commit_window(self, r: Request, p: Proposal, rows: torch.Tensor, ids: list[int] | None) -> tuple:
-        """Verifies one request's window on its k+1 rows (greedy: `ids`, their argmaxes) and commits what its
-        batch-1 run would; the verdict goes to the drafter. Returns (drafted, accepted, committed) tokens, the mode
-        it was verified in, its start."""
+    def _tree_feed(self, r: Request, p: Proposal) -> tuple[int, list[int], int, TreeFeed]:
+        """A tree's verify feed: the committed tokens the cache lacks (the last is the root), then every node at
+        its chain position under the tree mask (`DraftTree.verify_inputs`). The cursor learns the accepted path
+        after the verdict (`_commit_window`)."""
+        length, pending = r.cursor.sync(r.committed)
+        offsets, visible = p.tree.tree.verify_inputs(len(pending))
+        return length, pending + p.token_ids, len(pending) - 1, TreeFeed(offsets + length, visible)
+
+    def _commit_window(self, r: Request, p: Proposal, rows: torch.Tensor, ids: list[int] | None, first: int) -> tuple:
+        """Verifies one request's window on its k+1 rows (greedy: `ids`, their argmaxes; a tree: its N+1 rows by
+        recursive rejection, pipeline/tree.py) and commits what its batch-1 run would; the verdict goes to the
+        drafter. Returns (drafted, accepted, committed) tokens, the mode it was verified in, its start."""
         mode = r.machine.mode.value
-        v = verify_chunk(p.token_ids, p.q, rows, self.cfg.decoding.temperature, r.gen, ids)
-        self._observe_window(v.num_accepted, v.num_drafted)
+        temperature = self.cfg.decoding.temperature
+        if p.tree is None:
+            v = verify_chunk(p.token_ids, p.q, rows, temperature, r.gen, ids)
+            chunk, accepted, token, drafted = p.token_ids, v.num_accepted, v.next_token, v.num_drafted
+        else:  # only the accepted path stays in the cache, which then holds what a chain's would
+            t = verify_tree(p.tree.tree, p.tree.tokens, p.tree.probs, rows, temperature, r.gen)
+            chunk, accepted, token, drafted = t.emitted(p.tree.tokens)[:-1], t.num_accepted, t.next_token, t.num_drafted
+            self.batch.keep(r.id, self.batch.length(r.id) - len(p.token_ids), [n - 1 for n in t.path])
+            r.cursor.feed(r.committed[len(r.cursor.fed):] + chunk)
+        self._observe_window(accepted, drafted)
         before = len(r.committed)
         pre_verify, gamma = (self.window.pre_verify(), self.window.gamma) if self.parallel else (True, 0)
-        verdict = r.machine.on_verified(p.token_ids, v.num_accepted, v.next_token, pre_verify, gamma)
+        verdict = r.machine.on_verified(chunk, accepted, token, pre_verify, gamma)
         r.kept_row = rows[-1].clone() if r.machine.holds_next_row else None  # not a view of the round's logits
-        r.stats.record(v.num_accepted, v.num_drafted, verdict.committed_len - before)
-        r.stats.rollbacks += int(verdict.rollback)
+        r.stats.record(accepted, drafted, verdict.committed_len - before)
+        # a tree's round rolls back where a candidate was rejected (its last accepted node had children)
+        r.stats.rollbacks += (int(verdict.rollback) if p.tree is None
+                              else int(bool(p.tree.tree.children[t.path[-1] if t.path else 0])))
         r.windows.append(p.gamma)
         self.drafter.verified(r, verdict, rows)
-        return v.num_drafted, v.num_accepted, verdict.committed_len - before, mode, p.start
+        return drafted, accepted, verdict.committed_len - before, mode, p.start
 
     def _error(self, r: Request) -> str | None:
         if r.error is None and r.drafted and self.drafter is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
-from vpsd.models.batch import BatchedCache
+from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
 from vpsd.models.views import prefill_views, step_views
 from vpsd.pipeline.ensemble import AdaptiveWeights, TabedConfig, weighted_average
@@ -68,6 +68,19 @@ class ModelProposer:
         for item, rows in logits.items():
             self.last[item] = rows[-1].clone()  # a copy: a view would keep the whole step's (B, k, V) logits
         return len(feeds), watch.stop()
+
+    def feed_tree(self, feeds: dict[str, list[int]], trees: dict[str, TreeFeed]) -> tuple[dict[str, torch.Tensor], Stopwatch]:
+        """One forward of every row's next tree nodes (engine/tree_drafter.py); returns each row's logits, one
+        per node, and the stopwatch."""
+        watch = Stopwatch(self.draft.device)
+        logits = self.batch.step(feeds, trees)
+        for item in feeds:
+            self.last[item] = None  # a tree's rows are read from the return; the next chain feed sets it again
+        return logits, watch.stop()
+
+    def keep(self, item: str, start: int, keep: list[int]) -> None:
+        """The entries before `start` and, after them, start + keep[i] (a tree's accepted nodes, BatchedCache.keep)."""
+        self.batch.keep(item, start, keep)
 
     def rollback(self, item: str, length: int) -> None:
         if length < self.batch.length(item):

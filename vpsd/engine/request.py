@@ -58,7 +58,6 @@ class Request:
     first_chunk_wait: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds it waited, by span name (video_wait)
     error: str | None = None  # why it cannot be decoded (a drafter's report); it fails with this
-    final: DecodeResult | None = None  # decoded whole by a reference decoder (engine/reference.py)
 
     @property
     def committed(self) -> list[int]:
@@ -75,9 +74,6 @@ class Request:
 
     def result(self) -> DecodeResult:
         """What its batch-1 decoder would return."""
-        if self.final is not None:
-            self.final.timings.update(self.timings)
-            return self.final
         r = DecodeResult(token_ids=self.machine.output(), stats=self.stats, prefill_s=self.prefill_s,
                          decode_s=time.perf_counter() - self.decode_start, num_kept=self.num_kept if self.drafted
                          else None, num_video_tokens=self.num_video_tokens, kept=self.kept, layout=self.layout)

@@ -68,7 +68,7 @@ def pipeline_models(cfg: RunConfig, method: Method, k: int | None = None) -> dic
                     dict(cfg.roles) if remote else dict(SOLO), k).pipelines[0]
     tb, db = DTYPE_BYTES[cfg.target.dtype], DTYPE_BYTES[(cfg.draft or cfg.target).dtype]
     leader = [Held(target, tb, k)]
-    if place in ("local", "reference") and method.loads_draft_model:
+    if place == "local" and method.loads_draft_model:
         # in the target's process: its own weights, or (draft: self) a second cache on the target's
         leader.append(Held(draft, db) if draft is not None else Held(target, tb, k, embeds=False, cache_only=True))
     out = {(pipeline.target, "target"): leader}

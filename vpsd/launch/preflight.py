@@ -26,7 +26,7 @@ from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_
 from vpsd.models.shapes import ShapeError
 from vpsd.models.spec import FAMILY_MODULES
 from vpsd.models.tensor_parallel import shard_problems
-from vpsd.pipeline.methods import BATCHABLE, Method
+from vpsd.pipeline.methods import CHAINS, Method
 
 
 # The weight files vpsd reads, whole or sharded (models/sharded_load.py: safetensors, sliced in place).
@@ -172,10 +172,11 @@ def tensor_parallel_problems(cfg: RunConfig, method: Method, gpus: int, local_wo
         return problems
     where = f"target.tensor_parallel {k}"
     place = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on)
-    if place == "reference":
-        what = f"a {method.tree} tree" if method.draft_tree(cfg.decoding.tree) else "Sparse-to-Dense's sparse KV"
+    tree = method.draft_tree(cfg.decoding.tree) is not None
+    if tree or method.draft == "sparse_kv":
+        what = f"a {method.tree} tree" if tree else "Sparse-to-Dense's sparse KV"
         problems.append(f"{where}: method {method.name} drafts {what}, whose cache surgery is not mirrored to the "
-                        f"target's other ranks; split targets run {', '.join(BATCHABLE)} (trees as chains: "
+                        f"target's other ranks; split targets run {', '.join(CHAINS)} (trees as chains: "
                         f"decoding.tree: chain)")
     if method.draft == "views" and place == "local" and cfg.draft is None:
         problems.append(f"{where}: tabed's views of the target itself (draft: self) are not mirrored; give it a draft")

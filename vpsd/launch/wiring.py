@@ -3,8 +3,9 @@
 
 `build_engine` picks the drafter where the method's draft runs (`Method.draft_place`): none (`ar`), the draft in
 this process (serial, or a parallel method over a batch that is not pipelined), its own rank (`rank_link`, the
-job only), threads of this process (`draft_on: thread`, launch/in_process.py), or the method's reference decoder
-(trees, Sparse-to-Dense). It returns the engine, its scheduler, and what stops the drafter after the last item.
+job only), or threads of this process (`draft_on: thread`, launch/in_process.py); in this process, the drafter
+for what the method drafts (`local_drafter`: a chain, a tree, Sparse-to-Dense's sparse KV). It returns the engine,
+its scheduler, and what stops the drafter after the last item.
 
 `SharedFrames` hands a draft thread the frames the target side read (the same, already fitted to the context),
 instead of having it read the file again; what it does not hold it reads as a draft rank does.
@@ -22,8 +23,9 @@ import numpy as np
 from vpsd.config import RunConfig
 from vpsd.engine.engine import Engine
 from vpsd.engine.local_drafter import LocalDrafter
-from vpsd.engine.reference import ReferenceEngine
 from vpsd.engine.scheduler import Scheduler
+from vpsd.engine.sparse_kv_drafter import SparseKVDrafter
+from vpsd.engine.tree_drafter import TreeDrafter
 from vpsd.launch.in_process import RoleThreads
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_draft
@@ -44,6 +46,17 @@ class Wired:
         """Before the first item: a draft and pruner of their own (ranks or threads) have loaded and said so."""
         if isinstance(self.engine.drafter, RemoteDrafter):
             self.engine.drafter.await_peers(limit_s)
+
+
+def local_drafter(cfg: RunConfig, method: Method, target: VideoLMAdapter, draft: VideoLMAdapter | None) -> LocalDrafter:
+    """The drafter in the target's process for what `method` drafts: Sparse-to-Dense's sparse KV of the target, a
+    static tree, or a chain (`draft` None: the target drafts for itself, `draft: self`)."""
+    if method.draft == "sparse_kv":
+        return SparseKVDrafter(target, cfg.decoding, cfg.pruning)
+    tree = method.draft_tree(cfg.decoding.tree)
+    if tree is not None:
+        return TreeDrafter(target, draft or target, cfg.decoding, cfg.pruning, tree)
+    return LocalDrafter(target, draft or target, cfg.decoding, cfg.pruning, method.parallel)
 
 
 def build_engine(cfg: RunConfig, method: Method, target: VideoLMAdapter, *, draft: VideoLMAdapter | None = None,
@@ -71,10 +84,7 @@ def build_engine(cfg: RunConfig, method: Method, target: VideoLMAdapter, *, draf
                               videos=videos)
         engine = Engine(target, cfg, size, threads.drafter)
         return Wired(engine, Scheduler(engine, budget, shared_items=shared_items), threads.stop)
-    if place == "reference":
-        engine = ReferenceEngine(target, cfg, method, draft)
-        return Wired(engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), lambda: None)
-    drafter = LocalDrafter(target, draft, cfg.decoding, cfg.pruning, method.parallel) if place == "local" else None
+    drafter = local_drafter(cfg, method, target, draft) if place == "local" else None
     engine = Engine(target, cfg, size, drafter)
     return Wired(engine, Scheduler(engine, budget, draft if drafter is not None else None, prefill_cpus=cpus,
                                    lend_cores=True, shared_items=shared_items), lambda: None)

@@ -13,6 +13,10 @@ own length, rotary offset and rollback, so the cache is a table with holes rathe
 - step: each row feeds its own tokens (none, one, a ragged window); the batch is padded to the longest with
   columns that are holes from the start, every row at its own rotary positions (M-RoPE's three rows alike
   after the prefill, as `VideoLMAdapter.step` does). One forward; row r's logits are its first len(tokens[r]).
+- a tree: a row may feed the nodes of a draft tree instead of a chain (`TreeFeed`: each node at its chain
+  position, attending to the prefix and its own ancestors); `keep` then keeps only the accepted path's
+  entries after a point (the others become holes), after which the row is the chain a plain decode of the
+  committed tokens would hold. Rows of one forward may mix chains, trees and nothing.
 - rollback: row r forgets its entries past a length by turning those columns into holes (no copy).
 - compact: when holes waste more than a quarter of the width, every row's entries are gathered to the left.
 - one row: a batch of one item is kept without holes (a rollback crops, a row left alone is compacted) and is
@@ -45,6 +49,17 @@ from vpsd.models.kv_cache import GrowingCache
 PAD_TOKEN = 0
 # Room a row must have left in a fixed cache to move in (a few verifies): one that would leave at once stays out.
 FIXED_ROOM = 64
+
+
+@dataclass(frozen=True)
+class TreeFeed:
+    """How a row's fed tokens sit when they are a draft tree's nodes (`VideoLMAdapter.step_tree`'s arguments):
+    seq_index (k,) each token's index in the chain sequence (its rotary position less the row's offset);
+    visible (k, m + k) bool, what each attends to among the row's last m entries and the k fed now (every
+    earlier entry is visible to all)."""
+
+    seq_index: torch.Tensor
+    visible: torch.Tensor
 
 
 @dataclass
@@ -148,21 +163,29 @@ class BatchedCache:
     # ---- decoding -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, tokens: dict[Hashable, list[int]]) -> dict[Hashable, torch.Tensor]:
-        """Feeds each row the tokens `tokens` maps its key to (absent: none) in ONE forward.
+    def step(self, tokens: dict[Hashable, list[int]],
+             trees: dict[Hashable, TreeFeed] | None = None) -> dict[Hashable, torch.Tensor]:
+        """Feeds each row the tokens `tokens` maps its key to (absent: none) in ONE forward; `trees`: the rows
+        whose tokens are draft-tree nodes, and where they sit (`TreeFeed`; the others feed a chain).
 
         Returns {key: (len(tokens[key]), V) float32 logits} for the rows that were fed, row i of it predicting
-        the token after tokens[key][i], as `VideoLMAdapter.step` does for one sequence.
+        the token after tokens[key][i], as `VideoLMAdapter.step` (a tree's row: `step_tree`) does for one sequence.
         """
+        trees = trees or {}
         counts = [len(tokens.get(key, ())) for key in self.keys]
         k = max(counts, default=0)
         if k == 0:
             return {}
+        if trees:  # a tree's mask and compaction run eagerly (a captured step takes neither)
+            self._leave_fixed()
         if isinstance(self.cache, FixedCache) and self.lengths[0] + k > self.cache.capacity:
             self._enter_fixed(max(FIXED_ROOM, k))  # outgrown: into a larger bucket, or on eagerly
         if self._alone():  # the batch-1 forward itself
             key = self.keys[0]
-            logits = self.adapter.step(self._state(), torch.tensor(tokens[key], dtype=torch.long))
+            ids = torch.tensor(tokens[key], dtype=torch.long)
+            tree = trees.get(key)
+            logits = (self.adapter.step(self._state(), ids) if tree is None
+                      else self.adapter.step_tree(self._state(), ids, tree.seq_index, tree.visible))
             self.valid = torch.ones(1, self.width + k, dtype=torch.bool)
             self.lengths[0] += k
             return {key: logits}
@@ -173,22 +196,63 @@ class BatchedCache:
             if counts[r]:
                 ids[r, : counts[r]] = torch.tensor(tokens[key], dtype=torch.long)
         start = torch.tensor([n + o for n, o in zip(self.lengths, self.offsets)])
-        pos = (start[:, None] + torch.arange(k)[None, :]).to(device)  # (B, k): padding continues harmlessly
+        pos = start[:, None] + torch.arange(k)[None, :]  # (B, k): padding continues harmlessly
         fed = torch.arange(k)[None, :] < torch.tensor(counts)[:, None]  # (B, k) real tokens; padding = holes
+        before = self.valid
         self.valid = torch.cat([self.valid, fed], dim=1)
         width = self.width
         causal = torch.arange(width)[None, :] <= torch.arange(width - k, width)[:, None]  # (k, W): the new rows' past
+        allowed = self.valid[:, None, :] & causal[None]  # (B, k, W)
+        for key, tree in trees.items():
+            r = self.row(key)
+            pos[r, : counts[r]] = tree.seq_index.long() + self.offsets[r]
+            self._tree_mask(allowed[r], before[r], tree.visible, counts[r])
         rows = self.adapter.position_rows
+        pos = pos.to(device)
         out = self.adapter.run_language_model(
             self.cache,
             input_ids=ids.to(device),
             position_ids=pos[None].expand(rows, -1, -1) if rows > 1 else pos,
-            attention_mask=additive_mask(self.valid[:, None, :] & causal[None], self.adapter.model.dtype).to(device),
+            attention_mask=additive_mask(allowed, self.adapter.model.dtype).to(device),
         )
         logits = self.adapter.model.lm_head(out.last_hidden_state).float()
         for r, c in enumerate(counts):
             self.lengths[r] += c
         return {key: logits[r, : counts[r]] for r, key in enumerate(self.keys) if counts[r]}
+
+    @staticmethod
+    def _tree_mask(allowed: torch.Tensor, before: torch.Tensor, visible: torch.Tensor, count: int) -> None:
+        """A tree row's (k, W) mask in place: its nodes see the row's entries before its last m (`before`: its
+        columns before this forward), those m as `visible` says, and of the k fed now what `visible` says."""
+        k, old = allowed.shape[0], before.shape[0]
+        m = visible.shape[1] - count
+        cols = torch.nonzero(before).squeeze(1)
+        if visible.shape[0] != count or not 0 <= m <= cols.numel():
+            raise ValueError(f"tree feed of {count} tokens got visible {tuple(visible.shape)} on {cols.numel()} entries")
+        allowed[:count] = False
+        allowed[:count, cols[: cols.numel() - m]] = True
+        allowed[:count, cols[cols.numel() - m :]] = visible[:, :m]
+        allowed[:count, old : old + count] = visible[:, m:]
+
+    @torch.inference_mode()
+    def keep(self, key: Hashable, start: int, keep: list[int]) -> None:
+        """Keeps row `key`'s entries before `start` and, after them, its entries start + keep[i] (increasing);
+        the rest are dropped (`VideoLMAdapter.compact`; batched, they become holes). After a tree round `keep` is
+        the accepted path: its entries already carry consecutive chain positions, so the row is a chain's."""
+        r = self.row(key)
+        if self._alone():
+            self.adapter.compact(self._state(), start, keep)
+            self.lengths[r] = start + len(keep)
+            self.valid = torch.ones(1, self.lengths[r], dtype=torch.bool)
+            return
+        if not self.prefill_lens[r] <= start <= self.lengths[r] or any(
+                not 0 <= i < self.lengths[r] - start for i in keep) or keep != sorted(set(keep)):
+            raise ValueError(f"cannot keep {keep} after {start} in row {key!r} of {self.lengths[r]} entries")
+        cols = torch.nonzero(self.valid[r]).squeeze(1)
+        kept = set(keep)
+        dropped = [start + i for i in range(self.lengths[r] - start) if i not in kept]
+        self.valid[r, cols[dropped]] = False
+        self.lengths[r] = start + len(keep)
 
     def step_rowwise(self, tokens: dict[Hashable, list[int]]) -> dict[Hashable, torch.Tensor]:
         """As `step`, one token per row per forward (`decoding.exact_verify`: the shapes `ar` runs)."""

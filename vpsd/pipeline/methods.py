@@ -40,21 +40,18 @@ class Method:
                      batch 1, or over a batch when it is pipelined (`batching.pipelined`);
         "threads"    where it would be "remote" but the run says `draft_on: thread`: the same draft and pruner
                      roles on threads of the target's process (launch/in_process.py);
-        "local"      in the target's process, draft and target taking turns (engine/local_drafter.py): a serial
-                     chain method, or a parallel one over a batch that is not pipelined;
-        "reference"  the method's own reference decoder, one item at a time (a tree, Sparse-to-Dense's KV);
+        "local"      in the target's process, draft and target taking turns: a serial method (a chain,
+                     engine/local_drafter.py; a tree, engine/tree_drafter.py; Sparse-to-Dense's sparse KV,
+                     engine/sparse_kv_drafter.py), or a parallel one over a batch that is not pipelined;
         raises ValueError where the method cannot run at that batch."""
         if not self.uses_draft:
             return "none"
         if self.parallel and (batch == 1 or pipelined):
             return "threads" if draft_on == "thread" else "remote"
-        if self.tree is None and self.draft == "pruned_input":
+        if self.draft != "views":
             return "local"
-        if batch == 1:
-            return "reference"
-        also = " (and tabed with batching.pipelined=true)" if self.parallel else ""
-        raise ValueError(f"it drafts a {'tree' if self.tree else self.draft.replace('_', ' ')}, which runs one item "
-                         f"at a time; --batch {batch} runs {', '.join(BATCHABLE)}{also}")
+        raise ValueError(f"it drafts with TABED's views, which batch only beside the target: --batch {batch} needs "
+                         f"batching.pipelined=true")
 
     def draft_tree(self, setting: Any = None) -> DraftTree | None:
         """The tree this method drafts under the `decoding.tree` setting (None: it drafts a chain)."""
@@ -85,7 +82,9 @@ METHODS: dict[str, Method] = {
 }
 
 
-BATCHABLE = tuple(name for name, m in METHODS.items() if not m.uses_draft or (m.tree is None and m.draft == "pruned_input"))
+# Methods that run at any --batch in turns with the target (tabed: pipelined only); methods that draft a chain.
+BATCHABLE = tuple(name for name, m in METHODS.items() if m.draft != "views")
+CHAINS = tuple(name for name, m in METHODS.items() if not m.uses_draft or (m.tree is None and m.draft == "pruned_input"))
 
 
 def get_method(name: str) -> Method:

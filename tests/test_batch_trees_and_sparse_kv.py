@@ -1,0 +1,124 @@
+"""Draft trees (sd-tree, specvlm) and Sparse-to-Dense's sparse KV (std) in the one engine, at any batch size.
+
+Each is a drafter of the engine (engine/tree_drafter.py, engine/sparse_kv_drafter.py): one commit rule, one round,
+every request in flight drafting in one forward per depth or token and verified in the round's one target
+forward (a tree mask per row). Checked against the reference decoders (decoders/tree_sd.py, decoders/std.py: the
+oracle, one item at a time) at batch 1 and 3: the same tokens, the same accepted tokens in every round, the same
+kept video; greedy, identical to `ar`; sampled, the same draws as the item's batch-1 run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.conftest import random_frames, tiny_pair
+from tests.engine_harness import requests, run, run_config
+from vpsd.config import DecodingConfig, PruningConfig
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
+from vpsd.decoders.serial import decode_serial
+from vpsd.engine.engine import Engine
+from vpsd.engine.scheduler import Scheduler
+from vpsd.launch.wiring import local_drafter
+from vpsd.models.batch import BatchedCache, TreeFeed
+from vpsd.pipeline.methods import get_method
+from vpsd.pipeline.tree import DraftTree
+
+TREE = [2, 2, 1]  # 2 + 4 + 4 nodes, depth 3: siblings to reject, a leaf level, room in 14 tokens for several rounds
+
+
+def _setup(family: str, name: str, temperature: float):
+    target, smaller = tiny_pair(family)
+    draft = None if name == "std" else smaller
+    strategy, ratio = {"sd-tree": ("none", 0.0), "specvlm": ("specvlm", 0.5), "std": ("none", 0.5)}[name]
+    pruning = PruningConfig(strategy, ratio, seed=3, layers=2)
+    dec = DecodingConfig(gamma=3, max_new_tokens=14, temperature=temperature, seed=5,
+                         tree=None if name == "std" else TREE)
+    return target, draft, pruning, dec
+
+
+def _engine_run(target, draft, pruning, dec, name: str, size: int, todo) -> dict:
+    cfg = run_config(target, dec, pruning, size)
+    engine = Engine(target, cfg, size, local_drafter(cfg, get_method(name), target, draft))
+    return run(Scheduler(engine, None, draft), todo)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("name", ["sd-tree", "specvlm", "std"])
+def test_every_item_equals_its_reference_decoder_and_ar_at_any_batch(family, name, size):
+    target, draft, pruning, dec = _setup(family, name, 0.0)
+    todo = requests(5)
+    got = _engine_run(target, draft, pruning, dec, name, size, todo)
+    for it in todo:
+        one = dataclasses.replace(dec, max_new_tokens=it.max_new_tokens)
+        ref = decode_serial(get_method(name), target, draft, it.frames, it.prompt, one, pruning)
+        row = got[it.id]
+        assert row.token_ids == ref.token_ids, (it.id, size)
+        # the same rounds as the oracle's: the batch never changes what a round drafts or accepts
+        assert row.stats.accepted_per_round == ref.stats.accepted_per_round, (it.id, size)
+        assert row.num_kept == ref.num_kept and sum(row.stats.drafted_per_round) > 0
+        assert row.stats.rollbacks == ref.stats.rollbacks
+        ar = decode_ar(target, it.frames, it.prompt, one)
+        div = first_divergence(target, it.frames, it.prompt, ar.token_ids, row.token_ids)
+        assert judge(div, TIE_TOLERANCE[target.model.dtype]), (it.id, div)
+
+
+@pytest.mark.parametrize("name", ["sd-tree", "std"])
+def test_sampled_items_draw_their_batch1_tokens_in_a_batch(name):
+    """Temperature 1, seed 5: each item's candidates and verdicts come from its own streams, in its batch-1 order
+    (recursive rejection over a tree's siblings, pipeline/tree.py), whatever else is in flight."""
+    target, draft, pruning, dec = _setup("qwen2_5_vl", name, 1.0)
+    todo = requests(5)
+    got = _engine_run(target, draft, pruning, dec, name, 3, todo)
+    for it in todo:
+        one = dataclasses.replace(dec, max_new_tokens=it.max_new_tokens)
+        ref = decode_serial(get_method(name), target, draft, it.frames, it.prompt, one, pruning)
+        assert got[it.id].token_ids == ref.token_ids, it.id
+        assert got[it.id].stats.accepted_per_round == ref.stats.accepted_per_round, it.id
+
+
+def test_a_batched_tree_step_scores_each_row_as_its_batch1_tree_step_and_keep_leaves_a_chain():
+    """Two rows feeding trees of different shapes beside a row feeding a chain, in one forward: each row's logits
+    are its batch-1 `step_tree`'s (float noise of the wider batch aside); keeping the accepted path leaves each
+    row's entries equal to its batch-1 compacted cache, and the next chain step scores as there."""
+    target, _ = tiny_pair("qwen3_vl")  # M-RoPE: a node's three position rows advance together
+    embs = [target.embed(target.prepare(random_frames(s, t=4), "Describe the video.")) for s in (1, 2, 3)]
+    batch, singles = BatchedCache(target), {}
+    for key, emb in zip("abc", embs):
+        batch.join(key, target.prefill(emb).state)
+        singles[key] = target.prefill(emb).state
+    trees = {"a": DraftTree.from_branching([2, 1]), "b": DraftTree.from_branching([3])}
+    pending = {"a": [5, 6], "b": [7], "c": [8, 9]}
+    nodes = {"a": [11, 12, 13, 14], "b": [15, 16, 17]}
+    feeds, shapes = {}, {}
+    for key, tree in trees.items():
+        offsets, visible = tree.verify_inputs(len(pending[key]))
+        feeds[key] = pending[key] + nodes[key]
+        shapes[key] = TreeFeed(offsets + singles[key].length, visible)
+    feeds["c"] = pending["c"]
+    got = batch.step(feeds, shapes)
+    for key in "ab":
+        ref = target.step_tree(singles[key], torch.tensor(feeds[key]), shapes[key].seq_index, shapes[key].visible)
+        torch.testing.assert_close(got[key], ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["c"], target.step(singles["c"], torch.tensor(feeds["c"])), atol=1e-5, rtol=0)
+    paths = {"a": [1, 3], "b": [2]}  # node indices after the root: a's first candidate and its child, b's third
+    for key, path in paths.items():
+        start = singles[key].length - len(nodes[key])
+        batch.keep(key, start, [n - 1 for n in path])
+        target.compact(singles[key], start, [n - 1 for n in path])
+        assert batch.length(key) == singles[key].length
+        keys, values = batch.entries(key, 0)
+        torch.testing.assert_close(keys[None], singles[key].cache.layers[0].keys, atol=1e-5, rtol=0)
+    after = batch.step({"a": [20], "b": [21], "c": [22]})
+    for key, token in zip("abc", (20, 21, 22)):
+        torch.testing.assert_close(after[key], target.step(singles[key], torch.tensor([token])), atol=1e-5, rtol=0)
+
+
+def test_trees_and_sparse_kv_run_at_any_batch_and_tabed_batches_only_pipelined():
+    for name in ("sd-tree", "specvlm", "std"):
+        assert get_method(name).draft_place(8) == "local"
+    assert get_method("tabed").draft_place(8, pipelined=True) == "remote"
+    with pytest.raises(ValueError, match="needs batching.pipelined=true"):
+        get_method("tabed").draft_place(8)
