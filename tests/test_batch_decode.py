@@ -20,7 +20,7 @@ from tests.conftest import random_frames, tiny_pair
 from tests.engine_harness import PROMPTS, fresh, local_engine, requests, run
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
 from vpsd.engine.request import Request

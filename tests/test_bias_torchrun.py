@@ -14,7 +14,7 @@ import torch
 from tests.conftest import tiny_pair
 from tests.torchrun_jobs import ROOT, results, run_job, world_manifest
 from vpsd.config import PruningConfig, load_config
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.reports.kept_log import read_kept
 from vpsd.launch.manifest import load_manifest
 from vpsd.models.signals import prefill_for_strategy

@@ -67,3 +67,17 @@ def test_nothing_imports_an_integration():
     offenders = {str(p.relative_to(PACKAGE)): sorted(n for n in vpsd_imports(p) if layer(n) == "integrations")
                  for p in outside}
     assert not {k: v for k, v in offenders.items() if v}
+
+
+# The commands that run the oracle as their check: `python -m vpsd.launch.lossless` (a run against `ar`) and
+# `vpsd grow` (a grown checkpoint decodes as its source).
+ORACLE_CHECKS = {"launch/lossless.py", "launch/grow.py"}
+
+
+def test_only_the_checks_import_the_reference_decoders():
+    """decoders/ is the oracle the engine is held to (short loops, one item at a time): production code decodes
+    with the engine alone, so the oracle stays independent of what it checks."""
+    users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
+             if "decoders" not in p.relative_to(PACKAGE).parts
+             and any(layer(n) == "decoders" for n in vpsd_imports(p))}
+    assert users <= ORACLE_CHECKS, sorted(users - ORACLE_CHECKS)

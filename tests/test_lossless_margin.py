@@ -11,7 +11,7 @@ import torch
 from tests.conftest import ROOT, random_frames, tiny_pair
 from vpsd.config import DecodingConfig, PruningConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import random_frames, tiny_pair
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 
 PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail."]

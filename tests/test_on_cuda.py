@@ -23,7 +23,7 @@ from tests.conftest import config_path, random_frames
 from tests.engine_harness import local_engine, run
 from vpsd.config import DecodingConfig, PruningConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
 from vpsd.decoders.serial import decode_serial

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import random_frames, tiny_pair
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.qwen2_5_vl import Qwen2_5_VLAdapter
 from vpsd.models.qwen_video import QwenVisionSpec

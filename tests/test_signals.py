@@ -15,7 +15,7 @@ import torch
 from tests.conftest import random_frames, tiny_pair
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.signals import PrefillSignals, prefill_for_strategy, prefill_with_signals, text_positions
 from vpsd.pipeline.pruning.strategies import PruningSignals

@@ -15,7 +15,7 @@ import torch
 from tests.conftest import random_frames, tiny_pair
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.decoders.tree_sd import draft_tree
 from vpsd.pipeline.kv import CacheCursor

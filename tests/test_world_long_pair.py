@@ -13,7 +13,7 @@ import pytest
 from training.evaluate_long import scores
 from vpsd.config import PruningConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.video.item import load_item_frames

@@ -9,7 +9,7 @@ import pytest
 
 from vpsd.config import PruningConfig, load_config
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter
 from vpsd.video.item import load_item_frames

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from vpsd.config import PruningConfig, RunConfig, load_config, parse_overrides
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.models.base import SequenceEmbeddings
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.models.signals import prefill_for_strategy

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vpsd.config import PruningConfig, RunConfig, load_config, parse_overrides
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.tracing import configure_tracing

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from training.evaluate import word_accuracy
 from vpsd.config import PruningConfig, RunConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
+from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.video.item import load_item_frames

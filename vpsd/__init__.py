@@ -7,8 +7,10 @@ Layers (imports only point down this list):
   integrations/ vpsd in other programs (lmms-eval) -> api; imported by those programs alone
   api.py      the Python API                       -> launch (its wiring, below the I/O)
   launch/     torchrun entry, CLI, manifests       -> roles, models, transport, pipeline
-  roles/      one module per rank role             -> models, transport, pipeline
-  decoders/   single-process reference decoders    -> models, pipeline
+  roles/      one module per rank role             -> engine, models, transport, pipeline
+  engine/     the one decode loop and its drafters -> models, pipeline
+  decoders/   the oracle: reference decoders, one  -> engine (an item's prefill), models, pipeline;
+              item at a time (tests, launch/lossless.py and `vpsd grow` check against them)
   transport/  ZeroMQ control + torch.distributed   -> pipeline (messages)
   models/     one adapter per video-LLM family     -> pipeline (layout)
   pipeline/   the pure core: no I/O, no models

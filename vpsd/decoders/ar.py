@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vpsd.config import DecodingConfig
-from vpsd.decoders.result import DecodeResult
+from vpsd.pipeline.result import DecodeResult
 from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats

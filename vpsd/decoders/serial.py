@@ -6,8 +6,8 @@ import numpy as np
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
-from vpsd.decoders.keep import keep_policy_for
-from vpsd.decoders.result import DecodeResult
+from vpsd.engine.keep import keep_policy_for
+from vpsd.pipeline.result import DecodeResult
 from vpsd.decoders.sd import decode_sd
 from vpsd.decoders.std import decode_std
 from vpsd.models.base import VideoLMAdapter

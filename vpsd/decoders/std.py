@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.decoders.result import DecodeResult
+from vpsd.pipeline.result import DecodeResult
 from vpsd.decoders.sd import speculate
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.sparse_kv import kept_video_per_head, sparse_state, std_cache_indices, std_prefill

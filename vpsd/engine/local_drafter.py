@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.decoders.keep import keep_policy_for
-from vpsd.decoders.sd import prefill_pair
+from vpsd.engine.keep import keep_policy_for
+from vpsd.engine.pair_prefill import prefill_pair
 from vpsd.engine.drafter import Proposal
 from vpsd.engine.proposers import ModelProposer
 from vpsd.engine.request import Request

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vpsd.decoders.result import DecodeResult
+from vpsd.pipeline.result import DecodeResult
 from vpsd.models.base import PrefillResult, VideoInputs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.layout import VideoTokenLayout

@@ -4,7 +4,7 @@ An item has one seed, s: the run's `decoding.seed` (a job's, or one `generate` c
 derives from it here, and every place that draws uses these functions: the target's verify stream (engine/engine.py
 and the reference decoders) is seeded s, the draft's stream s + 1 (engine/local_drafter.py, roles/draft.py on its
 rank or on a thread, the reference decoders), and a random pruning selection `pruning.seed` + s (roles/pruner.py,
-decoders/keep.py). So where the draft runs, and with whom an item is batched, never changes a seeded output or a
+engine/keep.py). So where the draft runs, and with whom an item is batched, never changes a seeded output or a
 random pruning's kept tokens. (Before this rule the draft role drew from decoding.seed + s + 1 and the local
 keep policy from pruning.seed alone: equal only at the default seed 0.)
 """

@@ -18,7 +18,7 @@ import time
 import torch
 
 from vpsd.activity import doing
-from vpsd.decoders.keep import configured_strategy
+from vpsd.engine.keep import configured_strategy
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.seeds import pruning_seed

@@ -1,0 +1,73 @@
+"""An item's start on both sides, in the target's process: the target's full prefill with the signals the pruning
+strategy reads, the kept video tokens, and the draft's prefill on them (each at its original position). The local
+drafter's (engine/local_drafter.py, engine/tree_drafter.py) and the reference decoders' (decoders/sd.py) one
+definition of what the draft sees."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vpsd.config import PruningConfig
+from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.signals import prefill_for_strategy
+
+# Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
+KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings, int], "torch.Tensor | None"]  # ..., item seed
+
+
+
+@dataclass
+class PairPrefill:
+    """Both models prefilled for one item: the target on the whole video, the draft on the kept tokens."""
+
+    target_emb: SequenceEmbeddings
+    target: PrefillResult
+    draft: PrefillResult
+    keep: torch.Tensor | None  # kept video-token indices (None: every token)
+    num_video_tokens: int
+    draft_s: float = 0.0  # what speculation added to the prefill: the draft's vision, the pruning, its prefill
+
+    @property
+    def num_kept(self) -> int:
+        """Video tokens the draft saw (the grids agree: checked by prefill_pair)."""
+        return int(self.keep.numel()) if self.keep is not None else self.num_video_tokens
+
+    def kept_indices(self) -> torch.Tensor:
+        return self.keep if self.keep is not None else torch.arange(self.num_video_tokens)
+
+
+def prefill_pair(
+    target: VideoLMAdapter,
+    draft: VideoLMAdapter,
+    frames: np.ndarray,
+    prompt: str,
+    keep_policy: KeepPolicy,
+    pruning: PruningConfig | None = None,
+    frame_times: np.ndarray | None = None,
+    target_emb: SequenceEmbeddings | None = None,
+    parallel_signals: bool = False,
+    item_seed: int = 0,
+) -> PairPrefill:
+    """The target's full prefill (with the signals `pruning`'s strategy reads), the kept video tokens, and the
+    draft's pruned prefill. `target_emb`: the target's embeddings when the caller already has them;
+    `parallel_signals`: read the signals of the layers a parallel run streams (PruningConfig.signal_layers), so
+    a parallel method keeps the same video tokens here as in its pipeline; `item_seed`: the item's seed, which a
+    random pruning's selection derives from (pipeline/seeds.py)."""
+    t_emb = target_emb if target_emb is not None else target.embed(target.prepare(frames, prompt, frame_times))
+    t0 = time.perf_counter()
+    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
+    draft_s = time.perf_counter() - t0
+    d_emb.layout.check_same_grid(t_emb.layout.grid)
+    t_pre = (target.prefill(t_emb) if pruning is None
+             else prefill_for_strategy(target, t_emb, pruning, parallel=parallel_signals))
+    t0 = time.perf_counter()
+    keep = keep_policy(t_emb, t_pre, d_emb, item_seed)
+    t_pre.signals = None  # the copied keys are not needed while decoding
+    d_pre = draft.prefill(d_emb, keep=keep)
+    draft_s += time.perf_counter() - t0
+    return PairPrefill(t_emb, t_pre, d_pre, keep, t_emb.layout.num_tokens, draft_s)
