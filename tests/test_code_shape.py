@@ -1,5 +1,5 @@
 """The code keeps a shape a newcomer can read: no function in vpsd/ over 60 lines (one job each; a longer one is
-a sign it does several)."""
+a sign it does several), and a README of at most 350 lines."""
 
 from __future__ import annotations
 
@@ -19,3 +19,9 @@ def test_no_function_is_longer_than_60_lines():
                 if lines > MAX_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_the_readme_fits_in_350_lines():
+    """The README says how to run, install and trust vpsd; the details live in docs/ (design, jobs, benchmarks)."""
+    lines = len((PACKAGE.parent / "README.md").read_text().splitlines())
+    assert lines <= 350, f"README.md has {lines} lines: move details to docs/"
