@@ -236,19 +236,19 @@ def _measured(window: SerialWindow, t_q: tuple[float, float], t_p: tuple[float, 
 
 def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_where_it_does_not():
     good = SerialWindow(5, 1, 12)
-    assert good.gamma(8) == 5  # nothing measured yet: the configured window
+    assert good.choose(8) == 5  # nothing measured yet: the configured window
     _measured(good, (0.001, 0.0002), (0.045, 0.002), (40, 1))  # cheap draft, tau near 1
     costs = good.costs(8)
     assert costs[0] == pytest.approx(0.045 + 0.002 * 8)  # plain: one forward of 8 rows per token
-    g = good.gamma(8)
+    g = good.choose(8)
     assert g == min(costs, key=costs.get) > 0 and costs[g] < costs[0]
     t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
     assert costs[g] == pytest.approx(batch_token_time(t_q, t_p, g, good.cost.tau), rel=1e-9)
     bad = SerialWindow(5, 1, 12)
     _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))  # expensive draft and verify rows, tau near 0
-    choices = [bad.gamma(8) for _ in range(200)]
+    choices = [bad.choose(8) for _ in range(200)]
     assert choices.count(0) > 190 and any(choices)  # plain, with a round now and then exploring
-    assert SerialWindow(3, 1, 12, fixed=True).gamma(8) == 3
+    assert SerialWindow(3, 1, 12, fixed=True).choose(8) == 3
 
 
 def test_exploring_costs_at_most_its_share_of_the_plain_rounds():
@@ -265,7 +265,7 @@ def test_exploring_costs_at_most_its_share_of_the_plain_rounds():
     loss = g * t_q + t_pg - (1 + expected_accepted(tau, g)) * t_p0
     assert w.exploring_loss(costs, g, 8, 8) == pytest.approx(loss, rel=1e-9)
     period = math.ceil(loss / (0.05 * t_p0))  # plain rounds the budget needs; the last of them explores
-    choices = [w.gamma(8) for _ in range(3 * period)]
+    choices = [w.choose(8) for _ in range(3 * period)]
     assert [i for i, c in enumerate(choices) if c] == [period - 1, 2 * period - 1, 3 * period - 1]
     assert all(c == g for c in choices if c)
     plain_s = choices.count(0) * t_p0
@@ -288,7 +288,7 @@ def test_whatever_the_batches_exploring_never_loses_more_than_its_share(t_q, t_p
     for batch, k in rounds:
         k = min(k, batch)
         costs = w.costs(batch, k)
-        g = w.gamma(batch, k)
+        g = w.choose(batch, k)
         if k == batch:
             assert costs == w.costs(batch)
         best = min(costs, key=costs.get)
@@ -313,15 +313,15 @@ def test_a_round_is_priced_by_the_rows_that_draft_in_it():
     for g in (0, 3):
         by_hand = (g * (0.001 + 0.0002 * 1) + 0.045 + 0.002 * 8 * (g + 1)) / (1 + expected_accepted(tau, g) / 8)
         assert one[g] == pytest.approx(by_hand, rel=1e-9)
-    assert w.gamma(8) > 0  # every row drafts: speculate
-    assert w.gamma(8, 1) == 0  # one row drafts: its third of a token a round does not pay for padding all eight
+    assert w.choose(8) > 0  # every row drafts: speculate
+    assert w.choose(8, 1) == 0  # one row drafts: its third of a token a round does not pay for padding all eight
 
 
 def test_a_round_with_no_drafting_row_never_explores_and_the_budget_buys_one_round_at_most():
     w = SerialWindow(5, 1, 12)
     _measured(w, (0.02, 0.002), (0.045, 0.03), (1, 40))
-    assert [w.gamma(8, 0) for _ in range(500)] == [0] * 500  # plain rows only: nothing to learn
-    after = [w.gamma(8, 2) for _ in range(5)]  # a drafting row joins: the saved budget buys one round, not five
+    assert [w.choose(8, 0) for _ in range(500)] == [0] * 500  # plain rows only: nothing to learn
+    after = [w.choose(8, 2) for _ in range(5)]  # a drafting row joins: the saved budget buys one round, not five
     assert after[0] > 0 and after[1:] == [0, 0, 0, 0]
 
 
@@ -330,7 +330,7 @@ def test_one_fit_serves_every_batch_size_once_two_sizes_were_seen():
     w.cost.observe_draft_step(4, 0.001)
     w.cost.observe_verify(4 * 6, 0.05)
     w.cost.observe_round(3, 5)
-    assert w.costs(4) is None and w.gamma(4) == 5  # one size each: a slope would be a guess
+    assert w.costs(4) is None and w.choose(4) == 5  # one size each: a slope would be a guess
     w.cost.observe_draft_step(2, 0.0008)
     w.cost.observe_verify(2 * 6, 0.04)
     assert w.costs(4) is not None and w.costs(3) is not None  # a batch size never seen is priced from the lines

@@ -216,8 +216,8 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
     pipe = Pipeline("qwen2_5_vl", "pearl", 4, todo, {"decoding.gamma": "auto", "decoding.temperature": 0.0}, False)
     e, s = pipe.engine, pipe.scheduler
     w = e.window
-    w.observe_verify(1, 0.010)
-    w.observe_verify(4, 0.016)  # T_p(k) = 8 ms + 2 ms k
+    w.observe_verify(w.batch, 1, 0.010)
+    w.observe_verify(w.batch, 4, 0.016)  # T_p(k) = 8 ms + 2 ms k
     w.cost.accepted, w.cost.rejections = 0.0, 10.0  # tau_hat 0: what an OOD video does to a pair
     e.means.tokens = 12
 
@@ -263,8 +263,8 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
         return r.drafted
 
     assert decide()  # nothing measured: the papers' pipeline
-    w.observe_verify(2, 0.010)
-    w.observe_verify(4, 0.012)  # T_p(1) = 0.009 s on the line
+    w.observe_verify(w.batch, 2, 0.010)
+    w.observe_verify(w.batch, 4, 0.012)  # T_p(1) = 0.009 s on the line
     w.cost.accepted, w.cost.rejections = 1.0, 10.0
     means.tokens = 30
     assert decide()  # no drafted item has finished yet

@@ -37,7 +37,7 @@ from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
-from vpsd.pipeline.cost import ParallelWindow, SerialWindow
+from vpsd.pipeline.cost import Window
 from vpsd.pipeline.drafting_policy import ItemMeans
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.seeds import verify_seed
@@ -59,11 +59,11 @@ class Engine:
             raise ValueError(f"batch size must be >= 1, got {size}")
         self.target, self.cfg, self.size, self.drafter = target, cfg, size, drafter
         dec = cfg.decoding
-        self.parallel = drafter is not None and drafter.streams_signals
-        if self.parallel:
-            self.window: SerialWindow | ParallelWindow = dec.parallel_window()
-        else:  # one item at a time, draft and target taking turns: serial SD with the baselines' window
-            self.window = dec.serial_window(fixed=size == 1)
+        # The pacing comes with the drafter: beside the target (a remote drafter streams the pruner its signals),
+        # or in turns (at batch 1 with the baselines' window, as each method's reference decoder drafts).
+        pipelined = drafter is not None and drafter.streams_signals
+        self.window: Window = dec.parallel_window() if pipelined else dec.serial_window(fixed=size == 1)
+        self.parallel = self.window.pipelined
         self.batch = BatchedCache(target)
         self.requests: dict[str, Request] = {}
         self.means = ItemMeans()
@@ -88,7 +88,7 @@ class Engine:
             inputs = self.target.prepare(request.frames, request.prompt, request.frame_times)
         drafted = request.drafted and self.drafter is not None
         if drafted and on_engine_thread:
-            self.drafter.start(request, self._gamma_now())  # the draft reads and embeds the video meanwhile
+            self.drafter.start(request, self.window.draft_ahead())  # the draft reads and embeds the video meanwhile
         try:
             with doing("prefill", request.id, inputs.seq_len):  # vision and prefill: what a peer sees it doing
                 with span("vision", item=request.id):
@@ -127,16 +127,13 @@ class Engine:
             self._trace_item(request)
             return request
         if drafted:
-            self.drafter.join(request, self._gamma_now())
+            self.drafter.join(request, self.window.draft_ahead())
         self.requests[request.id] = request
         self.batch.join(request.id, pre.state)
         log.info("item_admitted", item=request.id, in_flight=len(self.requests), drafted=request.drafted,
                  need_mib=request.kv_bytes / 2**20)
         return None
 
-    def _gamma_now(self) -> int:
-        """The window a request starts drafting with (a local drafter is told each round's instead)."""
-        return self.window.gamma if self.parallel else 0
 
     # ---- one round ----------------------------------------------------------------------------------
 
@@ -157,11 +154,7 @@ class Engine:
         drafted = [r for r in self.requests.values() if r.drafted and self.drafter is not None and not self._error(r)]
         if self.drafter is None or not drafted:
             return {}, plain
-        if self.parallel:
-            self.window.batch = len(self.requests)  # T_p is read at the rows the round's forward carries
-            gamma = self.window.gamma
-        else:
-            gamma = self.window.gamma(len(self.requests), len(drafted))
+        gamma = self.window.choose(len(self.requests), len(drafted))
         if gamma == 0:  # a plain batched round: every request commits one token
             return {}, plain + drafted
         proposals = self.drafter.proposals(drafted, gamma)
@@ -201,7 +194,7 @@ class Engine:
             ids = (greedy_ids({**{r.id: logits[r.id][-1:] for r in plain}, **windows})
                    if self.cfg.decoding.temperature == 0.0 else {})
             seconds = watch.seconds
-            self._observe_verify(len(feed), rows, seconds)
+            self.window.observe_verify(len(feed), rows, seconds)
             outcome = [self._commit_plain(r, logits[r.id], ids.get(r.id)) for r in plain]
             outcome += [self._commit_window(self.requests[rid], p, windows[rid], ids.get(rid), first[rid])
                         for rid, p in proposals.items()]
@@ -210,25 +203,9 @@ class Engine:
             fields.update({name: list(col) for name, col in zip(names, zip(*outcome))})
         self.report.observe_round(len(feed), gamma, seconds)
 
-    def _observe_verify(self, batch: int, rows: int, seconds: float) -> None:
-        if self.parallel:
-            self.window.observe_verify(rows, seconds)
-        else:
-            self.window.cost.observe_verify(batch * rows, seconds)
-
     def _observe_draft_step(self, rows: int, seconds: float) -> None:
-        if self.parallel:
-            self.window.observe_draft_step(seconds)
-        else:
-            self.window.cost.observe_draft_step(rows, seconds)
+        self.window.observe_draft_step(rows, seconds)
         self.report.t_q_s = self.window.cost.t_q(rows)
-
-    def _observe_window(self, accepted: int, drafted: int) -> None:
-        if self.parallel:
-            self.window.observe_round(accepted, drafted)
-        else:
-            self.window.cost.observe_round(accepted, drafted)
-        self.report.observe_window(accepted, accepted == drafted)
 
     def _commit_plain(self, r: Request, logits: torch.Tensor, ids: list[int] | None) -> tuple:
         """A plain step: the next token from the last row, drawn as `ar` draws it (greedy: `ids`, its argmax)."""
@@ -261,10 +238,10 @@ class Engine:
             chunk, accepted, token, drafted = t.emitted(p.tree.tokens)[:-1], t.num_accepted, t.next_token, t.num_drafted
             self.batch.keep(r.id, self.batch.length(r.id) - len(p.token_ids), [n - 1 for n in t.path])
             r.cursor.feed(r.committed[len(r.cursor.fed):] + chunk)
-        self._observe_window(accepted, drafted)
+        self.window.observe_round(accepted, drafted)
+        self.report.observe_window(accepted, accepted == drafted)
         before = len(r.committed)
-        pre_verify, gamma = (self.window.pre_verify(), self.window.gamma) if self.parallel else (True, 0)
-        verdict = r.machine.on_verified(chunk, accepted, token, pre_verify, gamma)
+        verdict = r.machine.on_verified(chunk, accepted, token, self.window.pre_verify(), self.window.draft_ahead())
         r.kept_row = rows[-1].clone() if r.machine.holds_next_row else None  # not a view of the round's logits
         r.stats.record(accepted, drafted, verdict.committed_len - before)
         # a tree's round rolls back where a candidate was rejected (its last accepted node had children)

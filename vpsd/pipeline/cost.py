@@ -7,7 +7,8 @@ total rows, on a GPU b is close to 0 up to hundreds of rows), T_q(B) = a' + b' B
 rows, and tau_hat = A / (A + R) over every verified window (pipeline/theory.py), all exponentially weighted
 so that a moving context or a contended core is followed within a few rounds.
 
-Two objectives read it, one per place the draft runs:
+Two objectives read it, one per place the draft runs, both behind one protocol (`Window`), which is all the
+engine sees of its pacing:
 
 - `SerialWindow`: draft and target take turns (a local drafter). One round of B items costs gamma draft
   forwards and one verify of B (gamma + 1) rows and commits 1 + E[X] tokens per drafting item:
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vpsd.pipeline.theory import expected_accepted, parallel_sd_rollback_token_time, tau_hat
 
@@ -148,10 +150,39 @@ def batch_token_time(t_q: float, t_p: float, gamma: int, tau: float, drafting_sh
     return (gamma * t_q + t_p) / (1.0 + drafting_share * expected_accepted(tau, gamma))
 
 
+class Window(Protocol):
+    """How long the next round's window is, and what the window learns from the rounds: the engine's one view of
+    its pacing, chosen with its drafter (`SerialWindow` for a drafter in turns, `ParallelWindow` for one beside
+    the target)."""
+
+    pipelined: bool  # the draft drafts beside the target (its windows arrive on their own)
+    cost: CostModel
+
+    def choose(self, batch: int, drafting: int | None = None) -> int:
+        """The window of the next round of `batch` items, `drafting` of them with a draft; 0: a plain round."""
+
+    def draft_ahead(self) -> int:
+        """The window a draft beside the target drafts with, sent with each verdict; 0: it is asked each round."""
+
+    def pre_verify(self) -> bool:
+        """After a rejection, have the draft send its first token alone (conservative mode)?"""
+
+    def observe_verify(self, batch: int, rows: int, seconds: float) -> None:
+        """A verify forward of `batch` items, `rows` rows each (the longest; the others padded), took `seconds`."""
+
+    def observe_draft_step(self, rows: int, seconds: float) -> None:
+        """A draft forward of `rows` rows took `seconds`."""
+
+    def observe_round(self, num_accepted: int, num_drafted: int) -> None:
+        """A window's verdict: `num_accepted` of `num_drafted` tokens."""
+
+
 @dataclass
 class SerialWindow:
     """gamma per round where draft and target take turns, by goodput (module docstring). `fixed`: a user's
     --gamma N, never moved."""
+
+    pipelined = False  # class attribute: what kind of window, not a setting
 
     initial: int
     gamma_min: int = 1
@@ -171,7 +202,7 @@ class SerialWindow:
         return {g: batch_token_time(t_q, c.t_p(batch * (g + 1)), g, c.tau, k / batch)
                 for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
 
-    def gamma(self, batch: int, drafting: int | None = None) -> int:
+    def choose(self, batch: int, drafting: int | None = None) -> int:
         """The window of the next round of `batch` items, `drafting` of them with a draft (default: all);
         0: a plain batched step. While 0 wins, a round explores once the budget covers its loss."""
         if self.fixed:
@@ -189,6 +220,21 @@ class SerialWindow:
             return 0  # no row has a draft: a speculative round would learn nothing
         g = min((g for g in costs if g > 0), key=costs.get)
         return g if self.budget.afford(self.exploring_loss(costs, g, batch, k)) else 0
+
+    def draft_ahead(self) -> int:
+        return 0  # the drafter in turns is told each round's window
+
+    def pre_verify(self) -> bool:
+        return True  # nothing is in flight after a verdict: the next round starts from the committed tokens
+
+    def observe_verify(self, batch: int, rows: int, seconds: float) -> None:
+        self.cost.observe_verify(batch * rows, seconds)
+
+    def observe_draft_step(self, rows: int, seconds: float) -> None:
+        self.cost.observe_draft_step(rows, seconds)
+
+    def observe_round(self, num_accepted: int, num_drafted: int) -> None:
+        self.cost.observe_round(num_accepted, num_drafted)
 
     def exploring_loss(self, costs: dict[int, float], gamma: int, batch: int, drafting: int) -> float:
         """Seconds a round at `gamma` loses against plain decoding of the tokens it commits: its time, minus
@@ -245,13 +291,25 @@ class ParallelWindow:
         """T_p of a verify of `rows` rows per item at the current batch."""
         return self.cost.t_p(self.batch * rows)
 
-    def observe_draft_step(self, seconds: float) -> None:
-        """The draft's step time (its running mean, sent with every chunk)."""
+    pipelined = True  # class attribute: what kind of window, not a setting
+
+    def choose(self, batch: int, drafting: int | None = None) -> int:
+        """The window now, T_p read at `batch` items from here on (the draft drafts it ahead; Eq. 6 moves it)."""
+        self.batch = batch
+        return self.gamma
+
+    def draft_ahead(self) -> int:
+        return self.gamma
+
+    def observe_draft_step(self, rows: int, seconds: float) -> None:
+        """The draft's step time (its running mean, sent with every chunk), read at the batch the target verifies:
+        the draft's rows are those items'."""
         self.cost.observe_draft_step(self.batch, seconds)
         self._update()
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        """One verify of `rows` rows per item (the longest; the others are padded) at the current batch."""
+    def observe_verify(self, batch: int, rows: int, seconds: float) -> None:
+        """One verify of `rows` rows per item (the longest; the others are padded) at the current batch (the
+        items in flight, as `choose` was told: T_p is planned at that batch)."""
         self.cost.observe_verify(self.batch * rows, seconds)
         self._update()
 
