@@ -31,7 +31,7 @@ from vpsd.engine.prefill_ahead import ItemSource, ListSource, PrefillAhead
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.cost import ExploreBudget
-from vpsd.pipeline.drafting_policy import DraftingPolicy, Prediction, batch1_loss, parallel_loss, serial_loss
+from vpsd.pipeline.drafting_policy import DraftingPolicy, DraftingLoss, batch1_loss, parallel_loss, serial_loss
 from vpsd.tracing import get_logger, span
 from vpsd.video.errors import VideoError
 
@@ -95,7 +95,7 @@ class Scheduler(Generic[T]):
         """Whether `need` bytes fit beside the requests in flight (always on an empty batch)."""
         return self.kv_budget is None or not self.engine.requests or self.reserved() + need <= self.kv_budget
 
-    def _prediction(self) -> Prediction:
+    def _prediction(self) -> DraftingLoss:
         e = self.engine
         batch = max(1, min(e.size, len(e.requests) + 1))
         if not e.parallel:

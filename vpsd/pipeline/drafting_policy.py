@@ -53,10 +53,10 @@ class ItemMeans:
         self.draft_prefill_s = running_mean(self.draft_prefill_s, seconds)
 
 
-Prediction = tuple[float, float] | None  # (loss_s of drafting the item, its plain decode time); None: draft
+DraftingLoss = tuple[float, float] | None  # (loss_s of drafting the item, its plain decode time); None: draft
 
 
-def serial_loss(window: SerialWindow, batch: int, means: ItemMeans) -> Prediction:
+def serial_loss(window: SerialWindow, batch: int, means: ItemMeans) -> DraftingLoss:
     if means.tokens is None or means.draft_prefill_s is None:
         return None
     saves = window.drafting_saves(batch, means.tokens)
@@ -66,7 +66,7 @@ def serial_loss(window: SerialWindow, batch: int, means: ItemMeans) -> Predictio
     return means.draft_prefill_s - saves, plain_s
 
 
-def parallel_loss(window: ParallelWindow, batch: int, means: ItemMeans) -> Prediction:
+def parallel_loss(window: ParallelWindow, batch: int, means: ItemMeans) -> DraftingLoss:
     t_plain, t_window = window.verify_time(1), window.verify_time(window.gamma + 1)
     if t_plain is None or t_window is None or means.tokens is None:
         return None
@@ -74,7 +74,7 @@ def parallel_loss(window: ParallelWindow, batch: int, means: ItemMeans) -> Predi
     return means.tokens * (t_window / rate - t_plain) / batch, means.tokens * t_plain / batch
 
 
-def batch1_loss(window: ParallelWindow, means: ItemMeans) -> Prediction:
+def batch1_loss(window: ParallelWindow, means: ItemMeans) -> DraftingLoss:
     drafted, t_plain = means.token_s.get(True), window.verify_time(1)
     if drafted is None or means.tokens is None:
         return None
@@ -93,7 +93,7 @@ class DraftingPolicy:
     budget: ExploreBudget = field(default_factory=ExploreBudget)
     always: bool = False
 
-    def decide(self, prediction: Prediction) -> bool:
+    def decide(self, prediction: DraftingLoss) -> bool:
         if self.always or prediction is None:
             return True
         loss_s, plain_s = prediction

@@ -20,7 +20,7 @@ from vpsd.reports.timeline import Span, load_spans
 
 
 @dataclass(frozen=True)
-class Prediction:
+class RunPrediction:
     t_p_ms: float | None  # target verify forward of a whole window
     t_q_ms: float | None  # draft step
     theory: float | None  # predicted decode-only speedup over ar (1.0 for ar itself; None: not measurable)
@@ -54,11 +54,11 @@ def target_round_overhead_ms(spans: list[Span], decode_s: float, rounds: int) ->
     return 1000 * max(decode_s - verify - waits, 0.0) / rounds
 
 
-def predict(run_dir: Path, method: Method, ar_step_s: float, summary: dict | None = None) -> Prediction:
+def predict(run_dir: Path, method: Method, ar_step_s: float, summary: dict | None = None) -> RunPrediction:
     """The Appendix C prediction for one run directory (`summary`: its summarize(), if already read)."""
     s = summary if summary is not None else summarize(run_dir)
     if not method.uses_draft:
-        return Prediction(None, None, 1.0, None)
+        return RunPrediction(None, None, 1.0, None)
     spans = load_spans(run_dir)
     t_p = full_window_verify_ms(spans)
     t_q = mean_span_ms(spans, "draft", "draft_step") or mean_span_ms(spans, "target", "draft_step")
@@ -66,4 +66,4 @@ def predict(run_dir: Path, method: Method, ar_step_s: float, summary: dict | Non
     if t_p and t_q and s["gamma"] and ar_step_s:
         theory = predicted_speedup(method.parallel, 1000 * ar_step_s, t_q, t_p, s["gamma"], s["tau_hat"])
     overhead = target_round_overhead_ms(spans, s["decode_s"], s["rounds"]) if method.parallel else None
-    return Prediction(t_p, t_q, theory, overhead)
+    return RunPrediction(t_p, t_q, theory, overhead)
