@@ -25,7 +25,7 @@ python -m vpsd.launch.grow --config "$config" --manifest "$manifest" --items 2
 echo "== ar vs ${METHODS:-hippo}, ${REPEATS:-3} rounds, interleaved"
 python -m vpsd.reports.bench --config "$config" --manifest "$manifest" --out "$out" --methods "${METHODS:-hippo}" \
   --strategies "" --repeats "${REPEATS:-3}"
-python -m vpsd.reports.timeline "$out/hippo" > /dev/null
+python -m vpsd.reports.timeline_command "$out/hippo" > /dev/null
 echo "== captions (hippo; = exact reference caption, ~ otherwise)"
 python - "$out/hippo/results.jsonl" <<'PY'
 import json, sys

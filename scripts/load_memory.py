@@ -31,7 +31,8 @@ import torch.distributed as dist  # noqa: E402
 
 from vpsd.models.grown_checkpoint import checkpoint_family  # noqa: E402
 from vpsd.models.memory_plan import DTYPE_BYTES, Held, rank_need  # noqa: E402
-from vpsd.models.registry import DTYPES, family, load_adapter  # noqa: E402
+from vpsd.models.families import DTYPES, family  # noqa: E402
+from vpsd.models.registry import load_adapter  # noqa: E402
 from vpsd.models.shapes import model_shape  # noqa: E402
 from vpsd.models.spec import ModelSpec  # noqa: E402
 from vpsd.models.tensor_parallel import Mirror, follow, shard_language_model  # noqa: E402

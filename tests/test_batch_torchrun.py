@@ -19,7 +19,7 @@ from tests.torchrun_jobs import (ROOT, job_args, job_env, launcher_cmd, results,
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.manifest import check_manifest, load_manifest
-from vpsd.reports import timeline, timeline_plot
+from vpsd.reports import timeline, timeline_command, timeline_plot
 from vpsd.reports.summary import EXIT_ITEMS_FAILED
 from vpsd.video.item import cap_frames, load_item_frames
 
@@ -221,7 +221,7 @@ def test_a_pipelined_batch_overlaps_draft_and_target_and_equals_batch1(tmp_path_
         verifies = [s for s in t.carried_by if s.name == "verify"]
         assert verifies and t.joined is not None and t.left is not None
         assert all(t.joined <= s.t0 and s.t1 <= t.left for s in verifies)
-    assert timeline.main([str(out)]) == 0 and (out / "timeline.png").stat().st_size > 10_000
+    assert timeline_command.main([str(out)]) == 0 and (out / "timeline.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow  # the check itself: test_job_identity in process; a refusal through torchrun: test_job_safety

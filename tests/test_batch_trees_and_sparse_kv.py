@@ -23,7 +23,7 @@ from vpsd.engine.engine import Engine
 from vpsd.engine.scheduler import Scheduler
 from vpsd.launch.wiring import local_drafter
 from vpsd.models.batch import BatchedCache, TreeFeed
-from vpsd.pipeline.methods import get_method
+from vpsd.pipeline.methods import DraftPlace, get_method
 from vpsd.pipeline.tree import DraftTree
 
 TREE = [2, 2, 1]  # 2 + 4 + 4 nodes, depth 3: siblings to reject, a leaf level, room in 14 tokens for several rounds
@@ -118,7 +118,7 @@ def test_a_batched_tree_step_scores_each_row_as_its_batch1_tree_step_and_keep_le
 
 def test_trees_and_sparse_kv_run_at_any_batch_and_tabed_batches_only_pipelined():
     for name in ("sd-tree", "specvlm", "std"):
-        assert get_method(name).draft_place(8) == "local"
-    assert get_method("tabed").draft_place(8, pipelined=True) == "remote"
+        assert get_method(name).draft_place(8) is DraftPlace.LOCAL
+    assert get_method("tabed").draft_place(8, pipelined=True) is DraftPlace.REMOTE
     with pytest.raises(ValueError, match="needs batching.pipelined=true"):
         get_method("tabed").draft_place(8)

@@ -81,3 +81,41 @@ def test_only_the_checks_import_the_reference_decoders():
              if "decoders" not in p.relative_to(PACKAGE).parts
              and any(layer(n) == "decoders" for n in vpsd_imports(p))}
     assert users <= ORACLE_CHECKS, sorted(users - ORACLE_CHECKS)
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every vpsd module `path` imports, at module level or inside a function (not under TYPE_CHECKING, which
+    never runs): a circle closed by a function-local import is a circle all the same."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for n in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n.startswith("vpsd.")}
+
+
+def test_no_module_imports_itself_through_others():
+    modules = {".".join(("vpsd",) + p.relative_to(PACKAGE).with_suffix("").parts): p
+               for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    graph = {m: {n for n in _all_imports(p) if n in modules and n != m} for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n] if n in path else [m, n]
+            if n not in state and (circle := visit(n, path + [n])):
+                return circle
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (circle := visit(m, [m])):
+            raise AssertionError(" -> ".join(circle))

@@ -21,7 +21,8 @@ from vpsd.launch.memory import Memory, launch_plan, refusal
 from vpsd.models import kv_cache
 from vpsd.models.grow import grown_config
 from vpsd.models.memory_plan import CACHE_SPARE, GIB, Held, weight_bytes
-from vpsd.models.registry import family, tiny_tokenizer
+from vpsd.models.families import family
+from vpsd.models.registry import tiny_tokenizer
 from vpsd.models.shapes import grown_config_dict, model_shape, tiny_config_dict
 from vpsd.models.sharded_load import empty_model
 from vpsd.pipeline.methods import get_method

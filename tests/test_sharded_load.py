@@ -16,7 +16,8 @@ import torch
 from tests.conftest import config_path
 from tests.torchrun_jobs import ROOT, job_env, torchrun_cmd
 from vpsd.config import load_config
-from vpsd.models.registry import DTYPES, family, tiny_tokenizer
+from vpsd.models.families import DTYPES, family
+from vpsd.models.registry import tiny_tokenizer
 from vpsd.models.sharded_load import LEGACY_KEYS, LoadError, load_model
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava_onevision"]

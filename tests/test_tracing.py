@@ -13,7 +13,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from vpsd.reports import timeline
+from vpsd.reports import timeline, timeline_command
 from vpsd.reports import timeline_plot
 from vpsd.reports.timeline import Row, breakdown, format_breakdown, load_spans
 from vpsd.reports.timeline_plot import plot_timeline
@@ -292,7 +292,7 @@ def test_plot_timeline_writes_a_png(run_dir):
 
 
 def test_main_writes_timeline_and_breakdown(run_dir, capsys):
-    assert timeline.main([str(run_dir)]) == 0
+    assert timeline_command.main([str(run_dir)]) == 0
     width, height = png_size(run_dir / "timeline.png")
     assert width == 1440 and height == int(120 * (1.2 + 0.7 * 3))  # three lanes
     assert (run_dir / "timeline.png").stat().st_size > 10_000
@@ -303,14 +303,14 @@ def test_main_writes_timeline_and_breakdown(run_dir, capsys):
     assert err.splitlines() == [warning]
     assert "pruner (rank 2)" in table and "= idle" in table
 
-    assert timeline.main([str(run_dir), "--item", "v2", "--out", str(run_dir / "v2.png")]) == 0
+    assert timeline_command.main([str(run_dir), "--item", "v2", "--out", str(run_dir / "v2.png")]) == 0
     assert png_size(run_dir / "v2.png")[0] == 1440
-    assert timeline.main([str(run_dir), "--item", "nope"]) == 1
-    assert timeline.main([str(run_dir / "empty")]) == 1
+    assert timeline_command.main([str(run_dir), "--item", "nope"]) == 1
+    assert timeline_command.main([str(run_dir / "empty")]) == 1
 
 
 def test_chrome_trace_has_one_lane_per_role_and_every_span(run_dir):
-    assert timeline.main([str(run_dir)]) == 0
+    assert timeline_command.main([str(run_dir)]) == 0
     trace = json.loads((run_dir / "trace.json").read_text())
     events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
@@ -383,9 +383,9 @@ def test_a_batched_run_is_plotted_whole(batch_dir, capsys):
     # two role lanes and two item lanes
     width, height = png_size(out)
     assert width == 1440 and abs(height - 120 * (1.4 + 0.6 * 2 + 0.22 * 2)) <= 1
-    assert timeline.main([str(batch_dir)]) == 0  # the default plot of a batched run
+    assert timeline_command.main([str(batch_dir)]) == 0  # the default plot of a batched run
     assert png_size(batch_dir / "timeline.png") == png_size(out)
-    assert timeline.main([str(batch_dir), "--item", "b"]) == 0  # one item's view, on request
+    assert timeline_command.main([str(batch_dir), "--item", "b"]) == 0  # one item's view, on request
     width, height = png_size(batch_dir / "timeline.png")
     assert width == 1440 and abs(height - 120 * (1.2 + 0.7 * 2)) <= 1
     capsys.readouterr()

@@ -51,7 +51,7 @@ from vpsd.launch.served import RanksFailed, ServedRanks
 from vpsd.launch.settings import run_config
 from vpsd.launch.wiring import SharedFrames, build_engine
 from vpsd.models.registry import load_adapter, load_tokenizer
-from vpsd.pipeline.methods import get_method
+from vpsd.pipeline.methods import DraftPlace, get_method
 from vpsd.tracing import configure_tracing
 from vpsd.video.decode import write_frames_file
 from vpsd.video.errors import VideoError
@@ -137,7 +137,7 @@ class LLM:
         elif not structlog.is_configured():
             configure_tracing(None, "api", 0, stderr_level=logging.WARNING)
         cfg = self.config
-        self.served = self.method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) == "remote"
+        self.served = self.method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) is DraftPlace.REMOTE
         self._count = 0
         self._calls = 0
         self._closed = False

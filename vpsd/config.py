@@ -21,7 +21,7 @@ import yaml
 from vpsd.models.spec import ModelSpec
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.tree import parse_tree
-from vpsd.pipeline.cost import AUTO, ParallelWindow, SerialWindow
+from vpsd.pipeline.cost import AUTO
 
 
 @dataclass
@@ -108,17 +108,6 @@ class DecodingConfig:
     def lookahead_for(self, gamma: int) -> int:
         """The draft's lookahead under window `gamma` (never below it)."""
         return max(self.lookahead if self.lookahead is not None else 2 * gamma, gamma)
-
-    def parallel_window(self) -> ParallelWindow:
-        """The window where the draft runs beside the target: live under auto, fixed otherwise."""
-        if self.gamma == AUTO:
-            return ParallelWindow(self.gamma_start, self.gamma_min, self.gamma_max)
-        return ParallelWindow(int(self.gamma), 1, max(int(self.gamma), self.gamma_max), fixed=True)
-
-    def serial_window(self, fixed: bool = False) -> SerialWindow:
-        """The window where draft and target take turns: by goodput under auto, fixed otherwise (and when
-        `fixed`: one item at a time, a serial method drafts the baselines' window, as its reference does)."""
-        return SerialWindow(self.serial_gamma(), self.gamma_min, self.gamma_max, fixed=fixed or not self.auto_gamma)
 
 
 @dataclass

@@ -30,14 +30,14 @@ import time
 import torch
 
 from vpsd.activity import doing
-from vpsd.config import RunConfig
+from vpsd.config import DecodingConfig, RunConfig
 from vpsd.engine.drafter import Drafter, Proposal
 from vpsd.engine.report import EngineReport
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
-from vpsd.pipeline.cost import Window
+from vpsd.pipeline.cost import ParallelWindow, SerialWindow, Window
 from vpsd.pipeline.drafting_policy import ItemMeans
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.seeds import verify_seed
@@ -47,6 +47,17 @@ from vpsd.pipeline.verification import greedy_ids, verify_chunk, window_rows
 from vpsd.tracing import get_logger, record_span, span
 
 log = get_logger()
+
+
+def window_for(dec: DecodingConfig, pipelined: bool, size: int) -> Window:
+    """An engine's pacing. Beside the target: Eq. 6 live under gamma auto, else the fixed window. In turns: by
+    goodput under auto at a batch, else fixed; at batch 1 always the baselines' window, as each method's reference
+    decoder drafts (gamma auto: SERIAL_AUTO_GAMMA)."""
+    if pipelined and dec.auto_gamma:
+        return ParallelWindow(dec.gamma_start, dec.gamma_min, dec.gamma_max)
+    if pipelined:
+        return ParallelWindow(int(dec.gamma), 1, max(int(dec.gamma), dec.gamma_max), fixed=True)
+    return SerialWindow(dec.serial_gamma(), dec.gamma_min, dec.gamma_max, fixed=size == 1 or not dec.auto_gamma)
 
 
 class EngineFailure(RuntimeError):
@@ -60,9 +71,8 @@ class Engine:
         self.target, self.cfg, self.size, self.drafter = target, cfg, size, drafter
         dec = cfg.decoding
         # The pacing comes with the drafter: beside the target (a remote drafter streams the pruner its signals),
-        # or in turns (at batch 1 with the baselines' window, as each method's reference decoder drafts).
-        pipelined = drafter is not None and drafter.streams_signals
-        self.window: Window = dec.parallel_window() if pipelined else dec.serial_window(fixed=size == 1)
+        # or in turns.
+        self.window = window_for(dec, drafter is not None and drafter.streams_signals, size)
         self.parallel = self.window.pipelined
         self.batch = BatchedCache(target)
         self.requests: dict[str, Request] = {}

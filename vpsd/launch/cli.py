@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "summary":
         from vpsd.reports.summary import main as run
     elif command == "timeline":
-        from vpsd.reports.timeline import main as run
+        from vpsd.reports.timeline_command import main as run
     elif command == "bias":
         from vpsd.reports.bias import main as run
     elif command == "acceptance":

@@ -32,7 +32,7 @@ from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, l
 from vpsd.launch.preflight import affinity_problems, path_problems
 from vpsd.launch.say import say
 from vpsd.launch.settings import run_config
-from vpsd.pipeline.methods import Method, get_method
+from vpsd.pipeline.methods import DraftPlace, Method, get_method
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.storage import FULL, DiskFull
 from vpsd.tracing import close_tracing, configure_tracing, get_logger
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return settings
     args, cfg = settings
     method, out = get_method(args.method), Path(args.out)
-    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) == "remote"
+    in_roles = method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) is DraftPlace.REMOTE
     try:
         layout = launch_layout(cfg, in_roles)
     except ValueError as e:

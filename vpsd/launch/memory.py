@@ -28,7 +28,7 @@ from vpsd.models.memory_plan import (CACHE_SPARE, DTYPE_BYTES, Held, RankNeed, d
                                      rank_need, smallest_k)
 from vpsd.models.shapes import ModelShape, ShapeError, grown_config_dict, model_shape, tiny_config_dict
 from vpsd.models.spec import ModelSpec
-from vpsd.pipeline.methods import Method
+from vpsd.pipeline.methods import DraftPlace, Method
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,12 @@ def pipeline_models(cfg: RunConfig, method: Method, k: int | None = None) -> dic
     target = spec_shape(cfg.family, cfg.target)
     draft = spec_shape(cfg.family, cfg.draft) if cfg.draft is not None else None
     place = method.draft_place(cfg.batching.size, cfg.batching.pipelined)
-    remote = place == "remote"
+    remote = place is DraftPlace.REMOTE
     pipeline = plan(len(cfg.roles) + k - 1 if remote else k, len(cfg.roles) + k - 1 if remote else k,
                     dict(cfg.roles) if remote else dict(SOLO), k).pipelines[0]
     tb, db = DTYPE_BYTES[cfg.target.dtype], DTYPE_BYTES[(cfg.draft or cfg.target).dtype]
     leader = [Held(target, tb, k)]
-    if place == "local" and method.loads_draft_model:
+    if place is DraftPlace.LOCAL and method.loads_draft_model:
         # in the target's process: its own weights, or (draft: self) a second cache on the target's
         leader.append(Held(draft, db) if draft is not None else Held(target, tb, k, embeds=False, cache_only=True))
     out = {(pipeline.target, "target"): leader}

@@ -26,7 +26,7 @@ from vpsd.models.checkpoint import CheckpointError, read_checkpoint, read_frame_
 from vpsd.models.shapes import ShapeError
 from vpsd.models.spec import FAMILY_MODULES
 from vpsd.models.tensor_parallel import shard_problems
-from vpsd.pipeline.methods import CHAINS, Method
+from vpsd.pipeline.methods import CHAINS, DraftPlace, Method
 
 
 # The weight files vpsd reads, whole or sharded (models/sharded_load.py: safetensors, sliced in place).
@@ -178,7 +178,7 @@ def tensor_parallel_problems(cfg: RunConfig, method: Method, gpus: int, local_wo
         problems.append(f"{where}: method {method.name} drafts {what}, whose cache surgery is not mirrored to the "
                         f"target's other ranks; split targets run {', '.join(CHAINS)} (trees as chains: "
                         f"decoding.tree: chain)")
-    if method.draft == "views" and place == "local" and cfg.draft is None:
+    if method.draft == "views" and place is DraftPlace.LOCAL and cfg.draft is None:
         problems.append(f"{where}: tabed's views of the target itself (draft: self) are not mirrored; give it a draft")
     if cfg.target.capture is not None:
         problems.append(f"{where}: captured steps (target.capture) do not run on a split target yet")

@@ -30,7 +30,7 @@ from vpsd.launch.in_process import RoleThreads
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_draft
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
-from vpsd.pipeline.methods import Method
+from vpsd.pipeline.methods import DraftPlace, Method
 from vpsd.roles.link import Link
 from vpsd.roles.target import RemoteDrafter
 from vpsd.video.prefetch import FramePrefetcher
@@ -71,7 +71,7 @@ def build_engine(cfg: RunConfig, method: Method, target: VideoLMAdapter, *, draf
     cpus = (cfg.cpu_affinity or {}).get("draft")  # the prefill thread's: free where no draft rank works there
     budget = cfg.batching.kv_budget_bytes
     probs = verdicts_carry_target_probs(method.draft, cfg.tabed_settings, cfg.decoding.temperature)
-    if place == "remote":
+    if place is DraftPlace.REMOTE:
         if rank_link is None:
             raise ValueError(f"method {method.name} drafts on ranks of its own here: set draft_on: thread")
         drafter = RemoteDrafter(rank_link(), target, cfg, job_id=job_id, timeout_s=timeout_s, target_probs=probs)
@@ -79,12 +79,12 @@ def build_engine(cfg: RunConfig, method: Method, target: VideoLMAdapter, *, draf
         return Wired(engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), drafter.shutdown)
     if draft is None and method.loads_draft_model:
         draft = load_draft(cfg.family, cfg.draft, target)
-    if place == "threads":
+    if place is DraftPlace.THREADS:
         threads = RoleThreads(target, draft if draft is not None else target, cfg, method, out, job_id, timeout_s,
                               videos=videos)
         engine = Engine(target, cfg, size, threads.drafter)
         return Wired(engine, Scheduler(engine, budget, shared_items=shared_items), threads.stop)
-    drafter = local_drafter(cfg, method, target, draft) if place == "local" else None
+    drafter = local_drafter(cfg, method, target, draft) if place is DraftPlace.LOCAL else None
     engine = Engine(target, cfg, size, drafter)
     return Wired(engine, Scheduler(engine, budget, draft if drafter is not None else None, prefill_cpus=cpus,
                                    lend_cores=True, shared_items=shared_items), lambda: None)

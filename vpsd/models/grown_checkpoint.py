@@ -25,7 +25,7 @@ import torch
 
 import vpsd
 from vpsd.models.grow import GrowthError, grow_model
-from vpsd.models.registry import DTYPES, family
+from vpsd.models.families import DTYPES, family
 from vpsd.models.spec import FAMILY_MODULES
 
 RECORD = "grown_from.json"

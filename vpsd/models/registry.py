@@ -10,10 +10,8 @@ draft agree on token ids.
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -21,31 +19,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vpsd.models.attention import use_grouped_sdpa
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_checkpoint
+from vpsd.models.families import DTYPES, family
+from vpsd.models.grown_checkpoint import ensure_grown
 from vpsd.models.sharded_load import load_model
-from vpsd.models.spec import DTYPE_NAMES, FAMILY_MODULES, ModelSpec
+from vpsd.models.spec import ModelSpec
 from vpsd.models.tensor_parallel import shard
 from vpsd.models.tokenizer import build_tokenizer
-
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
-@dataclass(frozen=True)
-class Family:
-    adapter: type[VideoLMAdapter]
-    model_class: Callable[..., Any]
-    tiny_config: Callable[[dict, dict, PreTrainedTokenizerBase], Any]
-
-
-def family(name: str) -> Family:
-    """Imports only the family asked for: each architecture module is heavy."""
-    if name not in FAMILY_MODULES:
-        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILY_MODULES)}")
-    module_name, adapter_name, model_name = FAMILY_MODULES[name]
-    import transformers
-
-    module = importlib.import_module(module_name)
-    return Family(getattr(module, adapter_name), getattr(transformers, model_name), module.tiny_config)
-
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return build_tokenizer()
@@ -66,8 +45,6 @@ def load_adapter(family_name: str, spec: ModelSpec, tokenizer: PreTrainedTokeniz
         options = {**read_checkpoint(spec.path, family_name), **options}
         weights = spec.path
         if spec.grow is not None:
-            from vpsd.models.grown_checkpoint import ensure_grown  # it imports this module
-
             weights = str(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
         # Built in place, on its device, reading only what this rank holds (models/sharded_load.py).
         model = load_model(fam.model_class, family_name, Path(weights), dtype, spec.device, group)

@@ -8,9 +8,19 @@ how baselines and ablations run through the same pipeline).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from vpsd.pipeline.tree import DraftTree, parse_tree
+
+
+class DraftPlace(str, Enum):
+    """Where a method's draft runs (`Method.draft_place` says which, the one place that decides it)."""
+
+    NONE = "none"  # `ar`: the engine alone
+    REMOTE = "remote"  # its own rank beside the target, with the pruner's (roles/target.py)
+    THREADS = "threads"  # the same draft and pruner roles on threads of the target's process (launch/in_process.py)
+    LOCAL = "local"  # in the target's process, taking turns with it (engine/local_drafter.py and its kin)
 
 
 @dataclass(frozen=True)
@@ -33,23 +43,21 @@ class Method:
         """Whether the run loads the config's draft model (sparse_kv drafts with the target's weights)."""
         return self.uses_draft and self.draft != "sparse_kv"
 
-    def draft_place(self, batch: int, pipelined: bool = False, draft_on: str = "rank") -> str:
+    def draft_place(self, batch: int, pipelined: bool = False, draft_on: str = "rank") -> DraftPlace:
         """Where this method's draft runs at `--batch batch` (the one place that decides it):
-        "none"       `ar`: the engine alone;
-        "remote"     its own rank beside the target, with the pruner's (roles/target.py): a parallel method at
-                     batch 1, or over a batch when it is pipelined (`batching.pipelined`);
-        "threads"    where it would be "remote" but the run says `draft_on: thread`: the same draft and pruner
-                     roles on threads of the target's process (launch/in_process.py);
-        "local"      in the target's process, draft and target taking turns: a serial method (a chain,
-                     engine/local_drafter.py; a tree, engine/tree_drafter.py; Sparse-to-Dense's sparse KV,
-                     engine/sparse_kv_drafter.py), or a parallel one over a batch that is not pipelined;
+        NONE         `ar`;
+        REMOTE       a parallel method at batch 1, or over a batch when it is pipelined (`batching.pipelined`);
+        THREADS      where it would be REMOTE but the run says `draft_on: thread`;
+        LOCAL        a serial method (a chain, engine/local_drafter.py; a tree, engine/tree_drafter.py;
+                     Sparse-to-Dense's sparse KV, engine/sparse_kv_drafter.py), or a parallel one over a batch
+                     that is not pipelined;
         raises ValueError where the method cannot run at that batch."""
         if not self.uses_draft:
-            return "none"
+            return DraftPlace.NONE
         if self.parallel and (batch == 1 or pipelined):
-            return "threads" if draft_on == "thread" else "remote"
+            return DraftPlace.THREADS if draft_on == "thread" else DraftPlace.REMOTE
         if self.draft != "views":
-            return "local"
+            return DraftPlace.LOCAL
         raise ValueError(f"it drafts with TABED's views, which batch only beside the target: --batch {batch} needs "
                          f"batching.pipelined=true")
 

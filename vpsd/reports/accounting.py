@@ -1,6 +1,6 @@
 """What ParallelVLM Appendix C predicts for a run, from what the run itself measured.
 
-`predict(run_dir, method, ar_step_s)` reads the run's traces and results: T_p (the target's verify forward of a
+`predict(run_dir, method, ar_step_s, summary)` reads the run's traces and results: T_p (the target's verify forward of a
 whole window), T_q (one draft step), the mean window gamma and tau_hat, and returns the decode-only speedup over
 `ar` that Theorem 6 (parallel) or Theorem 4 (serial) predicts against `ar`'s own measured per-token time
 (pipeline/theory.py says why that baseline, and why tau_hat), plus the target's per-round overhead. The bench and
@@ -15,7 +15,6 @@ from pathlib import Path
 
 from vpsd.pipeline.methods import Method
 from vpsd.pipeline.theory import predicted_speedup
-from vpsd.reports.summary import summarize
 from vpsd.reports.timeline import Span, load_spans
 
 
@@ -54,9 +53,8 @@ def target_round_overhead_ms(spans: list[Span], decode_s: float, rounds: int) ->
     return 1000 * max(decode_s - verify - waits, 0.0) / rounds
 
 
-def predict(run_dir: Path, method: Method, ar_step_s: float, summary: dict | None = None) -> RunPrediction:
-    """The Appendix C prediction for one run directory (`summary`: its summarize(), if already read)."""
-    s = summary if summary is not None else summarize(run_dir)
+def predict(run_dir: Path, method: Method, ar_step_s: float, s: dict) -> RunPrediction:
+    """The Appendix C prediction for one run directory (`s`: its summary, reports/summary.py `summarize`)."""
     if not method.uses_draft:
         return RunPrediction(None, None, 1.0, None)
     spans = load_spans(run_dir)

@@ -1,7 +1,7 @@
 """A run's traces in the Chrome trace-event format: Perfetto (ui.perfetto.dev) or chrome://tracing open it
 with one process lane per role.
 
-    python -m vpsd.reports.timeline RUN_DIR      # writes RUN_DIR/trace.json beside timeline.png
+    vpsd timeline RUN_DIR      # writes RUN_DIR/trace.json beside timeline.png
 
 Each span becomes a complete event ("ph": "X", microseconds since the run's first span), each mark an
 instant event ("ph": "i"); every field the span carried (item, round, epoch, tokens, gamma, ...) is in its

@@ -27,7 +27,8 @@ import json
 import sys
 from pathlib import Path
 
-from vpsd.pipeline.methods import METHODS
+from vpsd.pipeline.methods import METHODS, get_method
+from vpsd.reports.accounting import predict
 from vpsd.pipeline.theory import tau_hat
 from vpsd.provenance import changes, describe
 
@@ -166,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(methods) > 1:
         summary["methods"] = {m: summarize(args.run_dir, m) for m in methods}
     if args.baseline is not None:
-        from vpsd.pipeline.methods import METHODS, get_method
-        from vpsd.reports.accounting import predict  # it imports this module
-
         summary.update(compare(args.baseline, args.run_dir))
         methods = {r.get("method") for r in read_rows(args.run_dir)} - {None}
         if len(methods) == 1 and methods <= set(METHODS):  # the run's Appendix C prediction against this baseline's per-token time

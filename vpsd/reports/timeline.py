@@ -27,23 +27,17 @@ Times are the ranks' `time.time()`, so lanes line up only as well as the hosts' 
       not-work ones, inside the wall time (nested and overlapping spans counted once); `idle` = wall - busy;
       `waiting` = recv_wait time inside the wall time and outside busy time, the part of idle spent
       blocked on a peer. Shares of totals are of wall time.
-- `python -m vpsd.reports.timeline RUN_DIR [--item ID] [--out PNG]` writes RUN_DIR/timeline.png (or
-  --out: the batch plot for a batched run, else the first item's; --item: that item's), RUN_DIR/breakdown.txt and RUN_DIR/trace.json (Chrome trace events for Perfetto, one lane per role:
-  reports/chrome_trace.py), and prints the table.
+- `vpsd timeline RUN_DIR` (reports/timeline_command.py) writes the plot, the table and the Perfetto trace.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import structlog
-
-from vpsd.tracing import configure_tracing, get_logger
+from vpsd.tracing import get_logger
 
 ROLE_ORDER = ("target", "draft", "pruner")
 # Spans that are not busy time: the item frame, and blocking on a peer or on the video read ahead
@@ -297,48 +291,3 @@ def _intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
 
 def _length(intervals: Iterable[Interval]) -> float:
     return sum(hi - lo for lo, hi in intervals)
-
-
-# --- command line ------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vpsd.reports.timeline", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("run_dir", type=Path, help="run directory holding traces/*.jsonl")
-    parser.add_argument("--item", help="item id to plot (default: the whole batch of a batched run, else the "
-                                       "first item of the run)")
-    parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/timeline.png)")
-    args = parser.parse_args(argv)
-    if not structlog.is_configured():
-        # Run as a command: warnings (malformed lines) belong on stderr, not between the table's lines.
-        configure_tracing(None, "timeline", 0)
-
-    spans = load_spans(args.run_dir)
-    if not any(s.kind == "span" for s in spans):
-        print(f"no spans under {args.run_dir / 'traces'}", file=sys.stderr)
-        return 1
-    from vpsd.reports.timeline_plot import plot_batch_timeline, plot_timeline  # matplotlib: only when plotting
-
-    try:
-        out = args.out or args.run_dir / "timeline.png"
-        if args.item is None and any(len(carried(s)) > 1 for s in spans):  # a batch: several items at once
-            png = plot_batch_timeline(spans, out)
-        else:
-            png = plot_timeline(spans, out, item=args.item)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    from vpsd.reports.chrome_trace import write_chrome_trace  # it imports this module
-
-    chrome = write_chrome_trace(spans, args.run_dir / "trace.json")
-    table = format_breakdown(breakdown(spans))
-    (args.run_dir / "breakdown.txt").write_text(table)
-    print(table, end="")
-    print(f"timeline: {png}\nbreakdown: {args.run_dir / 'breakdown.txt'}\nperfetto: {chrome} (open in ui.perfetto.dev)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
