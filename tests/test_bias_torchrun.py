@@ -17,7 +17,7 @@ from vpsd.config import PruningConfig, load_config
 from vpsd.engine.keep import keep_policy_for
 from vpsd.reports.kept_log import read_kept
 from vpsd.launch.manifest import load_manifest
-from vpsd.models.signals import prefill_for_strategy
+from vpsd.engine.pair_prefill import prefill_for_strategy
 from vpsd.pipeline.pruning.position_bias import boundary_share
 from vpsd.video.item import load_item_frames
 

@@ -119,3 +119,11 @@ def test_no_module_imports_itself_through_others():
     for m in sorted(graph):
         if m not in state and (circle := visit(m, [m])):
             raise AssertionError(" -> ".join(circle))
+
+
+@pytest.mark.parametrize("path", modules("models"), ids=lambda p: p.name)
+def test_models_import_nothing_above_them(path):
+    """The adapters sit under the config (config.py reads models/spec.py) and under everything that decodes with
+    them: what a config means for a forward is said by the engine or a role, which pass the values down."""
+    above = {"config", "engine", "roles", "launch", "decoders", "reports", "api", "integrations"}
+    assert not {n for n in vpsd_imports(path) if layer(n) in above}, f"{path.name} imports {sorted(vpsd_imports(path))}"

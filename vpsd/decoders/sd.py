@@ -9,16 +9,13 @@ prefilled with only the kept video tokens, each at its original position.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.tree_sd import speculate_tree
-from vpsd.models.base import DecodeState, PrefillResult, SequenceEmbeddings, VideoLMAdapter
-from vpsd.models.signals import prefill_for_strategy
+from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token, probs_from_logits, sample

@@ -14,11 +14,38 @@ import torch
 
 from vpsd.config import PruningConfig
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
-from vpsd.models.signals import prefill_for_strategy
+from vpsd.models.signals import SignalsReady, prefill_with_signals
+from vpsd.pipeline.pruning.strategies import STRATEGIES
 
 # Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
 KeepPolicy = Callable[[SequenceEmbeddings, PrefillResult, SequenceEmbeddings, int], "torch.Tensor | None"]  # ..., item seed
 
+
+
+def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:
+    """(attention, hidden states): what `cfg.strategy` reads from the target's prefill; neither if it prunes nothing."""
+    strategy = STRATEGIES[cfg.strategy]
+    if cfg.applied_ratio == 0.0:
+        return False, False
+    return strategy.needs_attention, strategy.needs_hidden_states
+
+
+def prefill_for_strategy(
+    adapter: VideoLMAdapter,
+    emb: SequenceEmbeddings,
+    cfg: PruningConfig,
+    on_ready: SignalsReady | None = None,
+    parallel: bool = False,
+) -> PrefillResult:
+    """The target's full prefill with exactly the signals `cfg.strategy` reads (a plain prefill when none),
+    of the layers `cfg.signal_layers(parallel)` names (a parallel run streams them after an early layer).
+
+    `on_ready` is called mid-prefill with those signals (see `prefill_with_signals`); never for a plain prefill.
+    """
+    attention, hidden = signals_needed(cfg)
+    if not (attention or hidden):
+        return adapter.prefill(emb)
+    return prefill_with_signals(adapter, emb, cfg.signal_layers(parallel), attention, hidden, on_ready)
 
 
 @dataclass

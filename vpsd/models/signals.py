@@ -44,10 +44,9 @@ from typing import Callable
 
 import torch
 
-from vpsd.config import PruningConfig
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.pruning.attention import layer_video_attention
-from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals
+from vpsd.pipeline.pruning.strategies import PruningSignals
 from vpsd.pipeline.pruning.uv import UV_DEFAULT_LAYERS
 
 
@@ -241,29 +240,3 @@ def follower_hooks(spec: dict, cache, device: torch.device, gather: Callable[[to
                          None, cache, spec["attn_layers"], 0, None, last=spec["last"])
     hooks.gather = gather
     return hooks
-
-
-def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:
-    """(attention, hidden states): what `cfg.strategy` reads from the target's prefill; neither if it prunes nothing."""
-    strategy = STRATEGIES[cfg.strategy]
-    if cfg.applied_ratio == 0.0:
-        return False, False
-    return strategy.needs_attention, strategy.needs_hidden_states
-
-
-def prefill_for_strategy(
-    adapter: VideoLMAdapter,
-    emb: SequenceEmbeddings,
-    cfg: PruningConfig,
-    on_ready: SignalsReady | None = None,
-    parallel: bool = False,
-) -> PrefillResult:
-    """The target's full prefill with exactly the signals `cfg.strategy` reads (a plain prefill when none),
-    of the layers `cfg.signal_layers(parallel)` names (a parallel run streams them after an early layer).
-
-    `on_ready` is called mid-prefill with those signals (see `prefill_with_signals`); never for a plain prefill.
-    """
-    attention, hidden = signals_needed(cfg)
-    if not (attention or hidden):
-        return adapter.prefill(emb)
-    return prefill_with_signals(adapter, emb, cfg.signal_layers(parallel), attention, hidden, on_ready)

@@ -9,7 +9,7 @@ from vpsd.config import PruningConfig
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.prompt import ControlText
-from vpsd.models.signals import prefill_for_strategy, signals_needed
+from vpsd.engine.pair_prefill import prefill_for_strategy, signals_needed
 from vpsd.pipeline.messages import JobStart
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.link import Link
