@@ -24,7 +24,17 @@ from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import VerifyResult
 from vpsd.pipeline.seeds import draft_seed
-from vpsd.tracing import span
+from vpsd.models.timing import Stopwatch
+from vpsd.tracing import record_span, span
+
+
+def record_draft_steps(watches: list[Stopwatch], items: list[str]) -> tuple[int, float]:
+    """Each of a round's draft forwards as a `draft_step` span (what the reports read T_q from, as a draft rank
+    writes them), timed once the round's tokens were read (on a GPU, earlier would wait for the forwards); returns
+    (rows, mean seconds) for the cost model."""
+    for w in watches:
+        record_span("draft_step", w.started, w.seconds, items=items, rows=len(items))
+    return len(items), sum(w.seconds for w in watches) / len(watches)
 
 
 class LocalDrafter:
@@ -87,7 +97,7 @@ class LocalDrafter:
                         probs[item].append(q)
                     if len(tokens[item]) < windows[item]:  # the last proposal is never fed (sd.draft_chunk)
                         feed[item] = [token]
-        self._step = (len(active), sum(w.seconds for w in watches) / len(watches))  # read after the tokens were
+        self._step = record_draft_steps(watches, list(active))
         return {item: Proposal(tokens[item], torch.stack(probs[item]) if probs[item] else None,
                                len(r.committed), gamma) for item, r in active.items()}
 

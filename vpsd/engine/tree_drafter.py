@@ -32,7 +32,7 @@ import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.engine.drafter import DraftedTree, Proposal
-from vpsd.engine.local_drafter import LocalDrafter
+from vpsd.engine.local_drafter import LocalDrafter, record_draft_steps
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.batch import TreeFeed
@@ -77,7 +77,7 @@ class TreeDrafter(LocalDrafter):
                     grown = self.grown[item]
                     new = grown.fed[len(grown.fed) - len(feeds[item]):]
                     grown.logits.update(zip(new, rows))
-        self._step = (len(active), sum(w.seconds for w in watches) / len(watches))  # read after the tokens were
+        self._step = record_draft_steps(watches, list(active))
         return {item: Proposal(self.grown[item].drafted.tokens[1:], None, len(r.committed), self.tree.depth,
                                tree=self.grown[item].drafted) for item, r in active.items()}
 

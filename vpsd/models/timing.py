@@ -32,6 +32,7 @@ class Stopwatch:
     work produced (on a GPU reading it earlier waits for the work: the synchronisation this class avoids)."""
 
     def __init__(self, device: torch.device | str) -> None:
+        self.started = time.time()  # wall clock, to place the work on the timeline (tracing.record_span)
         self._events = torch.device(device).type == "cuda"
         self._seconds: float | None = None
         if self._events:
