@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.conftest import random_frames, tiny_pair
+from tests.conftest import FAMILIES, random_frames, tiny_pair
 from tests.engine_harness import requests, run, run_config
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
@@ -45,7 +45,8 @@ def _engine_run(target, draft, pruning, dec, name: str, size: int, todo) -> dict
     return run(Scheduler(engine, None, draft), todo)
 
 
-@pytest.mark.parametrize("size", [1, 3])
+# Batch 3 on every family; batch 1 (each forward the batch-1 forward itself, models/batch.py) on one.
+@pytest.mark.parametrize("family,size", [(f, 3) for f in FAMILIES] + [("qwen2_5_vl", 1)])
 @pytest.mark.parametrize("name", ["sd-tree", "specvlm", "std"])
 def test_every_item_equals_its_reference_decoder_and_ar_at_any_batch(family, name, size):
     target, draft, pruning, dec = _setup(family, name, 0.0)

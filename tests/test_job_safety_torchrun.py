@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import zmq
 
-from tests.test_pipeline_torchrun import ar_reference
+from tests.torchrun_jobs import ar_reference
 from tests.torchrun_jobs import ROOT, job_args, launcher_cmd, results, torchrun_cmd, world_manifest
 from vpsd.launch.entry import main
 from vpsd.launch.lifetime import LOCK_FILE

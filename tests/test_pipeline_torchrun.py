@@ -13,31 +13,16 @@ import time
 
 import pytest
 
-from tests.conftest import tiny_pair
-from tests.torchrun_jobs import ROOT, free_port, job_args, results, run_job, torchrun_cmd, world_manifest
-from vpsd.config import DecodingConfig, load_config
+from tests.torchrun_jobs import ROOT, ar_reference, free_port, job_args, results, run_job, torchrun_cmd, world_manifest
+from vpsd.config import load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.models.registry import load_adapter
 from vpsd.reports.kept_log import read_kept
 from vpsd.reports.timeline import load_spans
-from vpsd.launch.manifest import load_manifest
 from vpsd.pipeline.methods import get_method
 from vpsd.video.item import load_item_frames
 
 pytestmark = pytest.mark.torchrun
-
-
-def ar_reference(family: str, manifest) -> dict[str, list[int]]:
-    """Plain autoregressive decoding of the target, in this process, on the same frames."""
-    cfg = load_config(ROOT / "configs" / f"tiny_{family}.yaml")
-    target, _ = tiny_pair(family)
-    items, _ = load_manifest(manifest)
-    out = {}
-    for it in items:
-        frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
-        dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens, temperature=0.0)
-        out[it.id] = decode_ar(target, frames, it.prompt, dec, times).token_ids
-    return out
 
 
 # (family, method, extra args): every method through the pipeline, every family, smaller drafts and

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.torchrun_jobs import (ROOT, free_port, job_args, job_env, launcher_cmd, results, run_job, torchrun_cmd,
+from tests.torchrun_jobs import (ROOT, ar_reference, free_port, job_args, job_env, launcher_cmd, results, run_job, torchrun_cmd,
                                  world_manifest)
 
 CONFIG = "tiny_qwen2_5_vl.yaml"
@@ -35,11 +35,9 @@ def uneven(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, uneven):
-    out = tmp_path_factory.mktemp("uneven-ar")
-    proc = run_job(CONFIG, uneven, out, "ar", "--quiet", nproc=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {k: r["token_ids"] for k, r in results(out).items()}
+def reference(uneven):
+    """`ar` on the same items, decoded in this process (tests/torchrun_jobs.py)."""
+    return ar_reference("qwen2_5_vl", uneven)
 
 
 def assert_done_once_and_lossless(out, reference) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_pipeline_torchrun import ar_reference
+from tests.torchrun_jobs import ar_reference
 from tests.torchrun_jobs import results, run_job, world_manifest
 
 pytestmark = pytest.mark.torchrun

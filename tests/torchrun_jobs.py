@@ -1,4 +1,5 @@
-"""Launching real vpsd jobs through torchrun from tests, and reading what they wrote."""
+"""Launching real vpsd jobs through torchrun from tests, reading what they wrote, and the `ar` reference they are
+held to, decoded in the test's own process (a job less to launch)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import tiny_pair
+from vpsd.config import DecodingConfig, load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.launch.manifest import load_manifest
+from vpsd.video.item import load_item_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,3 +75,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ar_reference(family: str, manifest) -> dict[str, list[int]]:
+    """Plain autoregressive decoding of the target, in this process, on the same frames."""
+    cfg = load_config(ROOT / "configs" / f"tiny_{family}.yaml")
+    target, _ = tiny_pair(family)
+    items, _ = load_manifest(manifest)
+    out = {}
+    for it in items:
+        frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
+        dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens, temperature=0.0)
+        out[it.id] = decode_ar(target, frames, it.prompt, dec, times).token_ids
+    return out
