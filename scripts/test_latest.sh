@@ -5,9 +5,11 @@
 #
 #   ./scripts/test_latest.sh            # the subset (about 1.5 min after the install)
 #   ./scripts/test_latest.sh --all      # the whole suite
+#   VPSD_LATEST_BASE=.venv ./scripts/test_latest.sh   # torch taken from that venv (CI: the locked one)
 #
 # torch stays the lock's release: a newer one is a CUDA download of gigabytes on these machines (set VPSD_TORCH,
-# as for setup.sh, to check another build). Everything else is the newest its range admits.
+# as for setup.sh, to check another build). Everything else is the newest its range admits. Install: ~1.9 min
+# fresh, ~1 min over a base venv's torch.
 #
 # The subset covers every model hook and adapter operation on all three families (signals, adapters, views,
 # trees, pruned prefill, growth, the processors' frame rules read from transformers' source), every pruning
@@ -17,12 +19,27 @@
 # test_tree_models, test_std).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+torch_pin="torch==$(sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements.lock)"
 venv=$(mktemp -d)/latest
 python3 -m venv "$venv"
-. "$venv/bin/activate"
-# shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
-python -m pip install -q ${VPSD_TORCH:-"torch==$(sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements.lock)"}
-python -m pip install -q --upgrade -e ".[test]"
+# torch from the locked venv (VPSD_LATEST_BASE, CI's .venv) when it holds the lock's release: the new venv sees its
+# site-packages after its own, so every other package, upgraded eagerly to the newest its range admits, lands in
+# the new venv and shadows the base's (unpacking torch again was most of this leg's install: ~1.9 min of 2.5).
+base=${VPSD_LATEST_BASE:-}
+have=$([ -n "$base" ] && "$base/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ -n "$base" ] && [ -z "${VPSD_TORCH:-}" ] && [ "torch==$have" = "$torch_pin" ]; then
+    own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    theirs=$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import site; site.addsitedir('$theirs')" > "$own/zz_vpsd_locked_torch.pth"
+    . "$venv/bin/activate"
+    echo "test_latest: torch from $base"
+    python -m pip install -q --upgrade --upgrade-strategy eager -c <(echo "$torch_pin") -e ".[test]"
+else
+    . "$venv/bin/activate"
+    # shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
+    python -m pip install -q ${VPSD_TORCH:-$torch_pin}
+    python -m pip install -q --upgrade -e ".[test]"
+fi
 echo "test_latest: $(python -m vpsd.provenance)"
 
 subset=(
