@@ -24,7 +24,8 @@ from vpsd.engine.scheduler import Scheduler
 from vpsd.launch.wiring import local_drafter
 from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.pipeline.methods import DraftPlace, get_method
-from vpsd.pipeline.tree import DraftTree
+from vpsd.pipeline.cost import SerialWindow
+from vpsd.pipeline.tree import NAMED_TREES, DraftTree
 
 TREE = [2, 2, 1]  # 2 + 4 + 4 nodes, depth 3: siblings to reject, a leaf level, room in 14 tokens for several rounds
 
@@ -123,3 +124,27 @@ def test_trees_and_sparse_kv_run_at_any_batch_and_tabed_batches_only_pipelined()
     assert get_method("tabed").draft_place(8, pipelined=True) is DraftPlace.REMOTE
     with pytest.raises(ValueError, match="needs batching.pipelined=true"):
         get_method("tabed").draft_place(8)
+
+
+def test_a_tree_is_priced_by_the_rows_it_verifies_and_drafted_only_where_that_pays():
+    """The serial window's goodput rule (pipeline/cost.py) with a tree prices a drafted row's verify at the tree's
+    nodes + 1 rows, not a chain's gamma + 1: on a compute-bound verify (T_p(n) = 10 ms + 1 ms n, as on a CPU past a
+    few rows; tau 0.9) at B = 4 a chain pays (a window of 5: 39 ms for 4.7 tokens a row, against 14 ms a plain
+    token) and EAGLE's 25-node tree of the same depth does not (119 ms for 4.7); with verify rows nearly free (a
+    GPU) the tree pays too."""
+    def measured(tree, per_row_s):
+        w = SerialWindow(5, 1, 8, tree=tree)
+        for rows in (4, 24, 104):
+            w.cost.observe_verify(rows, 0.010 + per_row_s * rows)
+        for b in (1, 4):
+            w.cost.observe_draft_step(b, 0.001)
+        for _ in range(5):
+            w.cost.observe_round(4, 5)  # tau_hat 0.8
+            w.cost.observe_round(5, 5)
+        return w
+
+    eagle = DraftTree.from_paths(NAMED_TREES["eagle"])
+    assert (eagle.depth, eagle.num_nodes) == (5, 25)
+    assert measured(None, 0.001).choose(4) > 0
+    assert measured((5, 25), 0.001).choose(4) == 0
+    assert measured((5, 25), 0.00001).choose(4) == 5

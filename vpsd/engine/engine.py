@@ -49,15 +49,19 @@ from vpsd.tracing import get_logger, record_span, span
 log = get_logger()
 
 
-def window_for(dec: DecodingConfig, pipelined: bool, size: int) -> Window:
-    """An engine's pacing. Beside the target: Eq. 6 live under gamma auto, else the fixed window. In turns: by
-    goodput under auto at a batch, else fixed; at batch 1 always the baselines' window, as each method's reference
-    decoder drafts (gamma auto: SERIAL_AUTO_GAMMA)."""
+def window_for(dec: DecodingConfig, drafter: Drafter | None, size: int) -> Window:
+    """An engine's pacing, chosen with its drafter. Beside the target (a remote drafter streams the pruner its
+    signals): Eq. 6 live under gamma auto, else the fixed window. In turns: by goodput under auto at a batch (a
+    tree's rounds priced as the tree's rows), else fixed; at batch 1 always the baselines' window, as each
+    method's reference decoder drafts (gamma auto: SERIAL_AUTO_GAMMA)."""
+    pipelined = drafter is not None and drafter.streams_signals
     if pipelined and dec.auto_gamma:
         return ParallelWindow(dec.gamma_start, dec.gamma_min, dec.gamma_max)
     if pipelined:
         return ParallelWindow(int(dec.gamma), 1, max(int(dec.gamma), dec.gamma_max), fixed=True)
-    return SerialWindow(dec.serial_gamma(), dec.gamma_min, dec.gamma_max, fixed=size == 1 or not dec.auto_gamma)
+    tree = getattr(drafter, "tree", None)
+    return SerialWindow(dec.serial_gamma(), dec.gamma_min, dec.gamma_max, fixed=size == 1 or not dec.auto_gamma,
+                        tree=None if tree is None else (tree.depth, tree.num_nodes))
 
 
 class EngineFailure(RuntimeError):
@@ -70,9 +74,7 @@ class Engine:
             raise ValueError(f"batch size must be >= 1, got {size}")
         self.target, self.cfg, self.size, self.drafter = target, cfg, size, drafter
         dec = cfg.decoding
-        # The pacing comes with the drafter: beside the target (a remote drafter streams the pruner its signals),
-        # or in turns.
-        self.window = window_for(dec, drafter is not None and drafter.streams_signals, size)
+        self.window = window_for(dec, drafter, size)
         self.parallel = self.window.pipelined
         self.batch = BatchedCache(target)
         self.requests: dict[str, Request] = {}

@@ -1,5 +1,6 @@
-"""A pipeline's target: items from the job's coordinator in, one results line per item back; the engine wired
-for the method.
+"""A pipeline's target, its I/O and wiring: items from the job's coordinator in, one results line per item back,
+the models loaded and the engine wired for the method; the loop itself is the target role's (roles/target.py
+`serve_target`).
 
 Contract (the README's "Batch jobs" section says it for users; the job as a whole is launch/coordinator.py):
 - Items come from the coordinator one at a time, as this pipeline has room (`CoordinatorLink.items`), and each
@@ -15,7 +16,6 @@ Wiring: `Method.draft_place` says where the method's draft runs; launch/wiring.p
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from vpsd.activity import START, doing
@@ -34,6 +34,7 @@ from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.link import RankLink
+from vpsd.roles.target import serve_target
 from vpsd.tracing import get_logger
 from vpsd.transport.control import PeerTimeout
 from vpsd.video.errors import VideoError
@@ -159,17 +160,12 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
         wired = build_engine(cfg, ctx.method, target, rank_link=lambda: RankLink(ctx), out=ctx.out, job_id=ctx.job_id,
                              timeout_s=ctx.timeout_s, videos=frames, shared_items=pipelines > 1)
         engine, scheduler, stop_drafter = wired.engine, wired.scheduler, wired.stop
-    wired.ready(ctx.startup_timeout_s)  # start-up ends when a draft and pruner of their own have loaded
     profile = None
     if cfg.profile_rounds > 0 and ctx.out is not None:
         profile = RoundProfile(ctx.out, ctx.role, ctx.rank, cfg.profile_rounds, target.device.type == "cuda")
-        scheduler.on_round = profile.step
-    loop_start = time.perf_counter()
-    scheduler.run(link, events)
-    loop_s = time.perf_counter() - loop_start  # the items' wall, models loaded: what throughput divides by
-    if profile is not None:
-        profile.close()
-    stop_drafter()
+    # start-up ends when a draft and pruner of their own have loaded
+    loop_s = serve_target(engine, scheduler, link, events, ready=lambda: wired.ready(ctx.startup_timeout_s),
+                          stop=stop_drafter, profile=profile)
     frames.close()
     if target.mirror is not None:
         target.mirror.stop()  # the followers leave

@@ -190,17 +190,24 @@ class SerialWindow:
     fixed: bool = False
     cost: CostModel = field(default_factory=lambda: CostModel(0.9))
     budget: ExploreBudget = field(default_factory=ExploreBudget)
+    # A static draft tree's (depth, nodes) (engine/tree_drafter.py): a round drafts the whole tree or nothing, in
+    # `depth` draft forwards, and verifies nodes + 1 rows a drafted item, not a chain's gamma + 1. None: a chain.
+    tree: tuple[int, int] | None = None
 
     def costs(self, batch: int, drafting: int | None = None) -> dict[int, float] | None:
-        """{gamma: time per committed token x B} over 0 and [gamma_min, gamma_max], with `drafting` of the
-        `batch` rows drafting (default: all); None until both lines have seen two sizes and tau a round."""
+        """{gamma: time per committed token x B} over 0 and [gamma_min, gamma_max] (a tree: 0 and its depth),
+        with `drafting` of the `batch` rows drafting (default: all); None until both lines have seen two sizes
+        and tau a round. A tree's E[X] is Lemma 1's at its depth with tau measured on its own rounds."""
         c = self.cost
         if not (c.verify.spread and c.draft.spread) or not c.measured_acceptance:
             return None
         k = batch if drafting is None else max(0, min(drafting, batch))
         t_q = c.t_q(max(k, 1))
-        return {g: batch_token_time(t_q, c.t_p(batch * (g + 1)), g, c.tau, k / batch)
-                for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
+        if self.tree is None:
+            windows = {g: g + 1 for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
+        else:
+            windows = {0: 1, self.tree[0]: self.tree[1] + 1}
+        return {g: batch_token_time(t_q, c.t_p(batch * rows), g, c.tau, k / batch) for g, rows in windows.items()}
 
     def choose(self, batch: int, drafting: int | None = None) -> int:
         """The window of the next round of `batch` items, `drafting` of them with a draft (default: all);

@@ -1,7 +1,9 @@
-"""The target role: the engine's drafter (engine/drafter.py) when the draft and the pruner run on their own ranks.
+"""The target role: its loop (`serve_target`, as `serve_draft` is the draft's) and, when the draft and the pruner
+run on their own ranks or threads, the engine's drafter (engine/drafter.py) that speaks to them.
 
-The target rank runs the engine (engine/engine.py) and the job's loop; this is its side of the protocol with
-the draft rank (roles/draft.py) and the pruner rank (roles/pruner.py), which draft while the target verifies.
+The target rank runs the engine (engine/engine.py) over the items its job grants (launch/job.py reads them and
+writes their results); `RemoteDrafter` is its side of the protocol with the draft (roles/draft.py) and the
+pruner (roles/pruner.py), which draft while the target verifies.
 Per request: a JobStart to both (before the target's vision tower, when the request is prefilled on the
 engine's thread, so the draft reads the video and runs its tower while the target does), the target's full
 prefill with the pruner's signals leaving from inside it once layer L has run (`prefill_streaming_signals`:
@@ -20,21 +22,43 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any, Callable
 
 import torch
 
 from vpsd.config import RunConfig
 from vpsd.engine.drafter import Proposal
+from vpsd.engine.engine import Engine
+from vpsd.engine.scheduler import Scheduler
 from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Ready, Shutdown, VerifyResult
 from vpsd.pipeline.sampling import probs_from_logits
+from vpsd.profiling import RoundProfile
 from vpsd.roles.context import RoleFailure
 from vpsd.roles.link import Link, recv_announced
 from vpsd.roles.starting import HeldSignals, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
 
 log = get_logger()
+
+
+def serve_target(engine: Engine, scheduler: Scheduler, source: Any, events: Any, *, ready: Callable[[], None],
+                 stop: Callable[[], None], profile: RoundProfile | None = None) -> float:
+    """The target's loop: once its draft and pruner (ranks or threads of its own) say they are ready (`ready`, under
+    the start-up bound), the scheduler's rounds over the items `source` grants until it has no more, each finished
+    item handed to `events` (engine/scheduler.py ItemSource, JobEvents); then its drafter stops. `profile`:
+    torch's profiler over some rounds. Returns the loop's seconds, models loaded: what throughput divides by."""
+    ready()
+    if profile is not None:
+        scheduler.on_round = profile.step
+    start = time.perf_counter()
+    scheduler.run(source, events)
+    loop_s = time.perf_counter() - start
+    if profile is not None:
+        profile.close()
+    stop()
+    return loop_s
 
 
 class RemoteDrafter:
