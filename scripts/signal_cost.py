@@ -23,7 +23,7 @@ import torch
 
 from vpsd.config import load_config
 from vpsd.models.registry import load_adapter
-from vpsd.models.signals import prefill_for_strategy
+from vpsd.engine.pair_prefill import prefill_for_strategy
 from vpsd.video.item import load_item_frames
 
 

@@ -32,7 +32,8 @@ from vpsd.config import PruningConfig
 from vpsd.models.base import SequenceEmbeddings
 from vpsd.models.registry import load_adapter
 from vpsd.models.spec import ModelSpec
-from vpsd.models.signals import prefill_for_strategy, text_positions
+from vpsd.engine.pair_prefill import prefill_for_strategy
+from vpsd.models.signals import text_positions
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.roles.signals_wire import pack

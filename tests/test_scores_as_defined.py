@@ -12,7 +12,8 @@ from tests.conftest import random_frames, tiny_pair
 from tests.pruning_fixtures import grid_layout, signals_for
 from vpsd.config import PruningConfig
 from vpsd.engine.keep import configured_strategy
-from vpsd.models.signals import prefill_for_strategy, text_positions
+from vpsd.engine.pair_prefill import prefill_for_strategy
+from vpsd.models.signals import text_positions
 from vpsd.pipeline.pruning.attention import attention_to_video
 from vpsd.pipeline.pruning.specvlm import specvlm_select
 from vpsd.pipeline.pruning.strategies import STRATEGIES, strategy_for

@@ -10,7 +10,8 @@ import torch
 
 from tests.conftest import random_frames, tiny_pair
 from vpsd.config import PruningConfig
-from vpsd.models.signals import prefill_for_strategy, text_positions
+from vpsd.engine.pair_prefill import prefill_for_strategy
+from vpsd.models.signals import text_positions
 from vpsd.roles.signals_wire import pack, unpack
 
 

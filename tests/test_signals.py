@@ -17,7 +17,8 @@ from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.decoders.ar import decode_ar
 from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
-from vpsd.models.signals import PrefillSignals, prefill_for_strategy, prefill_with_signals, text_positions
+from vpsd.engine.pair_prefill import prefill_for_strategy
+from vpsd.models.signals import PrefillSignals, prefill_with_signals, text_positions
 from vpsd.pipeline.pruning.strategies import PruningSignals
 
 PROMPT = "What happens in this video?"

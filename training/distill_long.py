@@ -45,7 +45,7 @@ from vpsd.config import PruningConfig, RunConfig, load_config, parse_overrides
 from vpsd.engine.keep import keep_policy_for
 from vpsd.models.base import SequenceEmbeddings
 from vpsd.models.registry import load_adapter, load_draft
-from vpsd.models.signals import prefill_for_strategy
+from vpsd.engine.pair_prefill import prefill_for_strategy
 from vpsd.pipeline.pruning.select import random_keep, uniform_keep
 from vpsd.video.item import load_item_frames
 from vpsd.world.dataset import LONG_HELD_OUT_FROM, LONG_MAX_NEW_TOKENS, make_long_example, write_video
