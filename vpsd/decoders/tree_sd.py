@@ -28,7 +28,7 @@ from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
-from vpsd.pipeline.tree import DraftTree, propose_children, verify_tree
+from vpsd.pipeline.tree import DraftTree, propose_level, verify_tree
 from vpsd.tracing import span
 from vpsd.pipeline.seeds import draft_seed
 
@@ -60,15 +60,7 @@ def draft_tree(
     root_index = state.length - 1  # the root's index in the sequence
     out = DraftedTree(tokens=[committed[-1]] + [0] * tree.num_nodes, fed=[], logits={0: root_logits})
     for depth in range(1, tree.depth + 1):
-        for parent in tree.level(depth - 1):
-            kids = tree.children[parent]
-            if kids:
-                chosen, q = propose_children(out.logits[parent], len(kids), temperature, generator)
-                for c, x in zip(kids, chosen):
-                    out.tokens[c] = x
-                if q is not None:
-                    out.probs[parent] = q
-        new = [n for n in tree.level(depth) if tree.children[n]]  # leaves are never fed: nothing to expand
+        new = propose_level(tree, depth, out.logits, out.tokens, out.probs, temperature, generator)
         if not new:
             break
         seq_index = torch.tensor([root_index + depth] * len(new))

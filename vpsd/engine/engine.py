@@ -203,7 +203,8 @@ class Engine:
             windows = {rid: window_rows(logits[rid], first[rid], self.requests[rid].kept_row) for rid in proposals}
             # Greedy: every row's argmax in one host transfer for the batch (pipeline/verification.py greedy_ids),
             # the round's one host read; the forward's time is read after it, so timing waits for nothing.
-            ids = (greedy_ids({**{r.id: logits[r.id][-1:] for r in plain}, **windows})
+            chains = {rid: rows for rid, rows in windows.items() if rid not in trees}  # a tree reads its own rows
+            ids = (greedy_ids({**{r.id: logits[r.id][-1:] for r in plain}, **chains})
                    if self.cfg.decoding.temperature == 0.0 else {})
             seconds = watch.seconds
             self.window.observe_verify(len(feed), rows, seconds)

@@ -37,7 +37,7 @@ from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.batch import TreeFeed
 from vpsd.pipeline.messages import VerifyResult
-from vpsd.pipeline.tree import DraftTree, propose_children
+from vpsd.pipeline.tree import DraftTree, propose_level
 from vpsd.tracing import span
 
 
@@ -106,15 +106,7 @@ class TreeDrafter(LocalDrafter):
             if not grown.live:
                 continue
             tree, out = grown.drafted.tree, grown.drafted
-            for parent in tree.level(depth - 1):
-                kids = tree.children[parent]
-                if kids:
-                    chosen, q = propose_children(grown.logits[parent], len(kids), temperature, self.gens[item])
-                    for c, x in zip(kids, chosen):
-                        out.tokens[c] = x
-                    if q is not None:
-                        out.probs[parent] = q
-            new = [n for n in tree.level(depth) if tree.children[n]]  # leaves are never fed: nothing to expand
+            new = propose_level(tree, depth, grown.logits, out.tokens, out.probs, temperature, self.gens[item])
             if not new:
                 grown.live = False
                 continue

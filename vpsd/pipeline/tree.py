@@ -217,6 +217,22 @@ def propose_children(
     return torch.multinomial(q, k, replacement=False, generator=generator).tolist(), q
 
 
+def propose_level(tree: DraftTree, depth: int, logits: dict[int, torch.Tensor], tokens: list[int],
+                  probs: dict[int, torch.Tensor], temperature: float, generator: torch.Generator | None) -> list[int]:
+    """One depth of a tree's drafting: the candidates of every node at depth - 1 that has children, from its draft
+    `logits` row, written into `tokens` (and the q drawn from into `probs`, sampling), in breadth-first order.
+    Returns the nodes at `depth` to feed next, those with children (a leaf is never fed: nothing expands it)."""
+    for parent in tree.level(depth - 1):
+        kids = tree.children[parent]
+        if kids:
+            chosen, q = propose_children(logits[parent], len(kids), temperature, generator)
+            for c, x in zip(kids, chosen):
+                tokens[c] = x
+            if q is not None:
+                probs[parent] = q
+    return [n for n in tree.level(depth) if tree.children[n]]
+
+
 # ---- verification ------------------------------------------------------------------------------------
 
 
