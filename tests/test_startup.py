@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from vpsd.transport.startup import RanksMissing, await_ranks, missing_line
+from vpsd.transport.startup import RanksMissing, await_connected, await_ranks, missing_line
 
 
 def _arrive(store, ranks, world, bound_s, local_world=None):
@@ -55,3 +55,41 @@ def test_the_line_names_each_missing_rank_and_its_node():
                            "(600 s, --startup-timeout)")
     assert "waited for them" in line
 
+
+
+def test_no_rank_leaves_the_connect_before_every_rank_has_made_its_group():
+    """A rank a method leaves idle exits right after the process group is made; gloo's connect returns in a rank
+    when its own pairs are up, so it waits for every rank's (await_connected), or a slower peer still reading its
+    handshake dies with "Connection closed by peer" (CI, tests/test_stuck_torchrun.py's idle ranks)."""
+    store, said, done = dist.HashStore(), [], {}
+
+    def one(rank, delay_s):
+        time.sleep(delay_s)
+        await_connected(store, rank, 3, 10.0, said.append)
+        done[rank] = time.monotonic()
+
+    threads = [threading.Thread(target=one, args=(r, d)) for r, d in ((0, 0.0), (1, 0.0), (2, 0.6))]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(done) == [0, 1, 2] and min(done.values()) - t0 >= 0.5 and not said
+
+
+def test_a_rank_whose_connect_never_finishes_is_named_once():
+    store, said, got = dist.HashStore(), [], {}
+
+    def one(rank):
+        try:
+            await_connected(store, rank, 3, 0.5, said.append)
+        except RanksMissing as e:
+            got[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [got[r].missing for r in (0, 2)] == [[1], [1]]
+    assert said == ["rank 1 did not finish the process group's connect within the start-up bound (0 s, --startup-timeout)"]

@@ -17,6 +17,10 @@ Contract:
   that node that did arrive, and every rank that came raises `RanksMissing` (the launcher exits 2: torchrun then
   stops the ranks still starting).
 - A store that cannot be reached at all (its host, rank 0, never started) is `RanksMissing` too, naming rank 0.
+- `await_connected(store, rank, world, startup_timeout_s)`, called once the process group is made, returns once
+  every rank has made it. Why: gloo's mesh connect returns in a rank when its own pairs are up, not everyone's;
+  a rank that leaves at once (one a method leaves idle) closed its pairs while a slower peer still read its
+  handshake, and that peer died with "Connection closed by peer" in its connect (seen in CI, 1 run in ~10).
 
 Test hook (the start-up tests through real ranks; never set outside tests): VPSD_TEST_LATE_START=<rank>:<seconds>
 makes that rank sleep that long before it arrives; <seconds> = "never" makes it never arrive.
@@ -39,7 +43,7 @@ POLL_S = 0.05  # how often a waiting rank looks again: start-up costs at most th
 FIRST_REPORT_S = 5.0  # a wait shorter than this is not worth a line
 REPORT_EVERY_S = 15.0
 SETTLE_S = 5.0  # how long a rank that gave up waits for the reporter to say why, before it exits
-GAVE_UP, SAID = f"{KEY}/gave_up", f"{KEY}/said"
+GAVE_UP, SAID, CONNECTED = f"{KEY}/gave_up", f"{KEY}/said", f"{KEY}/connected"
 
 
 class RanksMissing(RuntimeError):
@@ -117,6 +121,24 @@ def late_start_hook(rank: int) -> None:
         while True:
             time.sleep(1.0)
     time.sleep(float(seconds))
+
+
+def await_connected(store: dist.Store, rank: int, world: int, startup_timeout_s: float,
+                    say: Callable[[str], None]) -> None:
+    """Wait (under the start-up bound) until every rank's process group is made: the module docstring's why.
+    RanksMissing names the ranks whose connect never finished (crashed in it, or hang), said by the lowest rank
+    that finished."""
+    store.set(f"{CONNECTED}/{rank}", b"1")
+    keys = [f"{CONNECTED}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=startup_timeout_s))
+    except (RuntimeError, dist.DistError):
+        missing = [r for r in range(world) if not store.check([f"{CONNECTED}/{r}"])]
+        line = (f"{_plural('rank', missing)} {', '.join(map(str, missing))} did not finish the process group's "
+                f"connect within the start-up bound ({startup_timeout_s:.0f} s, --startup-timeout)")
+        if rank == min(r for r in range(world) if r not in missing):
+            say(line)
+        raise RanksMissing(line, missing) from None
 
 
 def await_ranks(store: dist.Store, rank: int, world: int, local_world: int, startup_timeout_s: float,

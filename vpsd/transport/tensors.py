@@ -33,7 +33,7 @@ import torch.distributed as dist
 from vpsd.pipeline.messages import TensorAnnounce
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.placement import this_placement
-from vpsd.transport.startup import await_ranks, late_start_hook, make_store
+from vpsd.transport.startup import await_connected, await_ranks, late_start_hook, make_store
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -89,6 +89,7 @@ def init_distributed(startup_timeout_s: float = 600.0, say: Callable[[str], None
     # default of every later wait in this group; TensorChannel waits name their own, --timeout).
     dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=startup_timeout_s))
+    await_connected(store, rank, world_size, startup_timeout_s, say)  # no rank leaves while a peer still connects
     return rank, world_size, placement.backend
 
 
