@@ -78,3 +78,15 @@ class Drafter(Protocol):
 
     def draft_step(self) -> tuple[int, float] | None:
         """(rows, seconds) of the draft's latest batched forward, for the cost model; None: nothing new."""
+
+    # What arrives while the target works: a remote drafter's chunks; a local one drafts when asked, so it always
+    # has a window and nothing ever arrives (the scheduler asks both the same way, never which place it has).
+
+    def pump(self, timeout_s: float = 0.0) -> bool:
+        """Takes what has arrived, waiting up to `timeout_s` for the first message; whether any came."""
+
+    def has_proposal(self, request: Request) -> bool:
+        """Whether a window for the request can be verified now."""
+
+    def wait(self) -> None:
+        """Blocks until the draft's side sends something (a round found nothing to verify)."""

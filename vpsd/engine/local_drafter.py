@@ -55,6 +55,15 @@ class LocalDrafter:
     def start(self, request: Request, gamma: int) -> None:
         pass
 
+    def pump(self, timeout_s: float = 0.0) -> bool:
+        return False  # nothing arrives: windows are drafted when asked for
+
+    def has_proposal(self, request: Request) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass  # never asked: a round with drafted requests always has their windows
+
     def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
         pair = prefill_pair(self.target, self.draft, request.frames, request.prompt, self.keep_policy, self.pruning,
                             request.frame_times, target_emb=emb, parallel_signals=self.parallel_signals,

@@ -103,7 +103,7 @@ class PrefillAhead(Generic[T]):
         job's wall at B = 8-16 on the scaled default). Once drained, the calling (decode) thread takes those cores
         and one intra-op thread each, so its forwards run on both (the scaled target's forward at B = 8 runs
         1.3-1.6x faster on two cores here; the results are bitwise those of one thread,
-        tests/test_batch_units.py). Returns the intra-op threads now, once; else None. Call it only where the
+        tests/engine/test_batch_units.py). Returns the intra-op threads now, once; else None. Call it only where the
         prefill cores are otherwise idle (the draft runs in this process), not where a draft rank works on them."""
         if self.lent is not None or not self.drained:
             return None

@@ -32,6 +32,12 @@ class EngineReport:
     tail_from_s: float | None = None  # when the manifest's last prefill had run (the prefill cores lent)
     tail_threads: int | None = None
 
+    def close(self, elapsed_s: float, rounds_s: float, stolen_s: float) -> None:
+        """The job's decode time. In turns (serial), the engine thread's rounds: between them it only admits. In a
+        pipeline, the loop's time outside admission and prefills run on its thread: waiting for the draft's
+        chunks is part of decoding there (App. C's overheads), and rounds alone would leave it out."""
+        self.decode_s = elapsed_s - self.admit_s - stolen_s if self.pipelined else rounds_s
+
     def observe_round(self, batch: int, gamma: int, verify_s: float) -> None:
         self.rounds += 1
         self.batch_sizes.append(batch)

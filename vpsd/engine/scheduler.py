@@ -31,7 +31,7 @@ from vpsd.engine.prefill_ahead import ItemSource, ListSource, PrefillAhead
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.cost import ExploreBudget
-from vpsd.pipeline.drafting_policy import DraftingPolicy, DraftingLoss, batch1_loss, parallel_loss, serial_loss
+from vpsd.pipeline.drafting_policy import DraftingPolicy, predicted_loss
 from vpsd.tracing import get_logger, span
 from vpsd.video.errors import VideoError
 
@@ -95,19 +95,15 @@ class Scheduler(Generic[T]):
         """Whether `need` bytes fit beside the requests in flight (always on an empty batch)."""
         return self.kv_budget is None or not self.engine.requests or self.reserved() + need <= self.kv_budget
 
-    def _prediction(self) -> DraftingLoss:
-        e = self.engine
-        batch = max(1, min(e.size, len(e.requests) + 1))
-        if not e.parallel:
-            return serial_loss(e.window, batch, e.means)
-        return batch1_loss(e.window, e.means) if e.size == 1 else parallel_loss(e.window, batch, e.means)
-
     def decide(self, request: Request) -> None:
         """Whether the request drafts (module docstring)."""
         e = self.engine
+        if e.drafter is None:
+            request.drafted = False
+            return
         with e.lock:
-            prediction = self._prediction() if e.drafter is not None else None
-            request.drafted = e.drafter is not None and self.policy.decide(prediction)
+            batch = max(1, min(e.size, len(e.requests) + 1))
+            request.drafted = self.policy.decide(predicted_loss(e.window, e.size, batch, e.means))
 
     def prepare(self, request: Request, on_engine_thread: bool) -> Request:
         """Checks the request's KV need and, unless it is prefilled at admission, decides and prefills it."""
@@ -138,6 +134,9 @@ class Scheduler(Generic[T]):
     def _wait_for_stragglers(self) -> bool:
         """Whether a message came while waiting for a straggler (then look again before the round)."""
         e = self.engine
+        if e.drafter is None:
+            return False
+        e.drafter.pump()  # a remote drafter's chunks that arrived during the round
         rows = list(e.requests.values())
         ready = sum(not r.drafted or e.drafter.has_proposal(r) for r in rows)
         if not 0 < ready < len(rows):
@@ -165,10 +164,8 @@ class Scheduler(Generic[T]):
                 self._admit(ahead, events, at_admission)
                 if ahead.steal_if_thin(len(e.requests)):
                     continue  # a thin batch: prefilling here beats decoding it
-                if e.parallel:
-                    e.drafter.pump()
-                    if self._wait_for_stragglers():
-                        continue
+                if self._wait_for_stragglers():
+                    continue
                 t0 = time.perf_counter()
                 ran, left = e.round()
                 self.round_end = time.perf_counter()
@@ -177,13 +174,11 @@ class Scheduler(Generic[T]):
                     self.on_round()
                 for r in left:
                     events.finished(self._item(r), r)
-                if not ran and e.requests and e.parallel:
-                    e.drafter.wait()  # nothing to verify: the draft's next chunk
+                if not ran and e.requests:
+                    e.drafter.wait()  # nothing to verify: the draft's next chunk (only a remote drafter's rounds)
         finally:
             ahead.close()
-        # Decoding: a pipeline's loop outside admission (it waits for chunks as part of decoding); rounds else.
-        elapsed = time.perf_counter() - started
-        e.report.decode_s = elapsed - e.report.admit_s - ahead.stolen_s if e.parallel else self.rounds_s
+        e.report.close(time.perf_counter() - started, self.rounds_s, ahead.stolen_s)
 
     def _lend_at_tail(self, ahead: PrefillAhead, started: float) -> None:
         if self.lend_cores and (threads := ahead.lend_cores_when_drained()) is not None:

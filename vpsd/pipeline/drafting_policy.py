@@ -21,7 +21,13 @@ What "predicted loss" means depends on where the draft runs, because what drafti
   has finished, one is decoded to measure it, unless drafting beats half the line's T_p(1) (on a CPU a
   forward of one row takes the matrix-vector path and costs less than the line through the windows' rows
   says).
-Pure: the engine passes in what it measured (`ItemMeans`).
+`predicted_loss` picks which of the three an engine's window means. Pure: the engine passes in what it measured
+(`ItemMeans`).
+
+Whether drafting pays is decided in two places, each for its own unit: an item here (drafted or plain, once,
+when its prefill starts), a round by the window (pipeline/cost.py: `choose` returns 0 for a plain round of the
+drafted items, `pre_verify` whether a rejection's retry is a two-row verify). The scheduler's straggler patience
+and its prefill stealing decide when a round runs and on which thread a prefill does, not whether to draft.
 """
 
 from __future__ import annotations
@@ -84,6 +90,14 @@ def batch1_loss(window: ParallelWindow, means: ItemMeans) -> DraftingLoss:
             return None
         plain = t_plain / 2
     return means.tokens * (drafted - plain), means.tokens * plain
+
+
+def predicted_loss(window: SerialWindow | ParallelWindow, size: int, batch: int, means: ItemMeans) -> DraftingLoss:
+    """The loss of drafting the next item of an engine of `size` slots with `batch` requests in flight, as the
+    place its draft runs (the window's kind) makes it (module docstring)."""
+    if not window.pipelined:
+        return serial_loss(window, batch, means)
+    return batch1_loss(window, means) if size == 1 else parallel_loss(window, batch, means)
 
 
 @dataclass
