@@ -19,7 +19,7 @@
 # Run 1, what issue 43 is judged by (the 3B long pair: configs/gpu_long_3b.yaml, a 2.9 B target and a 0.45 B
 # draft grown from the shipped long pair, bf16, every rank on the one GPU; examples/world_long's 8 items):
 #   grow          the 3B pair grown to disk once (later steps load it)
-#   cuda_tests    tests/test_on_cuda.py: greedy equal to `ar` on the GPU in fp32 and bf16 (serial methods, the
+#   cuda_tests    tests/gpu/test_on_cuda.py: greedy equal to `ar` on the GPU in fp32 and bf16 (serial methods, the
 #                 engine at B = 1 and 8, captured steps, the draft on a thread of its own stream), sampling
 #   profile       python -m vpsd.launch.step_cost --profile: an eager step and an 8-row verify of each model split
 #                 into kernels, launches and host waits; aten ops and host reads against transformers' own
@@ -158,7 +158,7 @@ for spec in (cfg.target, cfg.draft):
     print(ensure_grown(Path(spec.path), Path(spec.grown_path()), spec.grow["width"], spec.grow["layers"]))
 PY
   fi
-  step cuda_tests "$L_tests" python -m pytest -q -p no:cacheprovider tests/test_on_cuda.py "${cuda_tests[@]}"
+  step cuda_tests "$L_tests" python -m pytest -q -p no:cacheprovider tests/gpu/test_on_cuda.py "${cuda_tests[@]}"
   step profile "$L_profile" python -m vpsd.launch.step_cost --config "$LONG" --manifest "$WORK/world_long.jsonl" \
     --profile "${prof[@]}" --json "$OUT/profile.json" "${on[@]}" "${small[@]}"
   step step_cost "$L_cost" python -m vpsd.launch.step_cost --config "$LONG" --manifest "$WORK/world_long.jsonl" \

@@ -43,24 +43,24 @@ fi
 echo "test_latest: $(python -m vpsd.provenance)"
 
 subset=(
-    tests/test_hf_compat.py tests/test_signals.py tests/test_scores_as_defined.py tests/test_std.py
-    tests/test_signal_memory.py tests/test_adapters.py tests/test_views.py tests/test_tree_models.py
-    tests/test_qwen3_vl.py tests/test_llava_onevision.py tests/test_lossless_sd.py tests/test_bench_pruning.py
-    tests/test_grow.py tests/test_checkpoint_sampling.py tests/test_qwen_video_processor.py
-    tests/test_llava_video_processor.py tests/test_frame_times.py tests/test_one_eos_one_grid.py tests/test_captured.py
-    "tests/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen3_vl-hippo-hippo_no_attn]"
-    "tests/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-tabed-batch]"
+    tests/models/test_hf_compat.py tests/models/test_signals.py tests/models/test_scores_as_defined.py tests/engine/test_std.py
+    tests/models/test_signal_memory.py tests/models/test_adapters.py tests/models/test_views.py tests/models/test_tree_models.py
+    tests/models/test_qwen3_vl.py tests/models/test_llava_onevision.py tests/engine/test_lossless_sd.py tests/engine/test_bench_pruning.py
+    tests/models/test_grow.py tests/models/test_checkpoint_sampling.py tests/models/test_qwen_video_processor.py
+    tests/models/test_llava_video_processor.py tests/models/test_frame_times.py tests/models/test_one_eos_one_grid.py tests/models/test_captured.py
+    "tests/torchrun/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen3_vl-hippo-hippo_no_attn]"
+    "tests/torchrun/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-tabed-batch]"
     # Batched forwards on every family (the upstream-facing part of batching: padded masks, per-row caches); the
     # engine's own logic over every method and size is the locked suite's (test_batch_decode, test_batch_workers).
-    tests/test_batch_decode.py::test_a_row_alone_is_stepped_by_the_batch1_forward_bit_for_bit
-    tests/test_batch_decode.py::test_batched_rows_score_as_batch1_steps_through_joins_rollbacks_leaves_and_compaction
-    tests/test_batch_decode.py::test_exact_verify_in_a_batch_equals_ar
+    tests/engine/test_batch_decode.py::test_a_row_alone_is_stepped_by_the_batch1_forward_bit_for_bit
+    tests/engine/test_batch_decode.py::test_batched_rows_score_as_batch1_steps_through_joins_rollbacks_leaves_and_compaction
+    tests/engine/test_batch_decode.py::test_exact_verify_in_a_batch_equals_ar
     # A split target: transformers' attention must keep reshaping by head_dim (local heads), torch's DTensor plan.
-    "tests/test_tensor_parallel_torchrun.py::test_a_target_over_two_ranks_decodes_as_its_one_rank_self[qwen2_5_vl]"
-    "tests/test_batch_decode.py::test_every_item_equals_its_batch1_decode[qwen2_5_vl-smaller-uniform-8]"
-    "tests/test_batch_decode.py::test_every_item_equals_its_batch1_decode[qwen3_vl-self-hippo-8]"
-    "tests/test_batch_decode.py::test_every_item_equals_its_batch1_decode[llava_onevision-ar-8]"
-    "tests/test_batch_workers.py::test_every_item_equals_its_batch1_ar_under_any_interleaving[qwen2_5_vl-hippo-8]"
+    "tests/torchrun/test_tensor_parallel_torchrun.py::test_a_target_over_two_ranks_decodes_as_its_one_rank_self[qwen2_5_vl]"
+    "tests/engine/test_batch_decode.py::test_every_item_equals_its_batch1_decode[qwen2_5_vl-smaller-uniform-8]"
+    "tests/engine/test_batch_decode.py::test_every_item_equals_its_batch1_decode[qwen3_vl-self-hippo-8]"
+    "tests/engine/test_batch_decode.py::test_every_item_equals_its_batch1_decode[llava_onevision-ar-8]"
+    "tests/engine/test_batch_workers.py::test_every_item_equals_its_batch1_ar_under_any_interleaving[qwen2_5_vl-hippo-8]"
 )
 if [ "${1:-}" = "--all" ]; then subset=(tests); fi
 status=0

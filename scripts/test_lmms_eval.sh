@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vpsd as an lmms-eval backend (`--model vpsd`, vpsd/integrations/lmms_eval) against the real lmms-eval:
-# scripts/setup_lmms_eval.sh's install in a venv of its own, then tests/test_lmms_eval_backend.py (which the main
+# scripts/setup_lmms_eval.sh's install in a venv of its own, then tests/torchrun/test_lmms_eval_backend.py (which the main
 # suite skips: lmms-eval is not in the lock). CI runs it after the other two legs.
 #
 #   ./scripts/test_lmms_eval.sh                     # over the active venv's stack (CI: the locked .venv)
@@ -41,4 +41,4 @@ lmms_version=$(python -c 'import importlib.metadata as m; print(m.version("lmms-
 echo "test_lmms_eval: installed in $((SECONDS - started)) s; lmms-eval $lmms_version; $(python -m vpsd.provenance)"
 # lmms-eval's datasets cache and anything it fetches stay in this run's folder.
 export HF_HOME="$tmp/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python -m pytest -q -p no:cacheprovider tests/test_lmms_eval_backend.py "$@"
+python -m pytest -q -p no:cacheprovider tests/torchrun/test_lmms_eval_backend.py "$@"

@@ -1,4 +1,5 @@
-"""Tiny test media written with PyAV: good videos whose frames encode their index, and broken files.
+"""Tiny test media written with PyAV: good videos whose frames encode their index, and broken files; and the two
+held-out long-world items the long pair's tests decode.
 
 Frame i of a gray video is a solid gray of level `gray_level(i)`, so a test can tell which source
 frame it got back from the decoded pixels alone (codecs move a flat gray by a level or two).
@@ -6,10 +7,13 @@ frame it got back from the decoded pixels alone (codecs move a flat gray by a le
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import av
 import numpy as np
+
+from vpsd.world.dataset import write_long_manifest
 
 GRAY_STEP = 8
 GRAY_TOLERANCE = 3  # yuv420p round trip of a flat gray, limited range: off by at most ~2
@@ -106,3 +110,18 @@ def write_truncated(path: Path, keep: float, *, faststart: bool) -> Path:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
     return path
+
+
+# Held-out seeds of 18 s (72 frames, 1152 video tokens): a question, then a caption.
+SHORT_LONG_SEEDS = (100019, 100004)
+
+
+def long_items(root: Path, max_new_tokens: int | None = None) -> Path:
+    """The two held-out items as a manifest (the caption's budget cut to `max_new_tokens` when given)."""
+    manifest = write_long_manifest(root, SHORT_LONG_SEEDS)
+    lines = [json.loads(line) for line in manifest.read_text().splitlines()]
+    for line in lines:
+        if max_new_tokens is not None:
+            line["max_new_tokens"] = min(line["max_new_tokens"], max_new_tokens)
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest

@@ -3,7 +3,7 @@
 From Python: `vpsd.LLM`, `vpsd.SamplingParams`, `vpsd.VideoRequest` (vpsd/api.py; imported on first use, so that a
 rank importing a submodule does not pay for the model stack). As a job: `./torchrun.sh run ...` (vpsd/launch).
 
-Layers (imports only point down this list, and no module reaches itself through others: tests/test_layering.py):
+Layers (imports only point down this list, and no module reaches itself through others: tests/unit/test_layering.py):
   integrations/ vpsd in other programs (lmms-eval) -> api; imported by those programs alone
   api.py      the Python API                       -> launch (its wiring, below the I/O)
   launch/     torchrun entry, CLI, manifests       -> roles, models, transport, pipeline

@@ -151,7 +151,7 @@ def test_self_speculation_really_accepts_in_a_batch(family):
 def test_sampling_draws_each_item_from_its_own_streams(size):
     """At temperature 1 every item's tokens are exactly those of its batch-1 run (the same seeded streams, the
     same rows up to float noise): what else is in the batch changes nothing, so each row follows the law that
-    the speculative-sampling rule gives batch-1 decoding (its chi-square test: tests/test_verification.py)."""
+    the speculative-sampling rule gives batch-1 decoding (its chi-square test: tests/unit/test_verification.py)."""
     target, smaller = tiny_pair("qwen2_5_vl")
     pruning = PruningConfig("uniform", 0.5, seed=1)
     for draft in (None, smaller):

@@ -4,8 +4,8 @@ in-memory link, and a seeded scheduler interleaves them at random: messages dela
 the draft is several chunks ahead, items joining mid-batch. Whatever the interleaving, every item's output is
 its batch-1 `ar` output (greedy, fp32; the margin-aware checker judges any difference), for pearl, hippo and
 parallelvlm on all three families at B = 2 and 8, and at B = 1 (the batch-1 pipeline is these workers with one
-item in flight) for those and TABED. The real thing, over torchrun, is tests/test_batch_torchrun.py and
-tests/test_pipeline_torchrun.py."""
+item in flight) for those and TABED. The real thing, over torchrun, is tests/faults/test_batch_torchrun.py and
+tests/torchrun/test_pipeline_torchrun.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 launch/in_process.py): the same roles as on their ranks, over an in-process carrier (roles/thread_link.py).
 Every item equals its batch-1 `ar` output; a sampled item draws what it draws through the ranks' protocol (its
 seeds do not depend on where the draft runs); a role thread that dies is named by the target's next wait. The
-real job with the setting, through torchrun: tests/test_pipeline_torchrun.py."""
+real job with the setting, through torchrun: tests/torchrun/test_pipeline_torchrun.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 pruning (the `random` strategy, seeded pruning.seed + the item's seed) keeps the same video tokens with the draft
 in the target's process (batched), on a worker of its own (the ranks' protocol, batched and alone) and on threads,
 at a seed other than the default 0 (at which the old rules happened to agree). Sampled tokens through the ranks'
-protocol and on threads: tests/test_draft_on_threads.py; at every batch size: tests/test_batch_workers.py."""
+protocol and on threads: tests/engine/test_draft_on_threads.py; at every batch size: tests/engine/test_batch_workers.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ranks' arrival under the start-up bound (vpsd/transport/startup.py), in one process: each rank a thread on
-one store, as torchrun's ranks share the agent's. Through real ranks: tests/test_startup_torchrun.py."""
+one store, as torchrun's ranks share the agent's. Through real ranks: tests/faults/test_startup_torchrun.py."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_the_line_names_each_missing_rank_and_its_node():
 def test_no_rank_leaves_the_connect_before_every_rank_has_made_its_group():
     """A rank a method leaves idle exits right after the process group is made; gloo's connect returns in a rank
     when its own pairs are up, so it waits for every rank's (await_connected), or a slower peer still reading its
-    handshake dies with "Connection closed by peer" (CI, tests/test_stuck_torchrun.py's idle ranks)."""
+    handshake dies with "Connection closed by peer" (CI, tests/faults/test_stuck_torchrun.py's idle ranks)."""
     store, said, done = dist.HashStore(), [], {}
 
     def one(rank, delay_s):

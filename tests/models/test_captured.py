@@ -6,7 +6,7 @@ it, one graph a step width, none recompiled as the cache fills and rolls back.
 torch.compile's inductor backend generates code for a graph in ~10 s on this CPU, so one test runs it (a plain
 `ar` decode, one graph; with --slow); the others capture with mode "trace", the very same dynamo graphs run by the eager
 kernels (the capture, its guards, the fixed cache and its mask). "cudagraphs" and "reduce-overhead" need a GPU
-(tests/test_on_cuda.py)."""
+(tests/gpu/test_on_cuda.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ generation_config.json, a (video_)preprocessor config, tokenizer files with a ch
 Tiny random models of all three families are saved in that layout with non-default processor settings; what
 vpsd prepares from them follows those files. transformers' video processors need torchvision (absent here),
 so the pixels are compared with its PIL image processor built from the same settings (a video of identical
-frames is that image repeated over the temporal patch, tests/test_qwen_video_processor.py)."""
+frames is that image repeated over the temporal patch, tests/models/test_qwen_video_processor.py)."""
 
 from __future__ import annotations
 

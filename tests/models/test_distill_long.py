@@ -17,7 +17,7 @@ from vpsd.models.registry import load_adapter
 from vpsd.video.item import load_item_frames
 from vpsd.world.dataset import write_long_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED = 100019  # held out, 18 s: a question (a short answer keeps the test fast)
 
 

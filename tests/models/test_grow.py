@@ -28,7 +28,7 @@ from vpsd.models.registry import load_adapter
 from vpsd.models.spec import ModelSpec
 from vpsd.video.item import load_item_frames
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_TARGET = ROOT / "checkpoints" / "world_qwen2_5_vl" / "target"
 EXAMPLES = ROOT / "examples" / "world" / "manifest.jsonl"
 INPUTS = [(random_frames(10), "Describe the video."), (random_frames(11), "What happens in this video?")]

@@ -1,5 +1,5 @@
 """Qwen3-VL specifics: the timestamped prompt against transformers' own expansion, the token layout, and
-deepstack features pruned together with the video tokens (tests/test_adapters.py covers the rest)."""
+deepstack features pruned together with the video tokens (tests/models/test_adapters.py covers the rest)."""
 
 from __future__ import annotations
 

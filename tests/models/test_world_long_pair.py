@@ -17,25 +17,12 @@ from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.models.registry import load_adapter, load_draft
 from vpsd.video.item import load_item_frames
-from vpsd.world.dataset import LONG_HELD_OUT_FROM, write_long_manifest
+from vpsd.world.dataset import LONG_HELD_OUT_FROM
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.media import SHORT_LONG_SEEDS, long_items
+
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "world_long_qwen2_5_vl.yaml"
-# Held-out seeds of 18 s (72 frames, 1152 video tokens): a question, then a caption.
-SHORT_LONG_SEEDS = (100019, 100004)
-
-
-def long_items(root: Path, max_new_tokens: int | None = None) -> Path:
-    """The two held-out items as a manifest (the caption's budget cut to `max_new_tokens` when given)."""
-    manifest = write_long_manifest(root, SHORT_LONG_SEEDS)
-    lines = [json.loads(line) for line in manifest.read_text().splitlines()]
-    for line in lines:
-        if max_new_tokens is not None:
-            line["max_new_tokens"] = min(line["max_new_tokens"], max_new_tokens)
-    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return manifest
-
-
 @pytest.fixture(scope="module")
 def pair():
     cfg = load_config(CONFIG)

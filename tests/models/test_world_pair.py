@@ -15,7 +15,7 @@ from vpsd.models.registry import load_adapter
 from vpsd.video.item import load_item_frames
 from training.evaluate import parts_right, word_accuracy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
 EXAMPLES = ROOT / "examples" / "world" / "manifest.jsonl"
 # The shipped weights reach 95.7% word accuracy on 100 held-out videos and 91% on these 4

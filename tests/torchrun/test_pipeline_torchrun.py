@@ -29,7 +29,7 @@ pytestmark = pytest.mark.torchrun
 # self-speculation, streamed signals, fixed and auto gamma. Serial sd runs here once (in process it is checked for
 # every family, draft kind and ratio by test_lossless_sd, and through torchrun again by test_acceptance). Which pruning strategy a parallel run uses does not
 # touch its losslessness (the pruner only picks indices, checked against select.py's contract before they leave);
-# every strategy's output is checked against ar in process by tests/test_bench_pruning.py, and the pruning
+# every strategy's output is checked against ar in process by tests/engine/test_bench_pruning.py, and the pruning
 # strategies run through torchrun in test_bias_torchrun, test_prune_stream_torchrun and test_bench.
 CASES = [
     ("qwen2_5_vl", "ar", []),

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.torchrun
 
-WORKER = Path(__file__).parent / "workers" / "transport_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "transport_worker.py"
 WORLD = 3
 LAUNCH_TIMEOUT_S = 90  # a hang fails the test instead of hanging CI
 

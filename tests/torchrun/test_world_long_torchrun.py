@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.test_world_long_pair import ROOT, long_items
+from tests.media import long_items
+from tests.torchrun_jobs import ROOT
 from tests.torchrun_jobs import results, run_job
 from vpsd.config import load_config
 from vpsd.decoders.ar import decode_ar

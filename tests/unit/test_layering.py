@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "vpsd"
+PACKAGE = Path(__file__).resolve().parents[2] / "vpsd"
 
 
 def vpsd_imports(path: Path) -> set[str]:

@@ -1,4 +1,4 @@
-"""The lmms-eval backend's pure parts, without lmms-eval (tests/test_lmms_eval_backend.py runs it for real).
+"""The lmms-eval backend's pure parts, without lmms-eval (tests/torchrun/test_lmms_eval_backend.py runs it for real).
 
 - a task document's chat messages become one VideoRequest (its video, its user text) or a BadRequest naming what
   vpsd cannot take; generation kwargs become SamplingParams, greedy unless sampling is on, with what would decode

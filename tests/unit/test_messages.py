@@ -280,7 +280,7 @@ def test_round_trip_never_touches_pickle(monkeypatch):
 
 @pytest.mark.parametrize("path", ["vpsd/pipeline/messages.py", "vpsd/transport/control.py", "vpsd/transport/tensors.py"])
 def test_wire_modules_do_not_import_pickle(path):
-    src = Path(__file__).resolve().parents[1] / path
+    src = Path(__file__).resolve().parents[2] / path
     tree = ast.parse(src.read_text())
     banned = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
     for node in ast.walk(tree):

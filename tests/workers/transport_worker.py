@@ -1,4 +1,4 @@
-"""Worker for tests/test_transport_torchrun.py, run by torchrun with 3 ranks (target, draft, pruner).
+"""Worker for tests/torchrun/test_transport_torchrun.py, run by torchrun with 3 ranks (target, draft, pruner).
 
 Usage: torchrun --standalone --nproc-per-node 3 transport_worker.py OUT_DIR
 Each rank writes OUT_DIR/rank<r>.json with what it observed; the test asserts on those files.

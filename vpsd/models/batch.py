@@ -27,7 +27,7 @@ own length, rotary offset and rollback, so the cache is a table with holes rathe
 
 A hole is masked out of every attention (the 2-D mask the language model turns into its causal mask), so
 each row computes what its batch-1 decode computes, up to the float order of a wider reduction and of a
-batched GEMM: ~1e-6 in float32 (tests/test_batch_decode.py bounds it), which can flip a greedy choice only
+batched GEMM: ~1e-6 in float32 (tests/engine/test_batch_decode.py bounds it), which can flip a greedy choice only
 at a near-tie (vpsd.decoders.lossless judges such a difference by the target's margin). Padding with masks
 was chosen over a packed layout: transformers' attention takes it as it is on every family and backend
 (eager, sdpa), and the holes cost only the columns they occupy until the next compaction.

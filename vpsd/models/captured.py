@@ -23,7 +23,7 @@ The lease (`FixedCacheLease`) makes the buffers one sequence's at a time: a mode
 (self-speculation) has two batches over one adapter, and the second steps eagerly.
 
 Outputs: the compiled step computes the same sums as the eager one, over the whole buffer with the unused
-entries masked out, in another kernel order: logits differ by float noise (bounded in tests/test_captured.py,
+entries masked out, in another kernel order: logits differ by float noise (bounded in tests/models/test_captured.py,
 ~1e-6 in float32), and greedy outputs stay `ar`'s (the tests decode with it against eager `ar`), a difference
 being possible only at a near-tie (vpsd.decoders.lossless judges it by the margin, as for batched rows).
 Departure from transformers' StaticLayer: it cannot crop; `FixedLayer` adds a crop and an adopt that keep the

@@ -3,7 +3,7 @@
 On a GPU a step's cost is its kernels plus what the CPU spends launching them, and a read of a device value by the
 host (`.item()`, `.tolist()`, `int(t)`, a mask's `nonzero`, a device synchronisation to read a clock) stops the CPU
 until the GPU's queue is empty: nothing can be launched ahead, and a captured step's single launch waits on it.
-So two counts tell, on any machine (tests/test_step_dispatch.py runs them on CPU in CI), whether a step can run at
+So two counts tell, on any machine (tests/models/test_step_dispatch.py runs them on CPU in CI), whether a step can run at
 its memory's speed on a GPU:
 - `ops`: aten ops dispatched (each is one or more kernel launches on a GPU: ~5-15 us of CPU each, eager);
 - `host_reads`: the reads of a tensor's value by the host. Seen two ways, since on a CPU some never reach the

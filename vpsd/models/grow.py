@@ -25,7 +25,7 @@ keeps every trained layer's index, so Qwen3-VL's deepstack features still go to 
 
 Exactness: every weight is a copy or a copy divided by k, so for k a power of two the grown weights are exact
 in any float dtype; the grown model differs from its source only by the order of floating-point sums.
-Measured max |logit diff| is in docs/design.md ("Scale models") and tests/test_grow.py bounds it.
+Measured max |logit diff| is in docs/design.md ("Scale models") and tests/models/test_grow.py bounds it.
 
 Every source parameter must match one rule below and every grown parameter must get the shape the grown
 config asks for; anything else raises `GrowthError`, so a new architecture detail is never silently wrong.

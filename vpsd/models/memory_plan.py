@@ -26,7 +26,7 @@ from vpsd.models.shapes import ModelShape
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CACHE_SPARE = 1.5  # 1 + models/kv_cache.SPARE (tests/test_memory_plan.py holds them together)
+CACHE_SPARE = 1.5  # 1 + models/kv_cache.SPARE (tests/unit/test_memory_plan.py holds them together)
 RUNTIME_BYTES = {"cpu": int(0.4 * GIB), "cuda": int(1.5 * GIB)}
 SPLIT_EXTRA = 19  # measured over gloo on a CPU (16-20 on two shapes): docs/design.md, "A target across ranks"
 

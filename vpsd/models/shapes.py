@@ -5,7 +5,7 @@
 language model's sizes, and its parameters counted in two parts, those a split target divides over its ranks
 (every decoder layer's q/k/v/o and gate/up/down projections, with their biases: models/tensor_parallel.py's
 plan) and those every rank holds whole (embeddings, lm_head, norms, the vision tower and projector). The vision
-towers are counted by one formula per family; tests/test_memory_plan.py checks every count against the real
+towers are counted by one formula per family; tests/unit/test_memory_plan.py checks every count against the real
 model built on the meta device.
 
 `grown_text_sizes` is the one statement of how growth (models/grow.py) changes a language model's sizes;
