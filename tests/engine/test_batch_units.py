@@ -275,6 +275,23 @@ def test_a_drained_prefill_thread_lends_its_cores_to_the_decode_thread_until_clo
         torch.set_num_threads(threads)
 
 
+def test_an_unpinned_prefill_thread_lends_nothing():
+    """Without cpu_affinity the prefill thread's core is not the job's to lend: a second intra-op thread would
+    compete with whatever else runs on the machine."""
+    import torch
+
+    from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
+
+    threads = torch.get_num_threads()
+    ahead = PrefillAhead(ListSource(["only"]), size=4, prepare=lambda item, hint: item.upper(), cpus=None)
+    try:
+        ahead.top_up(in_flight=0)
+        assert ahead.next_ready(block=True) == ("only", "ONLY")
+        assert ahead.drained and ahead.lend_cores_when_drained() is None and torch.get_num_threads() == threads
+    finally:
+        ahead.close()
+
+
 def test_a_forward_on_two_threads_is_bitwise_the_forward_on_one():
     """What lending the prefill cores at the tail relies on to leave every output as it was: a prefill and a
     batched verify of a real language model, wide enough that its GEMMs split over threads, give the same bits

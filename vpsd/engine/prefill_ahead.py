@@ -104,19 +104,18 @@ class PrefillAhead(Generic[T]):
         and one intra-op thread each, so its forwards run on both (the scaled target's forward at B = 8 runs
         1.3-1.6x faster on two cores here; the results are bitwise those of one thread,
         tests/engine/test_batch_units.py). Returns the intra-op threads now, once; else None. Call it only where the
-        prefill cores are otherwise idle (the draft runs in this process), not where a draft rank works on them."""
-        if self.lent is not None or not self.drained:
+        prefill cores are otherwise idle (the draft runs in this process), not where a draft rank works on them.
+        Only pinned cores are lent (`cpus`, from the config's cpu_affinity: the job was given them): unpinned, the
+        extra intra-op thread competes with whatever else the machine runs, and two OpenMP threads on one free core
+        spin at every barrier (a CI case beside another worker ran 3.5x its time alone)."""
+        if self.lent is not None or not self.drained or not self.cpus:
             return None
         mine = os.sched_getaffinity(0)
         threads = torch.get_num_threads()
         self.lent = (mine, threads)
-        if self.cpus:
-            cores = mine | set(self.cpus)
-            os.sched_setaffinity(0, cores)  # this thread; the intra-op threads it starts now inherit it
-            extra = len(cores) - len(mine)
-        else:
-            extra = 1  # unpinned: the prefill thread ran one thread's worth wherever there was room
-        torch.set_num_threads(threads + extra)
+        cores = mine | set(self.cpus)
+        os.sched_setaffinity(0, cores)  # this thread; the intra-op threads it starts now inherit it
+        torch.set_num_threads(threads + len(cores) - len(mine))
         return torch.get_num_threads()
 
     def top_up(self, in_flight: int) -> None:
