@@ -23,7 +23,7 @@ fi
 echo "== scale models (grown from the shipped weights on first use, then checked against them)"
 python -m vpsd.launch.grow --config "$config" --manifest "$manifest" --items 2
 echo "== ar vs ${METHODS:-hippo}, ${REPEATS:-3} rounds, interleaved"
-python -m vpsd.reports.bench --config "$config" --manifest "$manifest" --out "$out" --methods "${METHODS:-hippo}" \
+python -m vpsd.bench methods --config "$config" --manifest "$manifest" --out "$out" --methods "${METHODS:-hippo}" \
   --strategies "" --repeats "${REPEATS:-3}"
 python -m vpsd.reports.timeline_command "$out/hippo" > /dev/null
 echo "== captions (hippo; = exact reference caption, ~ otherwise)"

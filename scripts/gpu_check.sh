@@ -21,11 +21,11 @@
 #   grow          the 3B pair grown to disk once (later steps load it)
 #   cuda_tests    tests/gpu/test_on_cuda.py: greedy equal to `ar` on the GPU in fp32 and bf16 (serial methods, the
 #                 engine at B = 1 and 8, captured steps, the draft on a thread of its own stream), sampling
-#   profile       python -m vpsd.launch.step_cost --profile: an eager step and an 8-row verify of each model split
+#   profile       python -m vpsd.bench steps --profile: an eager step and an 8-row verify of each model split
 #                 into kernels, launches and host waits; aten ops and host reads against transformers' own
 #                 generate() step, and its wall time (vpsd's eager `ar` is held to within 10% of it)
 #   step_cost     eager against captured (CUDA graphs), interleaved: T_p, T_q and c = T_p / T_q both ways
-#   b1_captured   vpsd bench --batch 1, target and draft captured: ar, sd, pearl, hippo (ranks time-slicing the
+#   b1_captured   vpsd bench throughput --batch 1, target and draft captured: ar, sd, pearl, hippo (ranks time-slicing the
 #                 GPU), pearl:thread, hippo:thread (draft and pruner on threads and streams of the target's
 #                 process, draft_on: thread); every output judged against batch-1 `ar`'s (a bf16 tie passes)
 #   b1_mps        ar, pearl, hippo at B = 1 captured again, the ranks under CUDA MPS (the check starts its own
@@ -126,9 +126,9 @@ for line in open(sys.argv[1]).readlines()[: int(sys.argv[2])]:
 PY
 }
 
-bench() {  # bench NAME LIMIT CONFIG MANIFEST BATCHES METHODS [ARGS...]: vpsd bench --batch, its table to $OUT
+bench() {  # bench NAME LIMIT CONFIG MANIFEST BATCHES METHODS [ARGS...]: vpsd bench throughput --batch, its table to $OUT
   local name="$1" limit="$2" config="$3" manifest="$4" batches="$5" methods="$6"; shift 6
-  step "$name" "$limit" python -m vpsd.reports.throughput --config "$config" --manifest "$manifest" \
+  step "$name" "$limit" python -m vpsd.bench throughput --config "$config" --manifest "$manifest" \
     --out "$WORK/$name" --batch "$batches" --methods "$methods" "${on[@]}" "$@"
   cp "$WORK/$name/throughput.json" "$OUT/$name.json" 2>/dev/null
 }
@@ -159,9 +159,9 @@ for spec in (cfg.target, cfg.draft):
 PY
   fi
   step cuda_tests "$L_tests" python -m pytest -q -p no:cacheprovider tests/gpu/test_on_cuda.py "${cuda_tests[@]}"
-  step profile "$L_profile" python -m vpsd.launch.step_cost --config "$LONG" --manifest "$WORK/world_long.jsonl" \
+  step profile "$L_profile" python -m vpsd.bench steps --config "$LONG" --manifest "$WORK/world_long.jsonl" \
     --profile "${prof[@]}" --json "$OUT/profile.json" "${on[@]}" "${small[@]}"
-  step step_cost "$L_cost" python -m vpsd.launch.step_cost --config "$LONG" --manifest "$WORK/world_long.jsonl" \
+  step step_cost "$L_cost" python -m vpsd.bench steps --config "$LONG" --manifest "$WORK/world_long.jsonl" \
     --mode "$capture" "${cost[@]}" --json "$OUT/step_cost.json" "${on[@]}" "${small[@]}"
   [ -n "$b1" ] && bench b1_captured "$L_b1" "$LONG" "$WORK/world_long.jsonl" 1 "$b1" "${small[@]}" "${captured[@]}" \
     --set profile_rounds=30  # every cell's target profiles 30 rounds in the job (vpsd/profiling.py)

@@ -1,6 +1,6 @@
 """Where a round's time goes where it really runs: torch's profiler over a job's rounds (`profile_rounds: N`).
 
-`python -m vpsd.launch.step_cost --profile` times a forward alone in its own process; in a job the same forward
+`vpsd bench steps --profile` times a forward alone in its own process; in a job the same forward
 shares its process with the rank's other threads (video prefetch, the control plane's I/O, heartbeats, the
 prefill-ahead thread, a draft thread), and on one GPU with other ranks. `RoundProfile` profiles N consecutive
 rounds of a running job (after `skip` rounds: graphs captured, caches warm) and writes, beside the rank's trace:

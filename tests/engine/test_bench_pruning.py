@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench_pruning.py on 2 tiny items: every strategy, one run, lossless, hand-checked MAT."""
+"""Smoke test of `vpsd bench pruning` on 2 tiny items: every strategy, one run, lossless, hand-checked MAT."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ def test_every_strategy_on_the_same_items(tmp_path):
     manifest = write_manifest(tmp_path / "data", seeds=[0, 1], num_frames=8, size=(112, 112), max_new_tokens=24)
     out = tmp_path / "bench"
     # draft=self: with strategy none the draft IS the target, so every draft token is accepted.
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_pruning.py"),
+    cmd = [sys.executable, "-m", "vpsd.bench", "pruning",
            "--config", str(ROOT / "configs" / "tiny_qwen2_5_vl.yaml"), "--manifest", str(manifest), "--out", str(out), "--max-new-tokens", "8", "--repeats", "1",
            "--set", "draft=self", "--set", "decoding.gamma=4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in STRATEGIES:
         assert f"\n{name:<14} " in proc.stdout

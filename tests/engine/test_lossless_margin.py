@@ -71,13 +71,13 @@ def test_exact_verify_reproduces_ar_rows_bit_for_bit_in_bf16():
 
 
 def test_the_throughput_bench_judges_what_differs_by_the_targets_margin(tmp_path):
-    """`vpsd bench` (reports/throughput.py) no longer stops at "6/8": each output that differs from batch-1 `ar`'s is
+    """`vpsd bench` (bench/throughput.py) no longer stops at "6/8": each output that differs from batch-1 `ar`'s is
     judged where it first differs (launch/lossless.py judge_runs); a tie would count as "+N ties", a real
     divergence stays a failure and is named under the table. Nothing differs: the target is not even loaded."""
     import argparse
 
     from vpsd.launch.lossless import judge_runs
-    from vpsd.reports.throughput import Cell, judge_differences, summarize_cells
+    from vpsd.bench.throughput import Cell, judge_differences, summarize_cells
     from pathlib import Path
 
     manifest = ROOT / "examples" / "world" / "manifest.jsonl"

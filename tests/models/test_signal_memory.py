@@ -1,5 +1,5 @@
 """Issue 13, point 5: what the pruning signals cost is bounded by structure, whatever the depth.
-(scripts/signal_memory.py measures the same at a real target's depth and 24k tokens.)"""
+(`vpsd bench signal_memory` measures the same at a real target's depth and 24k tokens.)"""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.torchrun_jobs import ROOT, world_manifest
-from vpsd.reports.bench import BenchRun, default_runs, main
+from vpsd.bench.methods import BenchRun, default_runs, main
 
 
 def test_default_runs_cover_every_method_then_every_other_strategy():
@@ -18,7 +18,7 @@ def test_default_runs_cover_every_method_then_every_other_strategy():
 def test_pearl_brings_its_table3_row_and_the_four_rows_read_as_steps():
     """HIPPO Table 3: pearl-video (the draft told after the target's prefill), pearl, hippo+specvlm, hippo.
     Each step names the terms that moved: here the prefill overlap, then MAT, then T_q and gamma."""
-    from vpsd.reports.bench import PEARL_VIDEO, BenchRow, format_table3
+    from vpsd.bench.methods import PEARL_VIDEO, BenchRow, format_table3
 
     runs = default_runs("hippo", methods=["ar", "pearl", "hippo"], strategies=["specvlm"])
     assert [r.label for r in runs] == ["ar", "pearl-video", "pearl", "hippo", "hippo+specvlm"]
@@ -79,7 +79,7 @@ def test_accounting_by_hand(tmp_path):
     """Baseline = per-item median of the ar runs; speedups on the same ids; theory = Theorem 6 against ar's
     per-token time with tau_hat and the full-window verify time; efficiency = measured / theory."""
     from vpsd.pipeline.theory import predicted_speedup
-    from vpsd.reports.bench import Baseline, measure
+    from vpsd.bench.methods import Baseline, measure
 
     toks = list(range(11))  # 11 tokens: 10 decoded after the prefill's first
     for i, (wall, decode) in enumerate([(3.0, 2.0), (3.4, 2.4), (2.9, 1.9)]):
@@ -106,7 +106,7 @@ def test_accounting_by_hand(tmp_path):
 def test_throughput_accounting_by_hand():
     """vpsd bench --batch: ratios over batched and batch-1 ar, the prefill cap, the spread and App. C's
     prediction, from cells whose numbers are chosen by hand."""
-    from vpsd.reports.throughput import Cell, format_table, predicted_tokens_per_s, summarize_cells
+    from vpsd.bench.throughput import Cell, format_table, predicted_tokens_per_s, summarize_cells
 
     def cell(iph, dts, prefill_s, batching=None, outputs=None):
         return Cell(4, 0, iph, dts, 1.0, 2.0, 800.0, batching, outputs or {"a": [1, 2]}, prefill_s)
@@ -140,7 +140,7 @@ def test_report_only_reads_the_runs_the_bench_scheduled(tmp_path, capsys):
     """`vpsd bench --report-only --out DIR` rebuilds the table from the cells DIR/schedule.json lists, whatever
     else is in DIR and whatever flags it is given; without a schedule it refuses instead of guessing."""
     from vpsd.launch.cli import main as vpsd
-    from vpsd.reports.throughput import write_schedule
+    from vpsd.bench.throughput import write_schedule
 
     def job(path, loop_s, tokens, batching=None):
         path.mkdir(parents=True)

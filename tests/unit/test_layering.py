@@ -4,7 +4,8 @@
 - a role imports no other role's module except the shared pieces, and nothing from vpsd.launch;
 - nothing outside vpsd.launch imports vpsd.launch (the launcher sits on top);
 - reports read what jobs wrote: they import neither roles nor the launcher;
-- integrations (vpsd.integrations: vpsd inside other programs) sit on top of everything: nothing else imports them.
+- integrations (vpsd.integrations: vpsd inside other programs) sit on top of everything: nothing else imports them;
+- the benchmarks (vpsd.bench) sit on top beside the launcher: only the `vpsd` command imports them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def test_roles_do_not_import_each_other(path):
     assert not (vpsd_imports(path) & loops) - {own}, f"{path.name} imports another role's loop"
 
 
+def test_only_the_command_imports_the_benchmarks():
+    """The benchmarks measure the runtime from outside, as a user runs it (torchrun jobs, or forwards timed alone):
+    nothing the runtime runs may depend on them."""
+    users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
+             if "bench" not in p.relative_to(PACKAGE).parts and any(layer(n) == "bench" for n in _all_imports(p))}
+    assert users <= {"launch/cli.py"}, sorted(users)
+
+
 def test_nothing_imports_an_integration():
     """An integration's host (lmms-eval...) is an optional install: vpsd must import and run without it."""
     outside = [p for p in sorted(PACKAGE.rglob("*.py")) if "integrations" not in p.relative_to(PACKAGE).parts]
@@ -70,7 +79,8 @@ def test_nothing_imports_an_integration():
 
 
 # The commands that run the oracle as their check: `python -m vpsd.launch.lossless` (a run against `ar`) and
-# `vpsd grow` (a grown checkpoint decodes as its source).
+# `vpsd grow` (a grown checkpoint decodes as its source). The benchmarks (vpsd/bench/) may too: `vpsd bench pruning`
+# and `trees` decode one item at a time with it, outside any job.
 ORACLE_CHECKS = {"launch/lossless.py", "launch/grow.py"}
 
 
@@ -78,7 +88,7 @@ def test_only_the_checks_import_the_reference_decoders():
     """decoders/ is the oracle the engine is held to (short loops, one item at a time): production code decodes
     with the engine alone, so the oracle stays independent of what it checks."""
     users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
-             if "decoders" not in p.relative_to(PACKAGE).parts
+             if not {"decoders", "bench"} & set(p.relative_to(PACKAGE).parts)  # a bench measures from outside
              and any(layer(n) == "decoders" for n in vpsd_imports(p))}
     assert users <= ORACLE_CHECKS, sorted(users - ORACLE_CHECKS)
 

@@ -1,5 +1,5 @@
 """What the engine did over a job, for summary.json's `run.batching` and the throughput bench's accounting
-(ParallelVLM App. C over a batch, reports/throughput.py): rounds, items per round, the window, the target's
+(ParallelVLM App. C over a batch, bench/throughput.py): rounds, items per round, the window, the target's
 verify forward (T_p of the batch), the draft's step (T_q), tau_hat over every verified window."""
 
 from __future__ import annotations

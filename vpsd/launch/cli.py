@@ -5,9 +5,7 @@
     vpsd timeline DIR [--item ID] [--out PNG]
     vpsd bias DIR [--strategy S] [--band 0.1] [--out PNG]   position bias of the kept tokens per frame
     vpsd acceptance DIR [--item ID] [--out PNG]              accepted draft tokens per verification round
-    vpsd bench --manifest M [--config C] [--out DIR]         every method and strategy, one table
-    vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile K]   throughput per batch size
-    vpsd bench --report-only --out DIR                        that table again, from a finished run's jobs
+    vpsd bench [methods|throughput|steps|forwards|pruning] ...   the benchmarks (`vpsd bench --help`)
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
     vpsd plan --config C [--method M] [--set K=V] [--gpu-gib G]  each rank's memory, from the configs alone
     vpsd world [--kind short|long] --out DIR --count N [--seed S]   procedural videos and their manifest
@@ -34,10 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.bias import main as run
     elif command == "acceptance":
         from vpsd.reports.acceptance import main as run
-    elif command == "bench" and any(a in ("--batch", "--report-only") or a.startswith("--batch=") for a in rest):
-        from vpsd.reports.throughput import main as run
     elif command == "bench":
-        from vpsd.reports.bench import main as run
+        from vpsd.bench import main as run
     elif command == "grow":
         from vpsd.launch.grow import main as run
     elif command == "plan":

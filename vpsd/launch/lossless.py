@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ar", type=Path, required=True, help="results directory of the ar run")
     p.add_argument("--runs", type=Path, nargs="+", required=True)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides (as the runs had)")
-    p.add_argument("--json", type=Path, help="also write every difference here (what `vpsd bench --batch` reads)")
+    p.add_argument("--json", type=Path, help="also write every difference here (what `vpsd bench throughput` reads)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, parse_overrides(args.set))
     ar = _results(args.ar)

@@ -19,7 +19,7 @@ no queries stacked over layers, no keys on the wire (for Qwen2.5-VL-7B and 24k v
 layers where the keys were 483 MiB), and the pruner has nothing to rebuild. The cost moves to the target:
 Hq x Nt x S x d multiply-adds a layer, Nt text rows against the layer's own prefill of S rows (about 0.1% at
 7B width and 24k tokens, by that count); measured, 1-2% of the CPU scale default's small prefill
-(scripts/signal_cost.py).
+(`vpsd bench signals`).
 
 Hidden-state rows (UV-Prune) are read only at the two layers UV-Prune's score uses (its sum telescopes:
 pipeline/pruning/uv.py), so no per-layer stack of them exists: the input of layer 0 is the embeddings the
@@ -27,7 +27,7 @@ prefill feeds (no family here scales them), the output of layer L comes from a f
 
 As soon as layer L-1 has run, every signal is complete: a hook there hands them to `on_ready` while the
 layers after L are still to run (the target starts the send to the pruner in it).
-scripts/signal_memory.py measures all of it at a real target's depth and 24k tokens.
+`vpsd bench signal_memory` measures all of it at a real target's depth and 24k tokens.
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.

@@ -1,7 +1,7 @@
 """`vpsd bias RUN_DIR`: the position bias of the kept video tokens, per frame (HIPPO Sec. 4, Fig. 2 / 8).
 
 Input: RUN_DIR/kept.jsonl (reports/kept_log.py; the pruner of a parallel run writes it, so does
-scripts/bench_pruning.py with one record per strategy), or a kept.jsonl path. For every strategy in it and
+`vpsd bench pruning` with one record per strategy), or a kept.jsonl path. For every strategy in it and
 every frame index: the share of the frame's kept prunable tokens that lie in the boundary band (the top and
 bottom `band` of its rows, pipeline/pruning/position_bias.py), averaged over the items that have that frame
 and keep something in it, next to the uniform expectation (the share of that frame's prunable tokens that
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = args.run / FILENAME if args.run.is_dir() else args.run
     if not source.exists():
         print(f"vpsd bias: {source} not found (written by the pruner of a parallel run, or by "
-              "scripts/bench_pruning.py)", file=sys.stderr)
+              "`vpsd bench pruning`)", file=sys.stderr)
         return 2
     records = [r for r in read_kept(source) if args.strategy in (None, r.strategy)]
     if not records:

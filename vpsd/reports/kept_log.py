@@ -1,6 +1,6 @@
 """kept.jsonl: the video tokens the draft kept, per item, with the layout needed to place them on the frame.
 
-Written by the pruner rank of a parallel run (RUN_DIR/kept.jsonl) and by scripts/bench_pruning.py; read by
+Written by the pruner rank of a parallel run (RUN_DIR/kept.jsonl) and by `vpsd bench pruning`; read by
 `vpsd bias` (reports/bias.py). One JSON object per line, appended and flushed like results.jsonl:
 
     {"id": "world-0", "strategy": "hippo", "ratio": 0.9, "grid": [T, H, W],

@@ -6,8 +6,8 @@ alternate the order, a plain `adapter.prefill` and `prefill_for_strategy` with t
 parallel run captures it (the streamed layers) and as a serial run does (every layer); it prints the median
 ratio over items and rounds, and the spread of the plain prefill's own times (the noise).
 
-Run from the repository root (one core, as the target runs in the demo):
-  PYTHONPATH=$PWD python scripts/signal_cost.py --config configs/world_qwen2_5_vl_scaled.yaml \
+One core, as the target runs in the demo:
+  vpsd bench signals --config configs/world_qwen2_5_vl_scaled.yaml \
       --manifest examples/world/manifest.jsonl [--items 4 --repeats 5]
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vpsd bench signals", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--manifest", required=True)
     p.add_argument("--items", type=int, default=4)
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:8s} hooked median {statistics.median(times[name]) * 1e3:8.1f} ms, "
               f"x{statistics.median(ratios[name]):.3f} the plain prefill "
               f"(ratios {min(ratios[name]):.3f}..{max(ratios[name]):.3f})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,8 +3,8 @@ concatenation and grouped-query heads are expanded by copies) against vpsd's (mo
 grows in place, and models/attention, which attends without per-head copies), on one randomly initialised
 Qwen2.5-VL text model, in one process, interleaved per shape; outputs compared.
 
-    python scripts/cache_cost.py HIDDEN,LAYERS,HEADS,KV_HEADS,HEAD_DIM,INTERMEDIATE
-    python scripts/cache_cost.py 768,12,16,8,48,2048     # the grown long-world target (configs/world_long_scaled.yaml)
+    vpsd bench cache HIDDEN,LAYERS,HEADS,KV_HEADS,HEAD_DIM,INTERMEDIATE
+    vpsd bench cache 768,12,16,8,48,2048     # the grown long-world target (configs/world_long_scaled.yaml)
 
 Per shape (batch B, context L, rows k): the median of 6 forwards after a chunked prefill, each rolled back."""
 import sys
@@ -58,16 +58,21 @@ def run(model, cfg, vpsds: bool, batch: int, context: int, rows: int, reps: int 
     return times[len(times) // 2] * 1000, out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, cfg = text_model(*map(int, sys.argv[1].split(",")))
+    model, cfg = text_model(*map(int, argv[0].split(",")))
     for batch, context, rows in SHAPES:
         theirs, a = run(model, cfg, False, batch, context, rows)
         ours, b = run(model, cfg, True, batch, context, rows)
         print(f"B={batch} L={context} k={rows}: transformers {theirs:.1f} ms  vpsd {ours:.1f} ms  "
               f"({theirs / ours:.2f}x)  max|diff| {(a - b).abs().max().item():.2e}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

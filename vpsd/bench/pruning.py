@@ -1,8 +1,8 @@
-"""Pruning benchmark (a script, not a test): every pruning strategy on the same inputs, in one run.
+"""The pruning benchmark: every pruning strategy on the same inputs, in one run.
 
-    python scripts/bench_pruning.py --config CONFIG --manifest MANIFEST [--out DIR] [--ratio R]
-                                    [--strategies a,b,...] [--items N] [--max-new-tokens N] [--repeats 3]
-                                    [--set KEY=VALUE ...]
+    vpsd bench pruning --config CONFIG --manifest MANIFEST [--out DIR] [--ratio R]
+                       [--strategies a,b,...] [--items N] [--max-new-tokens N] [--repeats 3]
+                       [--set KEY=VALUE ...]
 
 Per item the target's signals are captured once (one full prefill with hooks on its first `pruning.layers`
 layers, all by default as in a serial run: the text-to-video attention scored on the target, hidden-state rows, and the visual embeddings), packed and unpacked exactly as
@@ -31,26 +31,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from vpsd.config import DecodingConfig, RunConfig, load_config, parse_overrides  # noqa: E402
-from vpsd.tracing import configure_tracing  # noqa: E402
-from vpsd.decoders.ar import decode_ar  # noqa: E402
-from vpsd.decoders.sd import decode_sd  # noqa: E402
-from vpsd.reports.kept_log import FILENAME, KeptRecord, append_kept  # noqa: E402
-from vpsd.launch.manifest import load_manifest  # noqa: E402
-from vpsd.models.base import VideoLMAdapter  # noqa: E402
-from vpsd.models.registry import load_adapter, load_draft  # noqa: E402
-from vpsd.models.signals import prefill_with_signals  # noqa: E402
-from vpsd.pipeline.layout import VideoTokenLayout  # noqa: E402
-from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals  # noqa: E402
-from vpsd.pipeline.stats import AcceptanceStats  # noqa: E402
-from vpsd.roles.pruner import check_keep  # noqa: E402
-from vpsd.roles.signals_wire import pack, unpack  # noqa: E402
-from vpsd.video.item import load_item_frames  # noqa: E402
+from vpsd.config import DecodingConfig, RunConfig, load_config, parse_overrides
+from vpsd.tracing import configure_tracing
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.sd import decode_sd
+from vpsd.reports.kept_log import FILENAME, KeptRecord, append_kept
+from vpsd.launch.manifest import load_manifest
+from vpsd.models.base import VideoLMAdapter
+from vpsd.models.registry import load_adapter, load_draft
+from vpsd.models.signals import prefill_with_signals
+from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.pruning.strategies import STRATEGIES, PruningSignals
+from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.roles.pruner import check_keep
+from vpsd.roles.signals_wire import pack, unpack
+from vpsd.video.item import load_item_frames
 
 
 @dataclass
@@ -145,10 +142,10 @@ def format_table(rows: list[StrategyRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_pruning.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vpsd bench pruning", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--manifest", required=True)
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_pruning")
+    p.add_argument("--out", type=Path, default=Path("runs/bench_pruning"))
     p.add_argument("--ratio", type=float, default=None, help="pruning ratio (default: the config's)")
     p.add_argument("--strategies", default=None, help="comma-separated subset of the registry (default: all)")
     p.add_argument("--items", type=int, default=None, help="only the first N items of the manifest")

@@ -1,7 +1,7 @@
-"""`python -m vpsd.launch.step_cost`: what a decode step and a verify cost eager and captured, side by side.
+"""`vpsd bench steps`: what a decode step and a verify cost eager and captured, side by side.
 
-    python -m vpsd.launch.step_cost --config C --manifest M [--set KEY=VALUE ...] [--mode cudagraphs]
-                                    [--widths 1,8] [--steps 16] [--repeats 5] [--json OUT] [--profile]
+    vpsd bench steps --config C --manifest M [--set KEY=VALUE ...] [--mode cudagraphs]
+                     [--widths 1,8] [--steps 16] [--repeats 5] [--json OUT] [--profile]
 
 The terms of App. C that captured steps (models/captured.py) move: the target's step T_p and the draft's T_q,
 hence their ratio c = T_p / T_q, which on a GPU an eager step's launch overhead squeezes toward the ratio of
@@ -13,7 +13,7 @@ warm-up that compiles the graphs. Medians and the spread (max - min over median)
 largest logit difference between the two paths at each width (float noise; greedy identity is the tests').
 
 `--profile` instead splits each eager forward into kernels, launches and host waits and counts its aten ops and
-host reads against transformers' own generate() step (launch/step_profile.py).
+host reads against transformers' own generate() step (bench/step_profile.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from vpsd.launch.manifest import load_manifest
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.captured import held_entries
 from vpsd.models.registry import load_adapter, load_draft
-from vpsd.launch.step_profile import StepProfile, format_profiles, profile_steps
+from vpsd.bench.step_profile import StepProfile, format_profiles, profile_steps
 from vpsd.models.timing import settled_clock
 from vpsd.video.item import load_item_frames
 
@@ -107,7 +107,8 @@ def format_table(costs: list[Cost]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="a step's and a verify's cost, eager and captured, side by side")
+    p = argparse.ArgumentParser(prog="vpsd bench steps",
+                                description="a step's and a verify's cost, eager and captured, side by side")
     p.add_argument("--config", required=True)
     p.add_argument("--manifest", required=True)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides")

@@ -1,6 +1,6 @@
 """The method benchmark: every method, pruning baseline and ablation on one manifest, in one run.
 
-    python -m vpsd.reports.bench --config configs/world_qwen2_5_vl_scaled.yaml --manifest M --out runs/bench [--repeats 3]
+    vpsd bench methods --config configs/world_qwen2_5_vl_scaled.yaml --manifest M --out runs/bench [--repeats 3]
 
 Each row is a real torchrun job of `vpsd.launch.entry` (the same launcher users run), writing its own run
 directory under --out. Rows: the methods (pearl preceded by `pearl-video`, its draft told of an item only
@@ -264,7 +264,7 @@ def write_report(out: Path, name: str, table: str, rows: list, meta: dict) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vpsd bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vpsd bench methods", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
     p.add_argument("--manifest", required=True)
     p.add_argument("--out", type=Path, default=Path("runs/bench"))

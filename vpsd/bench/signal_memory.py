@@ -13,7 +13,7 @@ strategy (hippo) and for UV-Prune (parallelvlm) it reports, in MiB:
   measured numbers check), with the transient a layer's scoring adds on the target while it runs (that
   layer's keys widened to float32 and one chunk of 32 text queries' logits, freed before the next layer).
 
-Run from the repository root: PYTHONPATH=$PWD python scripts/signal_memory.py [--tokens-side 32 --groups 24]
+    vpsd bench signal_memory [--tokens-side 32 --groups 24]
 Pointing PYTHONPATH at an older checkout measures that checkout's signals (the "before" figures).
 """
 
@@ -138,8 +138,8 @@ def _keys_stacked() -> bool:
     return "torch.stack(value)" in inspect.getsource(signals.PrefillSignals.as_tensors)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vpsd bench signal_memory", description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=24)
     p.add_argument("--tokens-side", type=int, default=32)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{'':6s} {name} (bf16, same tokens): capture {c:9.1f} MiB, wire {w:9.1f} MiB"
                   + (f", per-layer transient {t:.1f} MiB" if t else ""))
     print(f"target process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

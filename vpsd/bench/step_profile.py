@@ -1,4 +1,4 @@
-"""Where a step's time goes (`python -m vpsd.launch.step_cost --profile`): kernels, launches, host waits, ops.
+"""Where a step's time goes (`vpsd bench steps --profile`): kernels, launches, host waits, ops.
 
 For one prefilled item (as step_cost prefills it) and each width k (1: a decode step; gamma + 1: a verify), the
 model's eager forward of k tokens is run `steps` times and split four ways:

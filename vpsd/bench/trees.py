@@ -1,7 +1,7 @@
 """Tree vs chain accept length (SpecVLM Table 4's comparison), in one process, no timing.
 
-    python scripts/tree_mat.py [--config configs/world_qwen2_5_vl.yaml] [--manifest examples/world/manifest.jsonl]
-                               [--ratio 0.9] [--tree eagle --tree '[4,2,1]' ...] [--items N] [--set KEY=VALUE ...]
+    vpsd bench trees [--config configs/world_qwen2_5_vl.yaml] [--manifest examples/world/manifest.jsonl]
+                     [--ratio 0.9] [--tree eagle --tree '[4,2,1]' ...] [--items N] [--set KEY=VALUE ...]
 
 Runs the serial decoders (decoders/serial.py, the code the target rank runs for serial methods) greedily on
 every manifest item: `ar`, then vanilla SD (a chain of gamma), SD-tree, SpecVLM-chain and SpecVLM (tree), each
@@ -19,17 +19,14 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from vpsd.config import load_config, parse_overrides  # noqa: E402
-from vpsd.decoders.serial import decode_serial  # noqa: E402
-from vpsd.launch.manifest import load_manifest  # noqa: E402
-from vpsd.models.registry import load_adapter, load_draft  # noqa: E402
-from vpsd.pipeline.methods import get_method  # noqa: E402
-from vpsd.pipeline.stats import AcceptanceStats  # noqa: E402
-from vpsd.pipeline.tree import parse_tree  # noqa: E402
-from vpsd.tracing import configure_tracing  # noqa: E402
+from vpsd.config import load_config, parse_overrides
+from vpsd.decoders.serial import decode_serial
+from vpsd.launch.manifest import load_manifest
+from vpsd.models.registry import load_adapter, load_draft
+from vpsd.pipeline.methods import get_method
+from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.tree import parse_tree
+from vpsd.tracing import configure_tracing
 
 
 @dataclasses.dataclass
@@ -61,9 +58,9 @@ def rows_for(trees: list[str], ratio: float) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tree_mat.py", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "world_qwen2_5_vl.yaml"))
-    p.add_argument("--manifest", default=str(ROOT / "examples" / "world" / "manifest.jsonl"))
+    p = argparse.ArgumentParser(prog="vpsd bench trees", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/world_qwen2_5_vl.yaml")
+    p.add_argument("--manifest", default="examples/world/manifest.jsonl")
     p.add_argument("--ratio", type=float, default=None, help="SpecVLM's pruning ratio (default: the config's)")
     p.add_argument("--tree", action="append", default=None, help="a tree setting, YAML (default: eagle); repeatable")
     p.add_argument("--items", type=int, default=None)

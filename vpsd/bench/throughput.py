@@ -1,7 +1,7 @@
 """The throughput benchmark: every method at every batch size, against batched `ar` at the same size, in one run.
 
-    vpsd bench --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile 4] [--repeats 3] [--out DIR]
-    vpsd bench --report-only --out DIR     (the table again from DIR's runs, as DIR/schedule.json lists them)
+    vpsd bench throughput --batch 1,2,4,8,16 --manifest M [--methods ar,sd,hippo] [--tile 4] [--repeats 3] [--out DIR]
+    vpsd bench throughput --report-only --out DIR     (the table again from DIR's runs, as DIR/schedule.json lists them)
 
 Each cell (method, B) is a real torchrun job of `vpsd.launch.entry --batch B` (B = 1: the method's own path, the
 roles for a parallel method; B > 1: continuous batching, engine/engine.py; a method written METHOD:pipelined
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from vpsd.pipeline.cost import batch_token_time
 from vpsd.pipeline.theory import parallel_sd_rollback_token_time
-from vpsd.reports.bench import BenchRun, run_one, write_report
+from vpsd.bench.methods import BenchRun, run_one, write_report
 from vpsd.reports.summary import read_rows
 
 
@@ -303,7 +303,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vpsd bench --batch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vpsd bench throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
     p.add_argument("--manifest", type=Path, help="required unless --report-only")
     p.add_argument("--out", type=Path, default=Path("runs/throughput"))

@@ -1,7 +1,7 @@
 """What a config's target and draft cost on long-world items: prefill, a one-row step and an 8-row verify, with
 all of the video and with 10% of it (a uniform lattice: the cost depends on how many tokens are kept, not which).
 
-    python scripts/forward_costs.py --config configs/world_long_scaled.yaml [--seeds 100004,100006] [--set K=V ...]
+    vpsd bench forwards --config configs/world_long_scaled.yaml [--seeds 100004,100006] [--set K=V ...]
 
 fp32 as configured, one thread, vpsd's own adapters and cache; medians of 9 calls (3 for prefill), each step
 rolled back so every call sees the same context. c = T_p / T_q is the target's step over the draft's."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,12 +48,13 @@ def costs(model, emb, keep) -> tuple[float, float, float, int]:
     return prefill, median_ms(lambda: rows(1), 9), median_ms(lambda: rows(8), 9), length
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vpsd bench forwards", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--seeds", default="100004,100006", help="long-world seeds (held out from 100000 on)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg = load_config(a.config, parse_overrides(a.set))
     target = load_adapter(cfg.family, cfg.target)
@@ -68,7 +70,8 @@ def main() -> None:
                 pf, step, eight, length = costs(model, emb, keep)
                 print(f"{item['id']:<13} {name:<6} {emb.layout.num_tokens:>5} {seen:>5} {length:>8} {pf:>12.1f}"
                       f" {step:>8.2f} {eight:>10.2f}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""`vpsd bench`: every benchmark vpsd has, one command. Each measures side by side in one run (interleaved,
+repeated, medians and the noise printed), never in a test; those that decode check every output against `ar`'s.
+
+    vpsd bench methods    --manifest M [--config C] [--methods ...]   every method and strategy, one table (B = 1)
+    vpsd bench throughput --batch 1,2,4,8 --manifest M [--tile K]     items/hour per method and batch size
+    vpsd bench steps      --config C --manifest M [--profile]         a step and a verify, eager against captured
+    vpsd bench forwards   --config C [--seeds ...]                    prefill, step and 8-row verify, all or 10% video
+    vpsd bench pruning    --config C --manifest M                     every pruning strategy on the same inputs
+    vpsd bench trees      [--config C] [--tree T ...]                 tree against chain accept length (no timing)
+    vpsd bench signals    --config C --manifest M                     what capturing the pruning signals adds
+    vpsd bench signal_memory [--groups G --tokens-side S]             the signals' memory at a real depth
+    vpsd bench cache      HIDDEN,LAYERS,HEADS,KV_HEADS,HEAD_DIM,FFN   vpsd's cache and attention against transformers'
+
+The first two run real torchrun jobs (the launcher users run); the others measure forwards in this process.
+Not here: scripts/load_memory.py (a load over torchrun ranks of its own) and scripts/api_vs_job.py (the Python API
+against the job), which measure a launch, not a forward.
+Without a subcommand, `vpsd bench` is `methods`, or `throughput` when given --batch or --report-only (the form
+older scripts use). `python -m vpsd.bench ...` is the same command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = ("methods", "throughput", "steps", "forwards", "pruning", "trees", "signals", "signal_memory", "cache")  # each a module of this package
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv and argv[0] in SUBCOMMANDS:
+        name, rest = argv[0], argv[1:]
+    else:
+        batched = any(a in ("--batch", "--report-only") or a.startswith("--batch=") for a in argv)
+        name, rest = ("throughput" if batched else "methods"), argv
+    module = importlib.import_module(f"vpsd.bench.{name}")  # only the one asked for: each is heavy
+    return module.main(rest)
