@@ -67,8 +67,9 @@ class Coordinator:
         self._thread.start()
         self.ready.wait()
 
-    def join(self) -> dict:
-        """Waits for the job's end; the summary, or the coordinator's failure raised here."""
+    def result(self) -> dict:
+        """Waits for the job's end; the summary, or the coordinator's failure raised here. (Not `join`: in vpsd a
+        request joins the batch, and nothing else does.)"""
         self._thread.join()
         if self.failure is not None:
             raise self.failure

@@ -254,7 +254,7 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             run_pipeline(ctx, cfg, CoordinatorLink(ctx, pipeline.index, layout.coordinator), len(layout.pipelines),
                          target_group)
             if coordinator is not None:
-                coordinator.join()
+                coordinator.result()
         elif role == "draft":
             from vpsd.models.registry import load_adapter
             from vpsd.roles.draft import run_draft
