@@ -26,7 +26,8 @@ from vpsd.decoders.sd import decode_sd
 from vpsd.engine.request import Request
 from vpsd.engine.scheduler import kv_bytes_per_token
 from vpsd.models.batch import BatchedCache
-from vpsd.pipeline.cost import ExploreBudget, SerialWindow, batch_token_time
+from vpsd.pipeline.cost import ExploreBudget, SerialWindow
+from vpsd.pipeline.theory import serial_round_token_time
 from vpsd.pipeline.drafting_policy import DraftingPolicy, ItemMeans, serial_loss
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.pipeline.theory import expected_accepted
@@ -211,12 +212,12 @@ def test_items_join_only_while_their_kv_fits_the_budget():
 # ---- the window by goodput ------------------------------------------------------------------------------
 
 
-def test_batch_token_time_is_the_round_over_what_it_commits():
+def test_serial_round_token_time_is_the_round_over_what_it_commits():
     # gamma 4 drafts at 2 ms, a 5-row verify of 40 ms, tau 0.8: (4*2 + 40) / (1 + E[X]) with Lemma 1's E[X].
-    assert batch_token_time(0.002, 0.040, 4, 0.8) == pytest.approx(0.048 / (1 + 0.8 * (1 - 0.8**4) / 0.2))
-    assert batch_token_time(0.002, 0.030, 0, 0.8) == pytest.approx(0.030)  # gamma 0: one plain step per token
+    assert serial_round_token_time(0.002, 0.040, 4, 0.8) == pytest.approx(0.048 / (1 + 0.8 * (1 - 0.8**4) / 0.2))
+    assert serial_round_token_time(0.002, 0.030, 0, 0.8) == pytest.approx(0.030)  # gamma 0: one plain step per token
     # A quarter of the rows drafting: the round is the same, a quarter of the rows gain E[X].
-    assert batch_token_time(0.002, 0.040, 4, 0.8, 0.25) == pytest.approx(0.048 / (1 + 0.25 * 2.3616))
+    assert serial_round_token_time(0.002, 0.040, 4, 0.8, 0.25) == pytest.approx(0.048 / (1 + 0.25 * 2.3616))
     assert expected_accepted(0.8, 4) == pytest.approx(2.3616)
 
 
@@ -243,7 +244,7 @@ def test_the_window_speculates_where_it_pays_and_falls_back_to_plain_batching_wh
     g = good.choose(8)
     assert g == min(costs, key=costs.get) > 0 and costs[g] < costs[0]
     t_q, t_p = 0.001 + 0.0002 * 8, 0.045 + 0.002 * 8 * (g + 1)
-    assert costs[g] == pytest.approx(batch_token_time(t_q, t_p, g, good.cost.tau), rel=1e-9)
+    assert costs[g] == pytest.approx(serial_round_token_time(t_q, t_p, g, good.cost.tau), rel=1e-9)
     bad = SerialWindow(5, 1, 12)
     _measured(bad, (0.02, 0.002), (0.045, 0.03), (1, 40))  # expensive draft and verify rows, tau near 0
     choices = [bad.choose(8) for _ in range(200)]

@@ -16,8 +16,8 @@ Per row: MAT and acceptance; tau_hat (per-token acceptance, pipeline/theory.py);
 ran with (the mean of what `gamma: auto` chose, ParallelVLM Eq. 6); the measured wall speedup (vision +
 prefill + decode) and decode-only speedup over `ar` on the same ids; the decode-only speedup ParallelVLM
 Appendix C predicts from the row's own measured T_p (mean target verify forward), T_q (mean draft forward),
-gamma and tau_hat against `ar`'s own measured per-token time (Theorem 6 for parallel rows, Theorem 4 for
-serial ones); efficiency = measured decode-only / predicted; per round, what the target spent neither
+gamma and tau_hat against `ar`'s own measured per-token time (Theorem 6 for parallel rows; for serial ones the
+round the serial window prices, pipeline/theory.py); efficiency = measured decode-only / predicted; per round, what the target spent neither
 verifying nor waiting for a chunk (overhead: Python, messaging, bookkeeping); the mean wait from the end of
 the target's prefill to the first chunk; whether every output equals `ar`'s.
 Writes OUT/bench.txt, bench.csv, bench.json and bench.png; exits 1 if any output differs from `ar`.

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vpsd.pipeline.cost import batch_token_time
+from vpsd.pipeline.theory import serial_round_token_time
 from vpsd.pipeline.theory import parallel_sd_rollback_token_time
 from vpsd.bench.methods import BenchRun, run_one, write_report
 from vpsd.reports.summary import read_rows
@@ -136,8 +136,8 @@ STALL_FACTOR = 3.0
 
 
 def predicted_tokens_per_s(batching: dict | None) -> float | None:
-    """App. C over a batch: committed tokens per second of the run's mean round, every item of it: Theorem 4's
-    serial round for the batched engine (pipeline/cost.py), Theorem 6's for a pipelined batch, where
+    """App. C over a batch: committed tokens per second of the run's mean round, every item of it: the serial
+    round the batched engine's window prices (theory.serial_round_token_time), Theorem 6's for a pipelined batch, where
     the draft's gamma forwards overlap the target's verify (2 max(gamma T_q, T_p) per round pair, rollbacks
     counted)."""
     if not batching or not batching.get("t_p_s") or not batching.get("mean_batch"):
@@ -147,7 +147,7 @@ def predicted_tokens_per_s(batching: dict | None) -> float | None:
     tau = batching.get("tau_hat") or 0.0
     if batching.get("pipelined"):
         return batching["mean_batch"] / parallel_sd_rollback_token_time(t_q, batching["t_p_s"], gamma, tau)
-    return batching["mean_batch"] / batch_token_time(t_q, batching["t_p_s"], gamma, tau)
+    return batching["mean_batch"] / serial_round_token_time(t_q, batching["t_p_s"], gamma, tau)
 
 
 def _batch_sizes(text: str) -> list[int]:

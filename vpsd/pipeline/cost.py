@@ -15,7 +15,7 @@ engine sees of its pacing:
 
       time per committed token x B = (gamma T_q(k) + T_p(B (gamma + 1))) / (1 + (k / B) E[X](tau, gamma))
 
-  with k of the B rows drafting (`batch_token_time`); E[X] = tau (1 - tau^gamma) / (1 - tau) (Lemma 1).
+  with k of the B rows drafting (`theory.serial_round_token_time`); E[X] = tau (1 - tau^gamma) / (1 - tau) (Lemma 1).
   gamma = 0 is plain batched decoding, so the window falls back to it exactly where speculation does not
   pay at this B (SmartSpec's goodput rule, with Theorem 6's acceptance model).
 - `ParallelWindow`: the draft runs beside the target (a remote drafter). The pipeline balances when
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vpsd.pipeline.theory import expected_accepted, parallel_sd_rollback_token_time, tau_hat
+from vpsd.pipeline.theory import expected_accepted, parallel_sd_rollback_token_time, serial_round_token_time, tau_hat
 
 AUTO = "auto"
 EXPLORE_SHARE = 0.03  # what exploring a losing draft may cost, as a share of the plain decoding's time
@@ -144,12 +144,6 @@ class ExploreBudget:
         return True
 
 
-def batch_token_time(t_q: float, t_p: float, gamma: int, tau: float, drafting_share: float = 1.0) -> float:
-    """Seconds per committed token of one item in a serial batch round, times B (module docstring), with
-    `drafting_share` = k / B of the rows drafting (the rest commit one token each)."""
-    return (gamma * t_q + t_p) / (1.0 + drafting_share * expected_accepted(tau, gamma))
-
-
 class Window(Protocol):
     """How long the next round's window is, and what the window learns from the rounds: the engine's one view of
     its pacing, chosen with its drafter (`SerialWindow` for a drafter in turns, `ParallelWindow` for one beside
@@ -207,7 +201,7 @@ class SerialWindow:
             windows = {g: g + 1 for g in [0, *range(self.gamma_min, self.gamma_max + 1)]}
         else:
             windows = {0: 1, self.tree[0]: self.tree[1] + 1}
-        return {g: batch_token_time(t_q, c.t_p(batch * rows), g, c.tau, k / batch) for g, rows in windows.items()}
+        return {g: serial_round_token_time(t_q, c.t_p(batch * rows), g, c.tau, k / batch) for g, rows in windows.items()}
 
     def choose(self, batch: int, drafting: int | None = None) -> int:
         """The window of the next round of `batch` items, `drafting` of them with a draft (default: all);

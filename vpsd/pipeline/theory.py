@@ -18,6 +18,11 @@ not hold on real hardware:
   R rounds that ended in a rejection (each accepted token is a success, each rejection a failure of the
   same Bernoulli trial; rounds that accepted everything end without a trial). accepted/drafted is not that
   probability: it counts the tokens after a rejection, which were never tried, as failures.
+A serial round is predicted with that same tau: it commits 1 + E[X] tokens (Lemma 1's accepted length and the
+target's own token), not Theorem 4's tau gamma + 1, which counts the drafted tokens after a rejection as tried
+(`serial_round_token_time`). It is the one formula for serial rounds: the serial window chooses gamma with it
+(pipeline/cost.py), and the reports predict serial rows with it, so a report's prediction is what the engine
+optimised.
 """
 
 from __future__ import annotations
@@ -52,6 +57,13 @@ def serial_sd_token_time(t_q: float, t_p: float, gamma: float, tau: float) -> fl
     return (gamma * t_q + t_p) / (tau * gamma + 1.0)
 
 
+def serial_round_token_time(t_q: float, t_p: float, gamma: float, tau: float, drafting_share: float = 1.0) -> float:
+    """Seconds per committed token of a serial round (the module docstring): (gamma T_q + T_p) / (1 + E[X]).
+    Over a batch (pipeline/cost.py) times B, with `drafting_share` = k / B of the rows drafting (the rest commit
+    one token each); gamma 0 is a plain step, T_p a token."""
+    return (gamma * t_q + t_p) / (1.0 + drafting_share * expected_accepted(tau, gamma))
+
+
 def parallel_sd_rollback_token_time(t_q: float, t_p: float, gamma: float, tau: float) -> float:
     """Theorem 6 (Eq. 13): per-token time of parallel SD with rollback,
     2 max(gamma T_q, T_p) / ((1 + tau^gamma) E[X]), E[X] from Lemma 1 (gamma rounded to the chunk size)."""
@@ -62,7 +74,11 @@ def parallel_sd_rollback_token_time(t_q: float, t_p: float, gamma: float, tau: f
 
 def predicted_speedup(parallel: bool, t_ar: float, t_q: float, t_p: float, gamma: float, tau: float) -> float:
     """Decode-only speedup over `ar` that Appendix C predicts from measured times: T_ar over the method's
-    per-token time (Theorem 6 for the parallel pipeline, Theorem 4 for serial SD). t_ar: ar's measured
-    seconds per token; t_q: one draft step; t_p: one verification forward of the chunks actually sent."""
-    per_token = (parallel_sd_rollback_token_time if parallel else serial_sd_token_time)(t_q, t_p, gamma, tau)
+    per-token time (Theorem 6 for the parallel pipeline; a serial round as the serial window prices it, the
+    module docstring). t_ar: ar's measured seconds per token; t_q: one draft step; t_p: one verification forward
+    of the chunks actually sent."""
+    if parallel:
+        per_token = parallel_sd_rollback_token_time(t_q, t_p, gamma, tau)
+    else:
+        per_token = serial_round_token_time(t_q, t_p, gamma, tau)  # the mean window: E[X] holds for any gamma
     return t_ar / per_token if per_token > 0 else 0.0

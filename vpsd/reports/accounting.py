@@ -2,7 +2,7 @@
 
 `predict(run_dir, method, ar_step_s, summary)` reads the run's traces and results: T_p (the target's verify forward of a
 whole window), T_q (one draft step), the mean window gamma and tau_hat, and returns the decode-only speedup over
-`ar` that Theorem 6 (parallel) or Theorem 4 (serial) predicts against `ar`'s own measured per-token time
+`ar` that Theorem 6 (parallel) or the serial window's round (serial, pipeline/theory.py) predicts against `ar`'s own measured per-token time
 (pipeline/theory.py says why that baseline, and why tau_hat), plus the target's per-round overhead. The bench and
 `vpsd summary --baseline` both report it next to the measured speedup; efficiency = measured / predicted.
 """
