@@ -43,11 +43,11 @@ fi
 echo "test_latest: $(python -m vpsd.provenance)"
 
 subset=(
-    tests/models/test_hf_compat.py tests/models/test_signals.py tests/models/test_scores_as_defined.py tests/engine/test_std.py
+    tests/models/test_hf_compat.py tests/models/test_signals.py tests/models/test_pruning_scores_as_the_papers_define_them.py tests/engine/test_std.py
     tests/models/test_signal_memory.py tests/models/test_adapters.py tests/models/test_views.py tests/models/test_tree_models.py
     tests/models/test_qwen3_vl.py tests/models/test_llava_onevision.py tests/engine/test_lossless_sd.py tests/engine/test_bench_pruning.py
     tests/models/test_grow.py tests/models/test_checkpoint_sampling.py tests/models/test_qwen_video_processor.py
-    tests/models/test_llava_video_processor.py tests/models/test_frame_times.py tests/models/test_one_eos_one_grid.py tests/models/test_captured.py
+    tests/models/test_llava_video_processor.py tests/models/test_frame_times.py tests/models/test_eos_ids_and_video_grids_agree.py tests/models/test_captured.py
     "tests/torchrun/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen3_vl-hippo-hippo_no_attn]"
     "tests/torchrun/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-tabed-batch]"
     # Batched forwards on every family (the upstream-facing part of batching: padded masks, per-row caches); the

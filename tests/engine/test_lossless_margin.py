@@ -1,4 +1,4 @@
-"""Issue 13, point 6: lossless comparisons that fail on real divergence, not on ties; and `exact_verify`,
+"""Lossless comparisons that fail on real divergence, not on ties; and `exact_verify`,
 which makes greedy speculation reproduce `ar` bit for bit (one-token verify forwards)."""
 
 from __future__ import annotations

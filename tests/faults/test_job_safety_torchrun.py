@@ -1,4 +1,4 @@
-"""Jobs no stranger can stop and no mistake can double, through real torchrun (issue 16).
+"""Jobs no stranger can stop and no mistake can double, through real torchrun.
 
 - A process without the job's secret sends the ranks forged Shutdowns and random bytes under the ranks'
   identities while a second job is started on the same --out: the first job ends as if alone (exit 0, outputs

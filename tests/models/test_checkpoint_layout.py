@@ -1,4 +1,4 @@
-"""Issue 13, point 1: a checkpoint directory laid out like the published ones (config.json,
+"""A checkpoint directory laid out like the published ones (config.json,
 generation_config.json, a (video_)preprocessor config, tokenizer files with a chat template) is read as such.
 Tiny random models of all three families are saved in that layout with non-default processor settings; what
 vpsd prepares from them follows those files. transformers' video processors need torchvision (absent here),

@@ -1,4 +1,4 @@
-"""Issue 13, point 1 (frame sampling): under `video.sampling: checkpoint` the target checkpoint's own video processor
+"""Under `video.sampling: checkpoint` the target checkpoint's own video processor
 decides which frames a video gives, with the settings in its files.
 
 The rules are checked index for index against transformers' own `sample_frames` over many video lengths and

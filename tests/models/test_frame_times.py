@@ -1,4 +1,4 @@
-"""The clip's real sampling times reach the model (issue 13, point 2): Qwen2.5-VL's temporal rotary spacing
+"""The clip's real sampling times reach the model: Qwen2.5-VL's temporal rotary spacing
 (`second_per_grid_ts`) and Qwen3-VL's timestamps follow from where the frames were taken, for frames read by
 count and by rate, evenly spaced or not; the positions are pinned by hand."""
 

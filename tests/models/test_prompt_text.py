@@ -1,4 +1,4 @@
-"""Prompts are text (issue 16): special-token strings in a manifest prompt encode as characters, not control
+"""Prompts are text: special-token strings in a manifest prompt encode as characters, not control
 tokens, unless the item sets "prompt_special_tokens": true."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13, point 5: what the pruning signals cost is bounded by structure, whatever the depth.
+"""What the pruning signals cost is bounded by structure, whatever the depth.
 (`vpsd bench signal_memory` measures the same at a real target's depth and 24k tokens.)"""
 
 from __future__ import annotations

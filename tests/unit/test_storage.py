@@ -1,4 +1,4 @@
-"""A full disk (issue 16): files of a run directory end on whole lines and the error names the directory.
+"""A full disk: files of a run directory end on whole lines and the error names the directory.
 
 ENOSPC is injected into the writer's os.write (half the bytes land, then the device is full), as a real full
 disk does; a job on a real full tmpfs was checked by hand (the issue's report)."""

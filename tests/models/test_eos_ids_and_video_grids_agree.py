@@ -1,4 +1,4 @@
-"""Issue 13, point 4: the target's EOS ids travel with each job, and a draft on another video grid is refused
+"""The target's EOS ids travel with each job, and a draft on another video grid is refused
 with one check shared by the serial and parallel paths (tests/torchrun/test_pipeline_torchrun.py runs the parallel one)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13, point 3: scores as the papers define them. Serial runs average attention over ALL target layers
+"""Scores as the papers define them. Serial runs average attention over ALL target layers
 (HIPPO Eq. 2, SpecVLM Eq. 5); parallel runs stream after `pruning.stream_layers` (ParallelVLM's variant,
 explicit and switchable off); UV-Prune ships layers 0 and L only; `pruning.crop` and SpecVLM's lambda reach
 the strategies, lambda per family from the papers."""
