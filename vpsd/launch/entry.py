@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
 import signal
 import sys
@@ -65,6 +66,9 @@ def command_line(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]
 def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
         die_with_parent()
+    # A crash in native code (gloo, ZeroMQ, a kernel) is otherwise one line of torchrun's, "exitcode -11": the
+    # Python stack of every thread of the rank goes to its stderr, so the user and the tests see where it was.
+    faulthandler.enable(all_threads=True)
     settings = command_line(argv)
     if isinstance(settings, int):
         return settings
