@@ -64,11 +64,8 @@ def command_line(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "LOCAL_RANK" in os.environ:  # started by torchrun: its agent's death must end this rank too
-        die_with_parent()
-    # A crash in native code (gloo, ZeroMQ, a kernel) is otherwise one line of torchrun's, "exitcode -11": the
-    # Python stack of every thread of the rank goes to its stderr, so the user and the tests see where it was.
-    faulthandler.enable(all_threads=True)
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        as_a_rank()
     settings = command_line(argv)
     if isinstance(settings, int):
         return settings
@@ -124,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx.ctrl.close()
     dist.destroy_process_group()
     return 0
+
+
+def as_a_rank() -> None:
+    """A rank torchrun started: its agent's death ends it too, and a crash in native code (gloo, ZeroMQ, a kernel),
+    otherwise one line of torchrun's ("exitcode -11"), prints every thread's Python stack to the rank's stderr."""
+    die_with_parent()
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 
 def launch_layout(cfg: RunConfig, in_roles: bool) -> Layout:
