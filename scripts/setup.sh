@@ -5,8 +5,10 @@
 # On a GPU machine set VPSD_TORCH to the same release from the CUDA index, e.g.
 #   VPSD_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130" ./scripts/setup.sh
 # (a +cu build of the locked release satisfies the lock's torch==2.13.0).
+# `--torch`: torch alone (CI starts the newest-release venv's install over it while this installs the rest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
 python -m pip install -q -c requirements.lock ${VPSD_TORCH:-torch==2.13.0}
+[ "${1:-}" = "--torch" ] && exit 0
 python -m pip install -q -c requirements.lock -e ".[test]"

@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 # waiting on each other, so a second worker fills the idle core. --dist loadfile keeps a file's cases (and its
 # module fixtures, often a reference job) on one worker. --durations: the slowest cases, so that a CI run says where
 # its time went. --slow: the further torchrun combinations.
+# Each of the suite's ~200 processes imports vpsd: compiled once and kept (in __pycache__), whatever
+# PYTHONDONTWRITEBYTECODE the caller's shell has set (with it, every process compiled vpsd again: ~0.2 s each).
+unset PYTHONDONTWRITEBYTECODE
 exec python -m pytest -q -p no:cacheprovider -n "${VPSD_TEST_WORKERS:-auto}" --dist loadfile --durations=25 tests "$@"

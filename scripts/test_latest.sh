@@ -6,6 +6,7 @@
 #   ./scripts/test_latest.sh            # the subset (about 1.5 min after the install)
 #   ./scripts/test_latest.sh --all      # the whole suite
 #   VPSD_LATEST_BASE=.venv ./scripts/test_latest.sh   # torch taken from that venv (CI: the locked one)
+#   VPSD_LATEST_VENV=DIR ./scripts/test_latest.sh --install-only   # install into DIR only; a later call reuses it
 #
 # torch stays the lock's release: a newer one is a CUDA download of gigabytes on these machines (set VPSD_TORCH,
 # as for setup.sh, to check another build). Everything else is the newest its range admits. Install: ~1.9 min
@@ -13,34 +14,46 @@
 #
 # The subset covers every model hook and adapter operation on all three families (signals, adapters, views,
 # trees, pruned prefill, growth, the processors' frame rules read from transformers' source), every pruning
-# strategy once in process (test_bench_pruning: each strategy's kept set decoded by serial sd against ar), and
-# two torchrun jobs: the parallel pipeline (hippo, which scores attention mid-prefill) and a pipelined batch of
-# TABED's views; serial sd, the trees and std's sparse KV are checked in process (test_lossless_sd,
-# test_tree_models, test_std).
+# strategy once in process (test_bench_pruning: each strategy's kept set decoded by serial sd against ar), serial
+# sd, the trees and std's sparse KV in process (test_lossless_sd, test_tree_models, test_std), batched forwards,
+# captured steps, and one torchrun job: a target split over two ranks (transformers' attention over local heads).
+# What travels between ranks is torch's, and torch is the lock's here: the pipelines' jobs are the locked suite's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_pin="torch==$(sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements.lock)"
-venv=$(mktemp -d)/latest
-python3 -m venv "$venv"
-# torch from the locked venv (VPSD_LATEST_BASE, CI's .venv) when it holds the lock's release: the new venv sees its
-# site-packages after its own, so every other package, upgraded eagerly to the newest its range admits, lands in
-# the new venv and shadows the base's (unpacking torch again was most of this leg's install: ~1.9 min of 2.5).
-base=${VPSD_LATEST_BASE:-}
-have=$([ -n "$base" ] && "$base/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
-if [ -n "$base" ] && [ -z "${VPSD_TORCH:-}" ] && [ "torch==$have" = "$torch_pin" ]; then
-    own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    theirs=$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "import site; site.addsitedir('$theirs')" > "$own/zz_vpsd_locked_torch.pth"
+install_latest() {  # install_latest VENV: a fresh venv with the newest releases (torch: see above)
+    local venv="$1"
+    python3 -m venv "$venv"
+    # torch from the locked venv (VPSD_LATEST_BASE, CI's .venv) when it holds the lock's release: the new venv sees its
+    # site-packages after its own, so every other package, upgraded eagerly to the newest its range admits, lands in
+    # the new venv and shadows the base's (unpacking torch again was most of this leg's install: ~1.9 min of 2.5).
+    base=${VPSD_LATEST_BASE:-}
+    have=$([ -n "$base" ] && "$base/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+    if [ -n "$base" ] && [ -z "${VPSD_TORCH:-}" ] && [ "torch==$have" = "$torch_pin" ]; then
+        own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        theirs=$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        echo "import site; site.addsitedir('$theirs')" > "$own/zz_vpsd_locked_torch.pth"
+        . "$venv/bin/activate"
+        echo "test_latest: torch from $base"
+        python -m pip install -q --upgrade --upgrade-strategy eager -c <(echo "$torch_pin") -e ".[test]"
+    else
+        . "$venv/bin/activate"
+        # shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
+        python -m pip install -q ${VPSD_TORCH:-$torch_pin}
+        python -m pip install -q --upgrade -e ".[test]"
+    fi
+    touch "$venv/.vpsd-installed"
+}
+# VPSD_LATEST_VENV: build the venv there, or reuse it if an earlier call finished installing it (CI installs with
+# --install-only beside the locked venv's own install, and tests later).
+venv=${VPSD_LATEST_VENV:-$(mktemp -d)/latest}
+if [ -f "$venv/.vpsd-installed" ]; then
     . "$venv/bin/activate"
-    echo "test_latest: torch from $base"
-    python -m pip install -q --upgrade --upgrade-strategy eager -c <(echo "$torch_pin") -e ".[test]"
 else
-    . "$venv/bin/activate"
-    # shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
-    python -m pip install -q ${VPSD_TORCH:-$torch_pin}
-    python -m pip install -q --upgrade -e ".[test]"
+    install_latest "$venv"
 fi
 echo "test_latest: $(python -m vpsd.provenance)"
+[ "${1:-}" = "--install-only" ] && exit 0
 
 subset=(
     tests/models/test_hf_compat.py tests/models/test_signals.py tests/models/test_pruning_scores_as_the_papers_define_them.py tests/engine/test_std.py
@@ -48,8 +61,6 @@ subset=(
     tests/models/test_qwen3_vl.py tests/models/test_llava_onevision.py tests/engine/test_lossless_sd.py tests/engine/test_bench_pruning.py
     tests/models/test_grow.py tests/models/test_checkpoint_sampling.py tests/models/test_qwen_video_processor.py
     tests/models/test_llava_video_processor.py tests/models/test_frame_times.py tests/models/test_eos_ids_and_video_grids_agree.py tests/models/test_captured.py
-    "tests/torchrun/test_pipeline_torchrun.py::test_greedy_output_equals_ar[qwen3_vl-hippo-hippo_no_attn]"
-    "tests/torchrun/test_std_tabed_torchrun.py::test_greedy_output_equals_ar[qwen2_5_vl-tabed-batch]"
     # Batched forwards on every family (the upstream-facing part of batching: padded masks, per-row caches); the
     # engine's own logic over every method and size is the locked suite's (test_batch_decode, test_batch_workers).
     tests/engine/test_batch_decode.py::test_a_row_alone_is_stepped_by_the_batch1_forward_bit_for_bit

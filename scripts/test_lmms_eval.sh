@@ -5,6 +5,7 @@
 #
 #   ./scripts/test_lmms_eval.sh                     # over the active venv's stack (CI: the locked .venv)
 #   VPSD_LMMS_FRESH=1 ./scripts/test_lmms_eval.sh   # everything from nothing, as scripts/setup.sh installs it
+#   VPSD_LMMS_VENV=DIR ./scripts/test_lmms_eval.sh --install-only   # install into DIR only; a later call reuses it
 #
 # Times on the 2-core machine (another job beside it): ~1.9 min in all, of which the install over the active venv
 # ~50 s (from nothing ~2.5 min) and the tests ~47 s: one `python -m lmms_eval` run (~30 s, two thirds of it
@@ -19,26 +20,38 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
-base=$(python -c 'import sys, sysconfig, torch, transformers
-assert sys.prefix != sys.base_prefix
-print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 -m venv "$tmp/venv"
-if [ -n "$base" ] && [ "${VPSD_LMMS_FRESH:-0}" != 1 ]; then
-    own=$("$tmp/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    [ "$(basename "$(dirname "$own")")" = "$(basename "$(dirname "$base")")" ] \
-        || { echo "test_lmms_eval: the active venv ($base) is not python3's version: VPSD_LMMS_FRESH=1" >&2; exit 2; }
-    echo "import site; site.addsitedir('$base')" > "$own/zz_vpsd_base.pth"
-    . "$tmp/venv/bin/activate"
-    echo "test_lmms_eval: over $base"
+# VPSD_LMMS_VENV: build the venv there, or reuse it if an earlier call finished installing it (CI installs with
+# --install-only while the locked suite starts, and tests after it).
+venv=${VPSD_LMMS_VENV:-$tmp/venv}
+if [ -f "$venv/.vpsd-installed" ]; then
+    . "$venv/bin/activate"
 else
-    . "$tmp/venv/bin/activate"
-    ./scripts/setup.sh
+    base=$(python -c 'import sys, sysconfig, torch, transformers
+assert sys.prefix != sys.base_prefix
+print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
+    python3 -m venv "$venv"
+    if [ -n "$base" ] && [ "${VPSD_LMMS_FRESH:-0}" != 1 ]; then
+        own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        [ "$(basename "$(dirname "$own")")" = "$(basename "$(dirname "$base")")" ] \
+            || { echo "test_lmms_eval: the active venv ($base) is not python3's version: VPSD_LMMS_FRESH=1" >&2; exit 2; }
+        echo "import site; site.addsitedir('$base')" > "$own/zz_vpsd_base.pth"
+        . "$venv/bin/activate"
+        echo "test_lmms_eval: over $base"
+    else
+        . "$venv/bin/activate"
+        ./scripts/setup.sh
+    fi
+    ./scripts/setup_lmms_eval.sh
+    touch "$venv/.vpsd-installed"
 fi
-./scripts/setup_lmms_eval.sh
 lmms_version=$(python -c 'import importlib.metadata as m; print(m.version("lmms-eval"))')
 echo "test_lmms_eval: installed in $((SECONDS - started)) s; lmms-eval $lmms_version; $(python -m vpsd.provenance)"
+[ "${1:-}" = "--install-only" ] && exit 0
+# The packages set up without their bytecode (setup_lmms_eval.sh's --no-compile) are compiled once, on first
+# import, and kept for the next process, whatever PYTHONDONTWRITEBYTECODE the caller's shell has set.
+unset PYTHONDONTWRITEBYTECODE
 # lmms-eval's datasets cache and anything it fetches stay in this run's folder.
 export HF_HOME="$tmp/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python -m pytest -q -p no:cacheprovider tests/torchrun/test_lmms_eval_backend.py "$@"
