@@ -1,8 +1,8 @@
 """vpsd from Python (vpsd/api.py): the job's path below the I/O.
 
 Every method's outputs through the API equal `ar`'s (ar, sd, pearl, hippo at B = 1 and 2; the parallel ones with
-their roles as child ranks, the default, and on threads), `ar`'s equal plain autoregressive decoding, and hippo's
-equal the torchrun job's on the same items. Bad input fails only its own request, with the job's error; bad
+their roles as child ranks, the default, and on threads), and `ar`'s equal plain autoregressive decoding (the
+torchrun job is held to the same `ar` by test_pipeline_torchrun). Bad input fails only its own request, with the job's error; bad
 settings are a ConfigError before any model loads; a sampled call is reproducible from its seed, and the same
 through ranks and threads; stop strings cut the text; the child ranks stop on close(), on an interrupt and when
 one of them dies (RanksFailed, then started again), leaving no process or thread behind."""
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import vpsd
-from tests.torchrun_jobs import ROOT, results, run_job, world_manifest
+from tests.torchrun_jobs import ROOT, world_manifest
 from vpsd.launch.manifest import load_manifest
 
 CONFIG = ROOT / "configs" / "tiny_qwen2_5_vl.yaml"
@@ -36,9 +36,14 @@ def items(manifest) -> list[vpsd.VideoRequest]:
 
 
 @pytest.fixture(scope="module")
-def ar(items) -> dict[str, list[int]]:
+def ar_outputs(items) -> dict[str, vpsd.Output]:
     with vpsd.LLM(CONFIG, method="ar") as llm:
-        return {o.id: o.token_ids for o in llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))}
+        return {o.id: o for o in llm.generate(items, vpsd.SamplingParams(max_new_tokens=24))}
+
+
+@pytest.fixture(scope="module")
+def ar(ar_outputs) -> dict[str, list[int]]:
+    return {k: o.token_ids for k, o in ar_outputs.items()}
 
 
 def test_ar_through_the_api_is_plain_autoregressive_decoding(manifest, ar):
@@ -47,8 +52,8 @@ def test_ar_through_the_api_is_plain_autoregressive_decoding(manifest, ar):
     assert ar == ar_reference("qwen2_5_vl", manifest)
 
 
-# hippo on its child ranks against ar: --slow (in CI the example script runs it on the world pair, and the ranks
-# are held to the torchrun job below).
+# hippo on its child ranks against ar, with the tiny config's own draft: --slow (in CI the example script runs it on
+# the world pair, and test_child_ranks_stop... holds the ranks, drafting for themselves, to ar).
 @pytest.mark.parametrize("method,batch,draft_on", [("sd", 1, None), ("sd", 2, None), ("pearl", 1, "thread"),
                                                    ("pearl", 2, None),
                                                    pytest.param("hippo", 1, "rank", marks=pytest.mark.slow),
@@ -75,18 +80,6 @@ def check_bad(outs: dict[str, vpsd.Output]) -> None:
     assert outs["missing"].error == "VideoError: missing video /no/such/video.mp4: no such file or directory"
     assert outs["not-frames"].error_kind == "bad_request" and "(T, H, W, 3) uint8" in outs["not-frames"].error
     assert "exactly one user turn" in outs["no-user-turn"].error
-
-
-def test_hippo_on_its_ranks_equals_the_torchrun_job_and_bad_requests_fail_alone(manifest, items, tmp_path):
-    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, tmp_path / "job", "hippo", "--quiet")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    job = results(tmp_path / "job")
-    with vpsd.LLM(CONFIG, method="hippo") as llm:
-        assert llm.served
-        outs = {o.id: o for o in llm.generate([items[0], *BAD, *items[1:]])}
-    assert {k: outs[k].token_ids for k in job} == {k: r["token_ids"] for k, r in job.items()}
-    assert [outs[k].text for k in job] == [r["text"] for r in job.values()]
-    check_bad(outs)
 
 
 def test_a_bad_request_fails_alone_with_the_jobs_error(items, ar):
@@ -151,7 +144,9 @@ def test_nothing_is_left_running_after_close(items):
         llm.generate(items[:1])
 
 
-def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_threads(items, ar):
+def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_threads(items, ar_outputs):
+    """Started, killed (RanksFailed), started again and interrupted, started once more: then the ranks decode as
+    `ar` does, fail bad requests alone, and sample as the roles on threads do."""
     frames = np.random.default_rng(1).integers(0, 256, (4, 56, 56, 3), dtype=np.uint8)
     sampled = vpsd.SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
     with vpsd.LLM(CONFIG, method="hippo", gamma=3, draft_on="thread", settings={"draft": "self"}) as llm:
@@ -176,7 +171,12 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
     finally:
         signal.signal(signal.SIGINT, default)
     assert not _children()
-    # Once more, whole: frames in memory, sampled, drawn as on threads (one seed rule wherever the draft runs).
+    # Once more, whole: ar's tokens and text, bad requests failed alone, among the good ones ...
+    outs = {o.id: o for o in llm.generate([items[0], *BAD, *items[1:]], vpsd.SamplingParams(max_new_tokens=24))}
+    assert {o.id: (o.token_ids, o.text) for o in outs.values() if o.id in ar_outputs} == \
+        {k: (o.token_ids, o.text) for k, o in ar_outputs.items()}
+    check_bad(outs)
+    # ... and frames in memory, sampled, drawn as on threads (one seed rule wherever the draft runs).
     on_ranks = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
     assert on_ranks.error is None and on_ranks.token_ids == on_threads.token_ids
     assert on_ranks.stats["num_kept"] == on_threads.stats["num_kept"]

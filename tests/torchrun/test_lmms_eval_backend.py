@@ -6,7 +6,7 @@ scripts/test_lmms_eval.sh installs lmms-eval beside vpsd and runs this file; whe
 The local task is examples/lmms_eval/vpsd_world.yaml: the eight clips of examples/world/manifest.jsonl.
 - `--model vpsd` with method=ar through lmms-eval's evaluator (in process: what the CLI calls, the model found by
   name through the entry point), then `python -m lmms_eval --model vpsd ... method=hippo` as the README gives it:
-  equal scores and equal answers, which are `vpsd.LLM`'s own (tests/torchrun/test_api.py ties those to the torchrun job);
+  equal scores and equal answers, which are `vpsd.LLM`'s own (tests/torchrun/test_api.py holds those to `ar`'s);
   the speed files lie beside lmms-eval's results, hippo's compared with ar's.
 - With an engine batch of 2 and lmms-eval's `--gen_kwargs` turning sampling on, the answers are what `vpsd.LLM`
   samples for the same requests (the ids and seed the backend gives them); a document whose video is missing is

@@ -44,18 +44,19 @@ CASES = [
     ("qwen3_vl", "hippo", ["--pruning", "hippo_no_attn", "--ratio", "0.5"]),
     ("llava_onevision", "specvlm", []),
     ("llava_onevision", "hippo", ["--pruning", "attn", "--set", "draft=self", "--set", "pruning.layers=1"]),
-    # The draft and pruner roles on threads of the target's process (launch/in_process.py); their ranks stay idle.
+    # The draft and pruner roles on threads of the target's process (launch/in_process.py): a launch of one rank.
     ("qwen3_vl", "hippo", ["--set", "draft_on=thread", "--set", "draft=self"]),
 ]
 
 
 # With --slow only: ar (every torchrun test's reference runs it), pearl on the two other families (they run
 # hippo through the same parallel path in CI), hippo and parallelvlm on the first (it runs pearl; UV-Prune's
-# selection is checked in process by test_bench_pruning, batched by test_batch_workers), and serial sd (a
-# one-rank pipeline drafting in the target's process, as std's in test_std_tabed_torchrun; sd itself in process
-# by test_lossless_sd).
+# selection is checked in process by test_bench_pruning, batched by test_batch_workers), and the serial methods
+# sd and specvlm: one-rank jobs drafting in the target's process, the job's engine that vpsd.LLM runs sd and
+# sd-tree through in CI (test_api); sd and SpecVLM's tree are held to ar in process by test_lossless_sd and
+# test_batch_trees_and_sparse_kv.
 SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "pearl"), ("qwen2_5_vl", "hippo"),
-              ("qwen2_5_vl", "parallelvlm"), ("qwen2_5_vl", "sd")}
+              ("qwen2_5_vl", "parallelvlm"), ("qwen2_5_vl", "sd"), ("llava_onevision", "specvlm")}
 
 
 @pytest.mark.parametrize("family,method,extra", [
@@ -65,7 +66,7 @@ SLOW_CASES = {("qwen2_5_vl", "ar"), ("qwen3_vl", "pearl"), ("llava_onevision", "
 def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp(f"{family}-{method}")
-    proc = run_job(f"tiny_{family}.yaml", manifest, out, method, *extra)
+    proc = run_job(f"tiny_{family}.yaml", manifest, out, method, *extra, nproc=1 if "draft_on=thread" in extra else 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = results(out)
     ref = ar_reference(family, manifest)
@@ -100,6 +101,7 @@ def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
         assert traces == ["rank0_target.jsonl", "rank1_draft.jsonl", "rank2_pruner.jsonl"]
 
 
+@pytest.mark.slow  # CI: test_api samples on child ranks (this entry, as ranks) and holds them to the threads' draws
 def test_sampling_runs_through_the_pipeline(tmp_path_factory):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp("sampling")
@@ -194,11 +196,13 @@ def test_two_node_launch_on_one_machine(tmp_path_factory):
 def test_a_draft_on_another_video_grid_fails_each_item_clearly(tmp_path_factory):
     """A draft checkpoint whose vision settings differ from the target's (here: temporal patch 1, so twice the
     frames on its token grid) would index the wrong tokens with the target's kept indices: the draft checks its
-    grid against the target's (sent with the kept indices), and the item fails with that error instead."""
+    grid against the target's (sent with the kept indices), and the item fails with that error instead. The draft
+    role on a thread of the target's one rank: the same role and messages as on a rank of its own
+    (launch/in_process.py), one process to start instead of three."""
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
     out = tmp_path_factory.mktemp("grid")
     proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, "pearl", "--set", "draft.tiny.vision.temporal_patch_size=1",
-                   "--timeout", "60")
+                   "--set", "draft_on=thread", "--timeout", "60", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = results(out)
     assert len(rows) == 2
@@ -210,7 +214,8 @@ def test_a_draft_on_another_video_grid_fails_each_item_clearly(tmp_path_factory)
 def test_a_draft_whose_own_eos_set_differs_stops_where_the_target_does(tmp_path_factory, tmp_path):
     """The world pair's draft saved with another EOS id in its generation_config.json: a word the target writes
     mid-caption. Stopping on its own EOS set, the draft would stop drafting after that word while the target
-    goes on, and the item would hang until the timeout; it stops on the target's (sent with each job) instead."""
+    goes on, and the item would hang until the timeout; it stops on the target's (sent with each job) instead.
+    The draft role on a thread of the target's one rank, as above."""
     config = ROOT / "configs" / "world_qwen2_5_vl.yaml"
     examples = ROOT / "examples" / "world" / "manifest.jsonl"
     line = examples.read_text().splitlines()[0]
@@ -234,7 +239,7 @@ def test_a_draft_whose_own_eos_set_differs_stops_where_the_target_does(tmp_path_
 
     out = tmp_path_factory.mktemp("draft-eos")
     proc = run_job("world_qwen2_5_vl.yaml", manifest, out, "pearl", "--set", f"draft.path={draft}",
-                   "--timeout", "90")
+                   "--set", "draft_on=thread", "--timeout", "90", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = results(out)[item["id"]]
     assert row["error"] is None, row["error"]

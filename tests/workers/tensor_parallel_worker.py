@@ -43,7 +43,7 @@ def main() -> None:
     kv = target.language_model.layers[0].self_attn.k_proj.weight
     report = {"local_kv_rows": int(kv.to_local().shape[0]) if hasattr(kv, "to_local") else int(kv.shape[0]),
               "whole_kv_rows": int(whole.language_model.layers[0].self_attn.k_proj.weight.shape[0])}
-    todo = requests(3, max_new=12)
+    todo = requests(2, max_new=12)
     dec = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.0)
     cases = {"ar_b1": (None, None, 1), "ar_b2": (None, None, 2),
              # the target drafting for itself on half the video: its draft's forwards are mirrored too
@@ -64,6 +64,7 @@ def main() -> None:
     report["attention_shape"] = [list(ref.video_attention.shape), list(got.video_attention.shape)]
     report["signal_diff"] = max(float((getattr(ref, f) - getattr(got, f)).abs().max())
                                 for f in ("video_attention", "video_hidden", "text_hidden"))
+    report["mirrored_forwards"] = target.mirror.forwards
     target.mirror.stop()
     (out / "leader.json").write_text(json.dumps(report))
     dist.destroy_process_group()

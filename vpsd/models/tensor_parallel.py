@@ -156,6 +156,7 @@ class Mirror:
         self._dropped: list[int] = []  # caches the leader let go of, told with the next message
         self._dropped_lock = threading.Lock()
         self._signals: dict | None = None  # the next forward scores attention on every rank (models/signals.py)
+        self.forwards = 0  # sent so far: each follower runs as many (follow's count)
 
     def cache_id(self, cache: Any) -> int:
         cid = getattr(cache, "_vpsd_mirror_id", None)
@@ -181,6 +182,7 @@ class Mirror:
             signals, self._signals = self._signals, None
             self.wire.send(self._header(op="forward", cache=self.cache_id(cache), inputs=args, signals=signals),
                            tensors)
+            self.forwards += 1
             return run(**inputs)
 
     def score_next_forward(self, spec: dict) -> None:
