@@ -340,6 +340,15 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
         raise ConfigError([str(e)]) from None
 
 
+# libyaml's parser where PyYAML was built with it (the wheels are): the same safe schema, ~10x faster than the
+# pure-Python one (~20 ms a config here), which every rank, every API call and every test's config paid.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAML_LOADER)  # noqa: S506 (a safe loader)
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` arguments as load_config overrides; values are YAML ("4" -> 4, "self" -> "self")."""
     overrides, problems = {}, []
@@ -349,7 +358,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             problems.append(f"--set needs KEY=VALUE, got {kv!r}")
             continue
         try:
-            overrides[key] = yaml.safe_load(value)
+            overrides[key] = _yaml(value)
         except yaml.YAMLError:
             overrides[key] = value  # not YAML: the text itself (the type check then says what was expected)
     if problems:
@@ -364,7 +373,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     checkpoints it names move together; a path given as an override is relative to the working directory.
     """
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = _yaml(Path(path).read_text())
     except FileNotFoundError:
         raise  # the launcher names the missing file
     except OSError as e:

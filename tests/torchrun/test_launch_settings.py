@@ -230,8 +230,8 @@ def test_a_config_or_checkpoint_that_cannot_load_is_one_line_at_launch(tmp_path,
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("family: qwen2_5_vl\ntarget: {tiny: {seed: 0\n")
-    assert said(bad) == [f"vpsd: config {bad} is not valid YAML at line 3, column 1: expected ',' or '}}', but got "
-                         "'<stream end>'"]
+    (line,) = said(bad)  # the parser's own words after the place: libyaml's or PyYAML's ("did not find expected")
+    assert line.startswith(f"vpsd: config {bad} is not valid YAML at line 3, column 1: ") and "expected ',' or '}'" in line
     assert said(tmp_path) == [f"vpsd: cannot read config {tmp_path}: Is a directory"]
     # The shipped world target, copied, then broken two ways.
     ckpt = tmp_path / "ckpt"
