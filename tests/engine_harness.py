@@ -9,6 +9,10 @@ import random
 
 from tests.conftest import config_path, random_frames, tiny_pair
 from vpsd.config import BatchingConfig, DecodingConfig, PruningConfig, RunConfig, load_config
+from vpsd.decoders.ar import decode_ar
+from vpsd.decoders.sd import decode_sd
+from vpsd.pipeline.result import DecodeResult
+from vpsd.engine.keep import keep_policy_for
 from vpsd.engine.engine import Engine
 from vpsd.engine.local_drafter import LocalDrafter
 from vpsd.engine.request import Request
@@ -22,6 +26,31 @@ from vpsd.roles.pruner import PrunerWorker
 from vpsd.roles.target import RemoteDrafter
 
 PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
+
+_BATCH1: dict[tuple, DecodeResult] = {}
+
+
+def _item_key(item: Request) -> tuple:
+    return item.id, item.prompt, item.frames.shape, int(item.frames.sum())
+
+
+def batch1_ar(target: VideoLMAdapter, item: Request, decoding: DecodingConfig) -> DecodeResult:
+    """The reference decoder's `ar` of `item`, decoded once a test worker: the engine is held to the same batch-1
+    output at every batch size, method and interleaving (a file's cases run on one worker, on session models)."""
+    key = ("ar", id(target), _item_key(item), repr(decoding))
+    if key not in _BATCH1:
+        _BATCH1[key] = decode_ar(target, item.frames, item.prompt, decoding)
+    return _BATCH1[key]
+
+
+def batch1_sd(target: VideoLMAdapter, draft: VideoLMAdapter, item: Request, decoding: DecodingConfig,
+              pruning: PruningConfig) -> DecodeResult:
+    """The reference decoder's serial sd of `item` (the same rounds a batch must make), decoded once a test worker."""
+    key = ("sd", id(target), id(draft), _item_key(item), repr(decoding), repr(pruning))
+    if key not in _BATCH1:
+        _BATCH1[key] = decode_sd(target, draft, item.frames, item.prompt, decoding,
+                                 keep_policy_for(pruning, target.family), pruning)
+    return _BATCH1[key]
 
 
 def requests(n: int, max_new: int = 14) -> list[Request]:

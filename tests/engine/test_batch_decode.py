@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 import torch
 
 from tests.conftest import random_frames, tiny_pair
-from tests.engine_harness import PROMPTS, fresh, local_engine, requests, run
+from tests.engine_harness import PROMPTS, batch1_ar, batch1_sd, fresh, local_engine, requests, run
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.decoders.ar import decode_ar
 from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.decoders.sd import decode_sd
@@ -131,11 +130,11 @@ def test_every_item_equals_its_batch1_decode(family, size, draft_kind, strategy,
     tolerance = TIE_TOLERANCE[target.model.dtype]
     for it in todo:
         one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
-        ref = decode_ar(target, it.frames, it.prompt, one)
+        ref = batch1_ar(target, it, one)
         div = first_divergence(target, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids)
         assert judge(div, tolerance), (it.id, div)  # identical, or a float tie at most (never seen here)
         if draft is not None:  # the same rounds as its batch-1 serial sd: same windows, same verdicts
-            sd = decode_sd(target, draft, it.frames, it.prompt, one, keep_policy_for(pruning, target.family), pruning)
+            sd = batch1_sd(target, draft, it, one, pruning)
             assert got[it.id].token_ids == sd.token_ids
             assert got[it.id].stats.accepted_per_round == sd.stats.accepted_per_round
             assert got[it.id].num_kept == sd.num_kept
@@ -161,7 +160,7 @@ def test_sampling_draws_each_item_from_its_own_streams(size):
         got = run(local_engine(target, draft, cfg, pruning if draft else None, size)[1], todo)
         for it in todo:
             one = dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens)
-            ref = (decode_ar(target, it.frames, it.prompt, one) if draft is None else
+            ref = (batch1_ar(target, it, one) if draft is None else
                    decode_sd(target, draft, it.frames, it.prompt, one, keep_policy_for(pruning), pruning))
             assert got[it.id].token_ids == ref.token_ids, it.id
 
@@ -172,7 +171,7 @@ def test_exact_verify_in_a_batch_equals_ar(family):
     todo = items(3, max_new=10)
     got = run(local_engine(target, target, cfg, PruningConfig("uniform", 0.5), 3)[1], todo)
     for it in todo:
-        ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        ref = batch1_ar(target, it, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
         assert got[it.id].token_ids == ref.token_ids
 
 
@@ -387,7 +386,7 @@ def test_items_speculation_does_not_pay_for_decode_plain_in_the_same_batch_and_e
     plain = [k for k, r in got.items() if r.num_kept is None]
     assert engine.report.plain_items == len(plain) and 4 <= len(plain) < len(todo)
     for it in todo:
-        ref = decode_ar(target, it.frames, it.prompt, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
+        ref = batch1_ar(target, it, dataclasses.replace(cfg, max_new_tokens=it.max_new_tokens))
         assert got[it.id].token_ids == ref.token_ids, it.id
 
 

@@ -16,9 +16,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import tiny_pair
-from tests.engine_harness import Pipeline, fresh
+from tests.engine_harness import Pipeline, batch1_ar, fresh
 from tests.engine_harness import requests as work_items
-from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
 from vpsd.pipeline.drafting_policy import batch1_loss, parallel_loss
 from vpsd.pipeline.messages import DraftChunk, Error, VerifyResult, decode
@@ -31,7 +30,6 @@ CASES = [("pearl", False), ("hippo", True), ("parallelvlm", False)]
 @pytest.mark.parametrize("method,draft_is_target", CASES, ids=[c[0] for c in CASES])
 def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, method, draft_is_target):
     todo = work_items(9 if size == 8 else 4)
-    refs = {}
     for seed in (0, 1):
         pipe = Pipeline(family, method, size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.0},
                         draft_is_target)
@@ -40,10 +38,8 @@ def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, me
         assert pipe.draft_idle()  # every row left the draft
         tolerance = TIE_TOLERANCE[pipe.target.model.dtype]
         for it in todo:
-            if it.id not in refs:
-                one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-                refs[it.id] = decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
-            div = first_divergence(pipe.target, it.frames, it.prompt, refs[it.id], got[it.id].token_ids)
+            ref = batch1_ar(pipe.target, it, dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens))
+            div = first_divergence(pipe.target, it.frames, it.prompt, ref.token_ids, got[it.id].token_ids)
             assert judge(div, tolerance), (it.id, seed, div)
         if draft_is_target:  # the target drafting for itself on pruned video still agrees, mostly
             assert sum(r.stats.accepted_tokens for r in got.values()) > 0
@@ -62,7 +58,7 @@ def test_one_item_in_flight_is_the_batch1_pipeline(family, method, draft_is_targ
     got = pipe.run(seed=7)
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, it.id
         assert got[it.id].num_kept is not None  # every item drafted: at batch 1 nothing falls back to plain
     assert pipe.draft_idle()
 
@@ -77,7 +73,7 @@ def test_tabed_items_draft_from_their_views_in_a_batch_and_sample_from_their_own
     got = pipe.run(seed=8)
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, it.id
     outs = []
     for size, seed in ((1, 0), (3, 1)):
         pipe = Pipeline("qwen2_5_vl", "tabed", size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.8}, True)
@@ -135,7 +131,7 @@ def test_verdicts_roll_the_draft_back_and_stale_chunks_are_dropped():
     assert dropped  # chunks of an old epoch reached the target after its rollback
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids
 
 
 def test_a_draft_error_fails_its_item_alone():
@@ -152,7 +148,7 @@ def test_a_draft_error_fails_its_item_alone():
     assert "item-1" not in pipe.dw.rows and pipe.draft_idle()
     for it in (todo[0], todo[2]):
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids
 
 
 def test_the_workers_speak_the_wire_protocol():
@@ -242,7 +238,7 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
     assert e.report.plain_items == len(plain) >= 1
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, it.id
     assert pipe.draft_idle()
 
 
@@ -290,7 +286,7 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     assert e.report.plain_items == len(plain) >= 3 and set(means.token_s) == {True, False}
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, it.id
     assert pipe.draft_idle()
 
 
@@ -309,7 +305,7 @@ def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
     assert 0 < pipe.peak_kv <= budget and set(got) == {it.id for it in todo}
     for it in todo:
         one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-        assert got[it.id].token_ids == decode_ar(target, it.frames, it.prompt, one).token_ids
+        assert got[it.id].token_ids == batch1_ar(target, it, one).token_ids
     tight = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3,
                                                       "batching.kv_budget_mib": (min(needs) - 1) / 2**20}, False)
     with pytest.raises(ValueError, match="over the budget"):
@@ -338,5 +334,5 @@ def test_without_synchronous_prefill_the_draft_hears_of_an_item_after_the_target
         got = pipe.run(seed=3)
         for it in todo:
             one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
-            assert got[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, (sync, it.id)
+            assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, (sync, it.id)
         assert pipe.draft_idle()
