@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pytest import approx
+
 from tests.conftest import tiny_pair
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.manifest import load_manifest
+from vpsd.reports.acceptance import load_rounds, summarize
 from vpsd.video.item import load_item_frames
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,3 +91,47 @@ def ar_reference(family: str, manifest) -> dict[str, list[int]]:
         dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens, temperature=0.0)
         out[it.id] = decode_ar(target, frames, it.prompt, dec, times).token_ids
     return out
+
+
+def assert_trace_rounds_add_up(out: Path, method: str, max_new: int) -> None:
+    """A job's verify rounds, read back from its traces (reports/acceptance.py), add up to the tokens each item's
+    result holds, and its stats are those rounds'. `method`: pearl (the parallel commit rule) or sd (serial); the
+    job's config: configs/tiny_qwen2_5_vl.yaml."""
+    eos = set(tiny_pair("qwen2_5_vl")[0].eos_token_ids)
+    by_item = load_rounds(out)
+    rows = results(out)
+    assert set(by_item) == set(rows)
+    for item_id, row in rows.items():
+        rounds, tokens, stats = by_item[item_id], row["token_ids"], row["stats"]
+        if method == "pearl":
+            # TargetMachine: an all-accepted chunk commits its tokens (the bonus row is kept for the next
+            # chunk, not sampled); a rejecting one commits the accepted prefix plus the target's token.
+            # Every chunk begins exactly at the committed length, and the first at 0 (synchronous prefill).
+            commits = [r.accepted + r.rejected for r in rounds]
+            assert [r.start for r in rounds] == [sum(commits[:i]) for i in range(len(rounds))]
+            before_last = rounds[-1].start
+        else:
+            # speculate(): the target's first token comes from its prefill; each round commits the accepted
+            # drafts plus the target's own token (the correction or the bonus).
+            commits = [1] + [r.accepted + 1 for r in rounds]
+            before_last = sum(commits[:-1])
+        committed = sum(commits)
+        # The loop stops at the first round that reaches max_new_tokens or commits EOS; the output is the
+        # committed sequence cut at max_new_tokens and after its first EOS.
+        if len(tokens) == min(committed, max_new):
+            assert before_last < len(tokens)
+            assert not any(t in eos for t in tokens[:-1])
+        else:
+            assert tokens[-1] in eos and len(tokens) < min(committed, max_new)
+            assert before_last < len(tokens)  # both stop at the round that commits EOS, even mid-round
+        # MAT is what the rounds committed per verification, whatever the mode's rule for the bonus token.
+        per_round = commits if method == "pearl" else commits[1:]
+        assert stats["mean_accepted_tokens"] == approx(sum(per_round) / len(rounds))
+        # The results' stats are these same rounds.
+        s = summarize(rounds)
+        assert (stats["rounds"], stats["rollbacks"]) == (s.rounds, s.rollbacks)
+        assert stats["acceptance_rate"] == s.acceptance_rate
+        assert stats["mean_accepted_tokens"] == s.mean_accepted_tokens
+        assert stats["per_position_acceptance"] == s.per_position
+        if method == "pearl":
+            assert all((r.mode == "conservative") == (i > 0 and rounds[i - 1].rejected) for i, r in enumerate(rounds))

@@ -14,8 +14,8 @@ import pytest
 
 import media
 from tests.conftest import tiny_pair
-from tests.torchrun_jobs import (ROOT, job_args, job_env, launcher_cmd, results, run_job, run_launcher,
-                                 torchrun_cmd, world_manifest)
+from tests.torchrun_jobs import (ROOT, assert_trace_rounds_add_up, job_args, job_env, launcher_cmd, results, run_job,
+                                 run_launcher, torchrun_cmd, world_manifest)
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.manifest import check_manifest, load_manifest
@@ -213,6 +213,8 @@ def test_a_pipelined_batch_overlaps_draft_and_target_and_equals_batch1(tmp_path_
     assert max(len(s["items"]) for s in verify) > 1
     drafted = [s for s in spans(out, "rank1_draft") if s["name"] == "draft_step"]
     assert max(len(s["items"]) for s in drafted) > 1
+    # Each row's rounds, read back from the traces, add up to what its result holds (the pipelined commit rule).
+    assert_trace_rounds_add_up(out, METHOD, max_new=24)  # world_manifest's max_new_tokens
     # The timeline reads it back: each item was carried only while it was in flight, and the default plot of a
     # batched run is the whole batch.
     tracks = {t.item: t for t in timeline_plot.item_tracks(timeline.load_spans(out))}

@@ -171,7 +171,7 @@ def test_a_dead_or_hung_rank_ends_the_job_naming_it(tmp_path_factory, role, faul
     assert done and all(r["error"] is None for r in done.values())  # finished results are kept
 
 
-@pytest.mark.slow  # two nodes, a pipeline each, run in CI: test_scale_out_torchrun
+@pytest.mark.slow  # CI: test_scale_out_torchrun, two nodes of one rank (draft on threads) making a pipeline each
 def test_two_node_launch_on_one_machine(tmp_path_factory):
     """Two torchrun agents (2 + 2 ranks), rendezvous on 127.0.0.1; the fourth rank is a spare."""
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))

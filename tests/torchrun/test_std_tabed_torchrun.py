@@ -22,12 +22,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("family,method,extra", [
-    # With --slow only: TABED one item at a time, with its default settings and with the others (the batched case
-    # runs the defaults in CI; the distances and policies are test_ensemble's, in process), and std: a one-rank job
-    # drafting in the target's process, the job's engine that vpsd.LLM runs it through in CI (test_api, B = 2;
-    # test_std and test_batch_trees_and_sparse_kv hold it to ar in process).
-    pytest.param(f, m, e, id=f"{f}-{m}" + ("-batch" if "--batch" in e else ""),
-                 marks=[pytest.mark.slow] if "--batch" not in e else [])
+    # With --slow only: TABED one item at a time, with its default settings and with the others (the distances and
+    # policies are test_ensemble's, in process), and over a pipelined batch (its draft worker drafts each item from
+    # its own views beside the other rows over the real protocol in process: test_batch_workers), and std: a
+    # one-rank job drafting in the target's process, the job's engine that vpsd.LLM runs it through in CI (test_api,
+    # B = 2; test_std and test_batch_trees_and_sparse_kv hold it to ar in process).
+    pytest.param(f, m, e, id=f"{f}-{m}" + ("-batch" if "--batch" in e else ""), marks=pytest.mark.slow)
     for f, m, e in CASES])
 def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
