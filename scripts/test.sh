@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 # waiting on each other, so a second worker fills the idle core. --dist loadfile keeps a file's cases (and its
 # module fixtures, often a reference job) on one worker. --durations: the slowest cases, so that a CI run says where
 # its time went. --slow: the further torchrun combinations.
-# Each of the suite's ~200 processes imports vpsd: compiled once and kept (in __pycache__), whatever
-# PYTHONDONTWRITEBYTECODE the caller's shell has set (with it, every process compiled vpsd again: ~0.2 s each).
+# Each of the suite's ~200 processes imports torch, transformers and vpsd: compiled once and kept (__pycache__),
+# whatever PYTHONDONTWRITEBYTECODE the caller's shell has set (with it, every process compiled vpsd again, ~0.2 s,
+# and, after scripts/setup.sh's --no-compile install, torch and transformers too, ~11 s). Compiled here, by one
+# process, before the workers and the first jobs' ranks start at once.
 unset PYTHONDONTWRITEBYTECODE
+python -c "import vpsd.launch.job, vpsd.roles.draft, vpsd.roles.pruner, vpsd.api, pytest, xdist, hypothesis"
 exec python -m pytest -q -p no:cacheprovider -n "${VPSD_TEST_WORKERS:-auto}" --dist loadfile --durations=25 tests "$@"

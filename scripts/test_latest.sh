@@ -35,12 +35,12 @@ install_latest() {  # install_latest VENV: a fresh venv with the newest releases
         echo "import site; site.addsitedir('$theirs')" > "$own/zz_vpsd_locked_torch.pth"
         . "$venv/bin/activate"
         echo "test_latest: torch from $base"
-        python -m pip install -q --upgrade --upgrade-strategy eager -c <(echo "$torch_pin") -e ".[test]"
+        python -m pip install -q --no-compile --upgrade --upgrade-strategy eager -c <(echo "$torch_pin") -e ".[test]"
     else
         . "$venv/bin/activate"
         # shellcheck disable=SC2086  # VPSD_TORCH may carry pip options
-        python -m pip install -q ${VPSD_TORCH:-$torch_pin}
-        python -m pip install -q --upgrade -e ".[test]"
+        python -m pip install -q --no-compile ${VPSD_TORCH:-$torch_pin}
+        python -m pip install -q --no-compile --upgrade -e ".[test]"
     fi
     touch "$venv/.vpsd-installed"
 }
@@ -71,6 +71,9 @@ subset=(
     "tests/torchrun/test_tensor_parallel_torchrun.py::test_a_target_over_two_ranks_decodes_as_its_one_rank_self[qwen2_5_vl]"
 )
 if [ "${1:-}" = "--all" ]; then subset=(tests); fi
+# Installed without bytecode (as scripts/setup.sh): compiled on first import, once, here (scripts/test.sh says why).
+unset PYTHONDONTWRITEBYTECODE
+python -c "import vpsd.launch.job, vpsd.roles.draft, vpsd.roles.pruner, vpsd.api, pytest, xdist, hypothesis"
 status=0
 python -m pytest -q -p no:cacheprovider -n "${VPSD_TEST_WORKERS:-auto}" --dist loadfile "${subset[@]}" || status=$?
 if [ "$status" != 0 ]; then
