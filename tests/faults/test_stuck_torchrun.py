@@ -31,9 +31,11 @@ def _run(tmp_path, manifest, env_extra: dict, name: str, nproc: int = 3):
     pytest.param("target:prefill:2", "target", "prefill", False, marks=pytest.mark.slow),  # the second item's vision and prefill
     # a round of the second item (--slow: the target is named by its peers as the draft, below, by the target)
     pytest.param("target:verify:12", "target", "verify", False, marks=pytest.mark.slow),
-    ("draft:draft:12", "draft", "draft", True),  # (resuming is the same whichever role was stuck: checked once)
+    ("draft:draft:12", "draft", "draft", False),
+    # resuming is the same whichever way the job ended (CI: after a Ctrl-C, a killed batch and torchrun's restarts)
+    pytest.param("draft:draft:12", "draft", "draft", True, marks=pytest.mark.slow),
     pytest.param("pruner:prune:2", "pruner", "prune", False, marks=pytest.mark.slow),
-], ids=["prefill", "verify", "draft", "prune"])
+], ids=["prefill", "verify", "draft", "draft-resumed", "prune"])
 def test_a_stuck_peer_is_named_within_its_limit_and_the_job_resumes(tmp_path_factory, tmp_path, hang, role, phase,
                                                                     resume):
     manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=3)

@@ -70,7 +70,7 @@ def test_two_pipelines_on_one_node_take_items_as_they_free_up(tmp_path, uneven, 
 def test_two_nodes_over_a_localhost_rendezvous_make_a_pipeline_each(tmp_path, uneven, reference):
     """A pipeline of one rank a node (the draft and pruner on threads of its target: what crosses the nodes is the
     coordinator's traffic with pipeline 1's target; pipelines of several ranks a node: --slow, in
-    test_pipeline_torchrun, and the restart above on one node)."""
+    test_pipeline_torchrun, and the restart below on one node)."""
     out = tmp_path / "two-nodes"
     port = free_port()
     procs = []

@@ -22,7 +22,10 @@ from vpsd.pipeline.methods import get_method
 pytestmark = pytest.mark.torchrun
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
+# CI runs the first in the newest-release leg (scripts/test_latest.sh names it: transformers' attention over local
+# heads is what it asks of upstream); on the lock, the job below holds a split target to ar.
+@pytest.mark.parametrize("family", [pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+                                    pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def test_a_target_over_two_ranks_decodes_as_its_one_rank_self(tmp_path, family):
     proc = subprocess.run(torchrun_cmd(2) + [str(ROOT / "tests" / "workers" / "tensor_parallel_worker.py"), family,
                                              str(tmp_path)], capture_output=True, text=True, timeout=240,
