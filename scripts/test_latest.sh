@@ -14,10 +14,10 @@
 #
 # The subset is what vpsd asks of transformers: every model hook and adapter operation on all three families
 # (signals, attention scores, adapters, views, trees, pruned prefill, growth, the processors' frame rules read from
-# transformers' source), std's sparse KV and the trees' caches (test_std, test_tree_models), batched forwards,
-# captured steps, and one torchrun job: a target split over two ranks (transformers' attention over local heads).
-# The engine's logic over those operations, and what travels between ranks (torch's, the lock's release here too),
-# are the locked suite's.
+# transformers' source), std's sparse KV and the trees' caches (test_std, test_tree_models), batched forwards and
+# captured steps. The engine's logic over those operations, what travels between ranks (torch's, the lock's release
+# here too) and a target split over ranks (its worker with --slow, on the lock a job held to ar) are the locked
+# suite's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_pin="torch==$(sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements.lock)"
@@ -67,9 +67,6 @@ subset=(
     tests/engine/test_batch_decode.py::test_a_row_alone_is_stepped_by_the_batch1_forward_bit_for_bit
     tests/engine/test_batch_decode.py::test_batched_rows_score_as_batch1_steps_through_joins_rollbacks_leaves_and_compaction
     tests/engine/test_batch_decode.py::test_exact_verify_in_a_batch_equals_ar
-    # A split target: transformers' attention must keep reshaping by head_dim (local heads), torch's DTensor plan.
-    # (--slow in the locked suite, where a job holds a split target to ar; a case named here runs either way.)
-    "tests/torchrun/test_tensor_parallel_torchrun.py::test_a_target_over_two_ranks_decodes_as_its_one_rank_self[qwen2_5_vl]"
 )
 if [ "${1:-}" = "--all" ]; then subset=(tests); fi
 # Installed without bytecode (as scripts/setup.sh): compiled on first import, once, here (scripts/test.sh says why).

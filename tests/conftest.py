@@ -28,11 +28,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 # The files whose cases take longest (their waits for start-up bounds and timeouts included), longest first, as
-# measured by `scripts/test.sh --durations`: run first, so that the workers of `-n auto --dist loadfile` end
-# together instead of one finishing a long file alone (the rest keep their order).
-LONGEST_FIRST = ["test_gpu_check.py", "test_startup_torchrun.py", "test_batch_torchrun.py", "test_scale_out_torchrun.py",
-                 "test_tensor_parallel_torchrun.py", "test_stuck_torchrun.py", "test_api.py", "test_pipeline_torchrun.py",
-                 "test_batch_decode.py", "test_job_safety_torchrun.py", "test_batch_workers.py"]
+# measured by a per-test meter over `scripts/test.sh` (2026-11-28): run first, so that the workers of `-n auto
+# --dist loadfile` end together (longest first is the classic schedule for that) instead of one finishing a long
+# file alone at the end while the other waits; the rest keep their order.
+LONGEST_FIRST = ["test_batch_torchrun.py", "test_gpu_check.py", "test_startup_torchrun.py", "test_api.py",
+                 "test_job_safety_torchrun.py", "test_pipeline_torchrun.py", "test_batch_decode.py",
+                 "test_scale_out_torchrun.py", "test_batch_workers.py", "test_stuck_torchrun.py",
+                 "test_tensor_parallel_torchrun.py", "test_captured.py", "test_sharded_load.py",
+                 "test_world_long_torchrun.py", "test_lossless_sd.py", "test_lossless_margin.py", "test_world_long.py",
+                 "test_batch_trees_and_sparse_kv.py", "test_verification.py", "test_prune_stream_torchrun.py",
+                 "test_bench_pruning.py", "test_world_long_pair.py", "test_state_machine.py",
+                 "test_transport_torchrun.py", "test_launch_settings.py", "test_grow.py", "test_distill_long.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,8 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # (another phase of the same stuck-peer check, the same fault at batch 1 and batched...) run with --slow.
     if config.getoption("--slow") or os.environ.get("VPSD_SLOW") == "1":
         return
-    # A case named on the command line (path::name[params]) runs, slow or not: the newest-release leg names the ones
-    # it runs (scripts/test_latest.sh).
+    # A case named on the command line (path::name[params]) runs, slow or not: naming it is asking for it.
     named = {f"{os.path.relpath(os.path.abspath(path), config.rootpath)}::{case}"
              for path, sep, case in (arg.partition("::") for arg in config.args) if sep}
     skip = pytest.mark.skip(reason="a further combination of a case run once already (./scripts/test.sh --slow)")

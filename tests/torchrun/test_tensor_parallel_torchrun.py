@@ -22,8 +22,8 @@ from vpsd.pipeline.methods import get_method
 pytestmark = pytest.mark.torchrun
 
 
-# CI runs the first in the newest-release leg (scripts/test_latest.sh names it: transformers' attention over local
-# heads is what it asks of upstream); on the lock, the job below holds a split target to ar.
+# --slow (each ~45 CPU-s, most of it DTensor's dispatch of a split step on a CPU): CI holds a split target to ar
+# through the job below, its pruner scoring attention gathered over the ranks' heads.
 @pytest.mark.parametrize("family", [pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
                                     pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def test_a_target_over_two_ranks_decodes_as_its_one_rank_self(tmp_path, family):
