@@ -11,15 +11,15 @@ from tests.conftest import config_path, random_frames, tiny_pair
 from vpsd.config import BatchingConfig, DecodingConfig, PruningConfig, RunConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.sd import decode_sd
-from vpsd.pipeline.result import DecodeResult
-from vpsd.engine.keep import keep_policy_for
 from vpsd.engine.engine import Engine
+from vpsd.engine.keep import keep_policy_for
 from vpsd.engine.local_drafter import LocalDrafter
 from vpsd.engine.request import Request
 from vpsd.engine.scheduler import Scheduler
 from vpsd.models.base import VideoLMAdapter
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.methods import get_method
+from vpsd.pipeline.result import DecodeResult
 from vpsd.roles.draft import DraftWorker
 from vpsd.roles.link import Idle, MemoryHub
 from vpsd.roles.pruner import PrunerWorker
@@ -30,27 +30,28 @@ PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.
 _BATCH1: dict[tuple, DecodeResult] = {}
 
 
-def _item_key(item: Request) -> tuple:
-    return item.id, item.prompt, item.frames.shape, int(item.frames.sum())
+def _once(key: tuple, item: Request, decode) -> DecodeResult:
+    """`decode()`'s result for `key` and the item's content, decoded once a test worker (a file's cases run on one
+    worker, on session models): the engine is held to the same batch-1 output at every batch size, method and
+    interleaving."""
+    key = (*key, item.id, item.prompt, item.frames.shape, int(item.frames.sum()))
+    if key not in _BATCH1:
+        _BATCH1[key] = decode()
+    return _BATCH1[key]
 
 
 def batch1_ar(target: VideoLMAdapter, item: Request, decoding: DecodingConfig) -> DecodeResult:
-    """The reference decoder's `ar` of `item`, decoded once a test worker: the engine is held to the same batch-1
-    output at every batch size, method and interleaving (a file's cases run on one worker, on session models)."""
-    key = ("ar", id(target), _item_key(item), repr(decoding))
-    if key not in _BATCH1:
-        _BATCH1[key] = decode_ar(target, item.frames, item.prompt, decoding)
-    return _BATCH1[key]
+    """The reference decoder's `ar` of `item`."""
+    return _once(("ar", id(target), repr(decoding)), item,
+                 lambda: decode_ar(target, item.frames, item.prompt, decoding))
 
 
 def batch1_sd(target: VideoLMAdapter, draft: VideoLMAdapter, item: Request, decoding: DecodingConfig,
               pruning: PruningConfig) -> DecodeResult:
-    """The reference decoder's serial sd of `item` (the same rounds a batch must make), decoded once a test worker."""
-    key = ("sd", id(target), id(draft), _item_key(item), repr(decoding), repr(pruning))
-    if key not in _BATCH1:
-        _BATCH1[key] = decode_sd(target, draft, item.frames, item.prompt, decoding,
-                                 keep_policy_for(pruning, target.family), pruning)
-    return _BATCH1[key]
+    """The reference decoder's serial sd of `item` (the same rounds a batch must make)."""
+    return _once(("sd", id(target), id(draft), repr(decoding), repr(pruning)), item,
+                 lambda: decode_sd(target, draft, item.frames, item.prompt, decoding,
+                                   keep_policy_for(pruning, target.family), pruning))
 
 
 def requests(n: int, max_new: int = 14) -> list[Request]:
