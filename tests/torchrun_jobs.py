@@ -6,9 +6,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pytest import approx
@@ -135,3 +137,51 @@ def assert_trace_rounds_add_up(out: Path, method: str, max_new: int) -> None:
         assert stats["per_position_acceptance"] == s.per_position
         if method == "pearl":
             assert all((r.mode == "conservative") == (i > 0 and rounds[i - 1].rejected) for i, r in enumerate(rounds))
+
+
+def role_pids(out: Path) -> dict[str, int]:
+    """Each role's first process id, as its trace's role_started event says."""
+    pids: dict[str, int] = {}
+    for path in (Path(out) / "traces").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            ev = json.loads(line)
+            if ev.get("event") == "role_started":
+                pids.setdefault(ev["role"], ev["pid"])
+    return pids
+
+
+def wait_for_results(proc: subprocess.Popen, out: Path, count: int, timeout: float) -> None:
+    """Until the job `proc` has written `count` results. A job that ends first fails the test at once with what it
+    said; one that writes none in `timeout` is killed and the failure says where each rank was: the last events
+    of its trace and its threads' stacks (SIGUSR1, vpsd/launch/entry.py) beside the job's stderr."""
+    deadline = time.monotonic() + timeout
+    while len(results(out)) < count:
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) with {len(results(out))} of {count} "
+                                 f"results:\n{_said(proc)}")
+        if time.monotonic() > deadline:
+            for pid in role_pids(out).values():
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(1.0)
+            proc.kill()
+            raise AssertionError(f"{len(results(out))} of {count} results after {timeout:.0f} s; the ranks' last "
+                                 f"events:\n{_last_events(out)}\n{_said(proc)}")
+        time.sleep(0.05)
+
+
+def _said(proc: subprocess.Popen) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "(the job's output could not be read)"
+    return f"stdout:\n{(stdout or '')[-2000:]}\nstderr:\n{(stderr or '')[-8000:]}"
+
+
+def _last_events(out: Path, n: int = 6) -> str:
+    tails = []
+    for path in sorted((Path(out) / "traces").glob("*.jsonl")):
+        tails.append(f"{path.name}:\n" + "\n".join(path.read_text().splitlines()[-n:]))
+    return "\n".join(tails) or "(no traces)"

@@ -8,14 +8,15 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 import media
 from tests.conftest import tiny_pair
-from tests.torchrun_jobs import (ROOT, assert_trace_rounds_add_up, job_args, job_env, launcher_cmd, results, run_job,
-                                 run_launcher, torchrun_cmd, world_manifest)
+from tests.torchrun_jobs import (ROOT, assert_trace_rounds_add_up, job_args, job_env, launcher_cmd, results, role_pids,
+                                 run_job, run_launcher, torchrun_cmd, wait_for_results, world_manifest)
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.manifest import check_manifest, load_manifest
@@ -157,8 +158,8 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_for(lambda: len(results(out)) >= 2, 180)
-        os.kill(_pids(out)["target"], signal.SIGKILL)  # the results writer dies without any cleanup
+        wait_for_results(proc, out, 2, 180)
+        os.kill(role_pids(out)["target"], signal.SIGKILL)  # the results writer dies without any cleanup
         proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
@@ -182,13 +183,16 @@ def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_pa
     proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
     try:
-        _wait_for(lambda: len(results(out)) >= 1, 180)
-        os.kill(_pids(out)["target"], signal.SIGKILL)
-        proc.communicate(timeout=90)
+        wait_for_results(proc, out, 1, 180)
+        os.kill(role_pids(out)["draft"], signal.SIGUSR1)  # a user's look at a rank that seems stalled
+        time.sleep(0.5)
+        os.kill(role_pids(out)["target"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
+    assert "most recent call first" in stderr and "serve_draft" in stderr, stderr[-3000:]  # its threads' stacks
     assert 1 <= len(results(out)) < 6, "the kill came too late to test anything"
     rerun = run_job(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -257,8 +261,8 @@ def test_elastic_restart_resumes_after_a_rank_dies(tmp_path_factory, six, uninte
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_for(lambda: len(results(out)) >= 2, 180)
-        os.kill(_pids(out)["draft"], signal.SIGKILL)
+        wait_for_results(proc, out, 2, 180)
+        os.kill(role_pids(out)["draft"], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -288,22 +292,3 @@ def test_video_reading_is_timed_and_read_ahead(uninterrupted):
         # ...and so did the draft, before the target even started item k.
         assert first(draft, "video_read", item)["t0"] < first(target, "item", item)["t0"]
         assert first(target, "preprocess", item) and first(target, "video_wait", item)
-
-
-def _pids(out: Path) -> dict[str, int]:
-    pids = {}
-    for path in (out / "traces").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("event") == "role_started":
-                pids.setdefault(ev["role"], ev["pid"])
-    return pids
-
-
-def _wait_for(pred, timeout: float) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.torchrun_jobs import ROOT, ar_reference, free_port, job_args, results, run_job, torchrun_cmd, world_manifest
+from tests.torchrun_jobs import (ROOT, ar_reference, free_port, job_args, results, role_pids, run_job, torchrun_cmd,
+                                 wait_for_results, world_manifest)
 from vpsd.config import load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.models.registry import load_adapter
@@ -112,23 +113,6 @@ def test_sampling_runs_through_the_pipeline(tmp_path_factory):
         assert row["error"] is None and 1 <= len(row["token_ids"]) <= 24
 
 
-def _pids(out) -> dict[str, int]:
-    pids = {}
-    for path in (out / "traces").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("event") == "role_started":
-                pids[ev["role"]] = ev["pid"]
-    return pids
-
-
-def _wait_for(pred, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
-
-
 FAULT_TIMEOUT_S = 5
 
 
@@ -143,8 +127,8 @@ def test_a_dead_or_hung_rank_ends_the_job_naming_it(tmp_path_factory, role, faul
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_for(lambda: len(results(out)) >= 1, 120)  # at least one item finished before the fault
-        pid = _pids(out)[role]
+        wait_for_results(proc, out, 1, 120)  # at least one item finished before the fault
+        pid = role_pids(out)[role]
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         stopped_at = time.monotonic()
         _, stderr = proc.communicate(timeout=90)

@@ -125,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def as_a_rank() -> None:
     """A rank torchrun started: its agent's death ends it too, and a crash in native code (gloo, ZeroMQ, a kernel),
-    otherwise one line of torchrun's ("exitcode -11"), prints every thread's Python stack to the rank's stderr."""
+    otherwise one line of torchrun's ("exitcode -11"), prints every thread's Python stack to the rank's stderr.
+    So does `kill -USR1 <pid>` on a rank that seems stalled, which then goes on (README, Faults)."""
     die_with_parent()
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
 
 
 def launch_layout(cfg: RunConfig, in_roles: bool) -> Layout:
