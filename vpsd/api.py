@@ -46,7 +46,7 @@ from vpsd.config import ConfigError, RunConfig
 from vpsd.engine.request import Request
 from vpsd.launch.items import ItemReader, checked_frames
 from vpsd.launch.manifest import ManifestItem
-from vpsd.launch.results import ResultRow, finish_reason
+from vpsd.launch.results import ResultRow, output_of
 from vpsd.launch.served import RanksFailed, ServedRanks
 from vpsd.launch.settings import run_config
 from vpsd.launch.wiring import SharedFrames, build_engine
@@ -67,7 +67,7 @@ class SamplingParams:
     max_new_tokens: int | None = None
     temperature: float = 0.0  # 0: greedy; > 0: sampled, by the speculative-sampling rule
     top_p: float = 1.0  # only 1.0: the speculative-sampling rule here is exact for the whole distribution
-    stop: tuple[str, ...] = ()  # the text is cut before the first of these (decoding runs to EOS or the budget)
+    stop: tuple[str, ...] = ()  # decoding stops at the first of these, and the text is cut before it
     seed: int | None = None  # every random stream of every request (target, draft, pruning) derives from it
 
     def check(self) -> list[str]:
@@ -104,7 +104,7 @@ class Output:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens), "error"
     num_video_tokens: int | None = None
-    num_generated_tokens: int = 0
+    num_generated_tokens: int = 0  # what plain decoding generated: past token_ids up to a stop string's end
     # What a job's result row carries: mean_accepted_tokens (MAT), acceptance_rate, rounds, prefill_s, decode_s,
     # wall_s, tokens_per_s, num_kept, ...
     stats: dict[str, Any] = field(default_factory=dict)
@@ -201,7 +201,7 @@ class LLM:
             wire_id = f"{item.id}#{self._calls}"
             ids[wire_id] = item.id
             try:
-                items.append(self._manifest_item(item, wire_id, params.max_new_tokens, n))
+                items.append(self._manifest_item(item, wire_id, params.max_new_tokens, tuple(params.stop), n))
             except (VideoError, ValueError) as e:
                 outputs[item.id] = _failed(item.id, e)
         assert self._ranks is not None
@@ -213,27 +213,30 @@ class LLM:
         finally:
             shutil.rmtree(self._scratch / "frames", ignore_errors=True)
         for wire_id, row in rows.items():
-            outputs[ids[wire_id]] = self._row_output(ids[wire_id], row, params.stop)
+            outputs[ids[wire_id]] = self._row_output(ids[wire_id], row)
         return outputs
 
-    def _manifest_item(self, item: _Item, wire_id: str, max_new_tokens: int | None, n: int) -> ManifestItem:
+    def _manifest_item(self, item: _Item, wire_id: str, max_new_tokens: int | None, stop: tuple[str, ...],
+                       n: int) -> ManifestItem:
         """A request as a job's item: a file or folder by its path; frames in memory written as a frames file
         (video/decode.py) that the ranks read back whole."""
         prompt = _prompt_text(item.prompt)
         if not isinstance(item.video, np.ndarray):
-            return ManifestItem(wire_id, Path(item.video).absolute(), prompt, max_new_tokens, None, None, {}, 0)
+            return ManifestItem(wire_id, Path(item.video).absolute(), prompt, max_new_tokens, None, None, {}, 0, stop)
         frames, times = checked_frames(item.id, item.video, item.frame_times)
         path = self._scratch / "frames" / f"{n}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_frames_file(path, frames, times)
-        return ManifestItem(wire_id, path, prompt, max_new_tokens, len(frames), None, {}, 0)
+        return ManifestItem(wire_id, path, prompt, max_new_tokens, len(frames), None, {}, 0, stop)
 
-    def _row_output(self, item_id: str, row: ResultRow, stop: Sequence[str]) -> Output:
+    def _row_output(self, item_id: str, row: ResultRow) -> Output:
+        """A job's result row as an Output: the job cut it at the request's stop strings already."""
         if row.error is not None:
             return Output(item_id, "", [], "error", error=f"{row.error.type}: {row.error.message}",
                           error_kind=row.error.kind)
-        return _output(item_id, self.tokenizer, row.token_ids, row.text, str(row.stats.get("finish_reason")),
-                       row.stats, stop)
+        return Output(item_id, row.text, list(row.token_ids), str(row.stats.get("finish_reason")),
+                      row.stats.get("num_video_tokens"), int(row.stats.get("generated_tokens", len(row.token_ids))),
+                      dict(row.stats))
 
     def _item(self, r: VideoRequest) -> _Item:
         self._count += 1
@@ -331,7 +334,7 @@ class _Events:
         else:
             loaded = self.reader.load(ManifestItem(item.id, Path(item.video), prompt, budget, None, None, {}, 0))
         self.frames.put(item.id, loaded.frames, loaded.times)  # a draft thread takes them from here
-        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None)
+        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None, tuple(self.params.stop))
 
     def started(self, item: _Item) -> None:
         pass
@@ -342,41 +345,16 @@ class _Events:
             self.failed(item, ValueError(request.error))
             return
         res = request.result()
-        tokens = list(res.token_ids)
-        text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
-        self.outputs[item.id] = _output(item.id, self.target.tokenizer, tokens, text,
-                                        finish_reason(tokens, self.target.eos_token_ids), res.stats_dict(),
-                                        self.params.stop)
+        out, reason = output_of(self.target.text, res.token_ids, self.params.stop, self.target.eos_token_ids)
+        stats = res.stats_dict()
+        self.outputs[item.id] = Output(item.id, out.text, out.tokens, reason, stats.get("num_video_tokens"),
+                                       out.generated, dict(stats))
 
     def failed(self, item: _Item, error: Exception) -> None:
         self.frames.drop(item.id)
         self.outputs[item.id] = _failed(item.id, error)
 
 
-def _output(item_id: str, tokenizer, tokens: list[int], text: str, reason: str, stats: dict[str, Any],
-            stop: Sequence[str]) -> Output:
-    """A finished request's Output, its text cut before the first stop string (and its tokens to those covering
-    what is left)."""
-    generated = len(tokens)
-    cut = _first_stop(text, stop)
-    if cut is not None:
-        text, tokens, reason = text[:cut], _tokens_for(tokenizer, tokens, text[:cut]), "stop"
-    return Output(item_id, text, list(tokens), reason, stats.get("num_video_tokens"), generated, dict(stats))
-
-
 def _failed(item_id: str, error: Exception) -> Output:
     kind = error.kind if isinstance(error, VideoError) else None
     return Output(item_id, "", [], "error", error=f"{type(error).__name__}: {error}", error_kind=kind)
-
-
-def _first_stop(text: str, stop: Sequence[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s and s in text]
-    return min(hits) if hits else None
-
-
-def _tokens_for(tokenizer, tokens: list[int], text: str) -> list[int]:
-    """The shortest prefix of `tokens` whose text covers `text` (what was generated up to a stop string)."""
-    for n in range(len(tokens) + 1):
-        if len(tokenizer.decode(tokens[:n], skip_special_tokens=True)) >= len(text):
-            return tokens[:n]
-    return tokens

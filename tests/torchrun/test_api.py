@@ -176,6 +176,12 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
     assert {o.id: (o.token_ids, o.text) for o in outs.values() if o.id in ar_outputs} == \
         {k: (o.token_ids, o.text) for k, o in ar_outputs.items()}
     check_bad(outs)
+    # ... a stop string ends the item on the target's rank, its output `ar`'s cut there (a job's item field) ...
+    whole = ar_outputs[items[0].id]
+    stop = whole.text[len(whole.text) // 3:][:2]
+    cut = llm.generate(items[0], vpsd.SamplingParams(max_new_tokens=24, stop=(stop,)))[0]
+    assert (cut.finish_reason, cut.text) == ("stop", whole.text[:whole.text.find(stop)])
+    assert cut.token_ids == whole.token_ids[:len(cut.token_ids)] and cut.num_generated_tokens < len(whole.token_ids)
     # ... and frames in memory, sampled, drawn as on threads (one seed rule wherever the draft runs).
     on_ranks = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
     assert on_ranks.error is None and on_ranks.token_ids == on_threads.token_ids

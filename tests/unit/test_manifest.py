@@ -42,7 +42,7 @@ def test_good_manifest(data_dir, tmp_path_factory, monkeypatch):
             ' "reference": "a gray fade", "meta": {"source": ["x", 1]}}',
             json.dumps({"id": 7, "video": str(absolute), "prompt": "What?", "fps": 2, "max_new_tokens": None}),
             '   # indented comment',
-            json.dumps({"id": "f", "video": "frames", "prompt": "Frames.", "fps": 0.5}),
+            json.dumps({"id": "f", "video": "frames", "prompt": "Frames.", "fps": 0.5, "stop": ["\n\n", "Q:"]}),
         ],
     )
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))  # relative to the manifest, not the cwd
@@ -61,7 +61,8 @@ def test_good_manifest(data_dir, tmp_path_factory, monkeypatch):
     )
     assert (seven.id, seven.video, seven.fps, seven.max_new_tokens, seven.line) == ("7", absolute.resolve(), 2.0, None, 4)
     assert isinstance(seven.fps, float) and seven.extra == {}
-    assert (f.video, f.fps, f.line) == ((data_dir / "frames").resolve(), 0.5, 6)
+    assert (f.video, f.fps, f.line, f.stop) == ((data_dir / "frames").resolve(), 0.5, 6, ("\n\n", "Q:"))
+    assert a.stop == () and ManifestItem.from_wire(f.to_wire()) == f  # as the coordinator hands it to a pipeline
     # The items are what the reader needs, as is.
     assert read_video(a.video, num_frames=a.num_frames).indices.tolist() == [0, 5, 10, 15]
     assert read_video(f.video, fps=f.fps).num_frames == 3
@@ -125,6 +126,18 @@ def test_all_problems_of_a_line_are_reported(data_dir):
         "give 'num_frames' or 'fps', not both",
     ]
     assert {p.line for p in problems} == {1}
+
+
+def test_stop_strings_are_a_string_or_a_list_of_them(data_dir):
+    lines = [{"stop": "###"}, {"stop": None}, {"stop": ""}, {"stop": ["a", 3]}, {"stop": {"s": "a"}}]
+    manifest = write_lines(data_dir / "stop.jsonl", [json.dumps({"id": i, "video": "videos/a.mp4", "prompt": "P",
+                                                                 **line}) for i, line in enumerate(lines)])
+    items, problems = load_manifest(manifest)
+    assert [(i.id, i.stop) for i in items] == [("0", ("###",)), ("1", ())]
+    assert [(p.line, p.message) for p in problems] == [
+        (3, "field 'stop' must be a non-empty string or a list of them, got a string"),
+        (4, "field 'stop' must be a non-empty string or a list of them, got an array"),
+        (5, "field 'stop' must be a non-empty string or a list of them, got an object")]
 
 
 def test_files_not_checked_when_asked(data_dir):

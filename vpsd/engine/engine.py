@@ -13,7 +13,8 @@ decoder draws it), and from then on every round is
     3. commit (`commit_window`, the one rule for every place and batch size): `verify_chunk` (greedy, or
        the speculative-sampling rule on the request's own random stream) and the request's `TargetMachine`
        decide what is committed; the verdict goes to the drafter;
-    4. the requests that are done (budget, EOS) or failed leave; their results are final.
+    4. the requests that are done (budget, EOS, a stop string in their text) or failed leave; their results
+       are final.
 
 The window: a local drafter's rounds take the serial window (draft and target take turns: goodput per round,
 falling back to plain batched steps where speculation does not pay), a remote drafter's the parallel one
@@ -135,7 +136,8 @@ class Engine:
             request.stats.record(0, 0)  # as decode_ar counts its first token
             self.report.plain_items += self.drafter is not None
         request.start_decoding(machine, pre.state.length, gen, self.report.rounds)
-        if request.done:  # a first token that ends it (EOS, or a budget of one)
+        request.look_for_stop(self.target.text)
+        if request.done:  # a first token that ends it (EOS, a budget of one, a stop string)
             self._trace_item(request)
             return request
         if drafted:
@@ -157,6 +159,8 @@ class Engine:
         if ran:
             self._verify(proposals, plain)
         left = []
+        for r in self.requests.values():
+            r.look_for_stop(self.target.text)
         for r in [r for r in self.requests.values() if r.done or self._error(r)]:
             left.append(self._leave(r))
         return ran, left

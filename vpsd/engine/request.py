@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.pipeline.state_machine import TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
+from vpsd.pipeline.stopping import stop_length
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Request:
     frame_times: np.ndarray | None = None  # (T,) seconds each frame was taken (None: the family's default rate)
     video: dict = field(default_factory=dict)  # how a draft rank reads the same frames (FrameRequest.to_wire)
     next_video: dict | None = None  # the next item's, so a draft rank reads it ahead
+    stop: tuple[str, ...] = ()  # stop strings: decoding ends once the committed text holds one (pipeline/stopping.py)
 
     # ---- what the engine fills ----
     drafted: bool = True  # False: decoded plain, one token a round (the drafting policy's decision)
@@ -58,6 +60,8 @@ class Request:
     first_chunk_wait: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds it waited, by span name (video_wait)
     error: str | None = None  # why it cannot be decoded (a drafter's report); it fails with this
+    hit_stop: bool = False  # a stop string ended it (the engine looks after each commit)
+    stop_checked: int = 0  # how many committed tokens were looked at for stop strings
 
     @property
     def committed(self) -> list[int]:
@@ -65,7 +69,14 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.machine.done
+        return self.hit_stop or self.machine.done
+
+    def look_for_stop(self, decode: Callable[[list[int]], str]) -> None:
+        """Whether a stop string ended it: the text of a committed prefix not looked at yet holds one, as plain
+        decoding would have seen it after that token (pipeline/stopping.py). `decode`: the target's tokenizer's."""
+        if self.stop and not self.hit_stop:
+            self.hit_stop = stop_length(decode, self.committed, self.stop, self.stop_checked + 1) is not None
+            self.stop_checked = len(self.committed)
 
     def start_decoding(self, machine: TargetMachine, cache_length: int, gen: torch.Generator, round_: int) -> None:
         """The request joins the batch: its first token is committed, its cache holds `cache_length` entries."""

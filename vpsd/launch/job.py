@@ -25,7 +25,7 @@ from vpsd.engine.request import Request
 from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.wiring import SharedFrames, build_engine
-from vpsd.launch.results import ItemError, ResultRow, finish_reason
+from vpsd.launch.results import ItemError, ResultRow, output_of
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter
 from vpsd.models.tensor_parallel import Mirror
@@ -121,11 +121,11 @@ class ItemEvents:
             pruning = self.cfg.pruning
             append_kept(self.ctx.out, KeptRecord(item.id, pruning.strategy, pruning.applied_ratio, res.kept, res.layout))
         self.finished_items += 1
+        out, reason = output_of(self.target.text, res.token_ids, item.stop, self.target.eos_token_ids)
         stats = {**res.stats_dict(), **loaded.timings, "num_frames": int(loaded.frames.shape[0]),
-                 "batch": self.cfg.batching.size, "pipeline": self.sink.pipeline,
-                 "finish_reason": finish_reason(res.token_ids, self.target.eos_token_ids)}
-        self.record(self.row(item, res.token_ids, stats,
-                             self.target.tokenizer.decode(res.token_ids, skip_special_tokens=True)))
+                 "batch": self.cfg.batching.size, "pipeline": self.sink.pipeline, "generated_tokens": out.generated,
+                 "finish_reason": reason}
+        self.record(self.row(item, out.tokens, stats, out.text))
 
     def failed(self, item: ManifestItem, error: Exception | str) -> None:
         if self.frames is not None:

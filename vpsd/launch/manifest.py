@@ -9,6 +9,8 @@ Format, one JSON object per line (blank lines and lines starting with `#` are sk
   the characters, vpsd/models/prompt.py), unless the item sets `"prompt_special_tokens": true`.
 - optional `max_new_tokens` (int > 0), and `num_frames` (int > 0) or `fps` (number > 0), not both;
   null means absent.
+- optional `stop`: a string or a list of strings; the output ends before the first of them (decoding stops
+  there too: pipeline/stopping.py).
 - any other field is carried untouched in `ManifestItem.extra` (references, metadata).
 
 `load_manifest` never raises for a bad line: each line either becomes an item or yields problems,
@@ -31,7 +33,7 @@ from typing import Any
 
 from vpsd.models.prompt import ControlText
 
-KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps")
+KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps", "stop")
 
 # Exit codes of check_manifest.
 OK, HAS_PROBLEMS, UNREADABLE = 0, 1, 2
@@ -51,18 +53,20 @@ class ManifestItem:
     fps: float | None
     extra: dict[str, Any] = field(hash=False)  # every field not listed in KNOWN_FIELDS, as parsed
     line: int  # 1-based line in the manifest
+    stop: tuple[str, ...] = ()  # stop strings
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for a control message (the coordinator hands items to pipelines with it)."""
         return {"id": self.id, "video": str(self.video), "prompt": str(self.prompt),
                 "prompt_special_tokens": isinstance(self.prompt, ControlText), "max_new_tokens": self.max_new_tokens,
-                "num_frames": self.num_frames, "fps": self.fps, "extra": self.extra, "line": self.line}
+                "num_frames": self.num_frames, "fps": self.fps, "extra": self.extra, "line": self.line,
+                "stop": list(self.stop)}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "ManifestItem":
         prompt = ControlText(data["prompt"]) if data["prompt_special_tokens"] else data["prompt"]
         return cls(data["id"], Path(data["video"]), prompt, data["max_new_tokens"], data["num_frames"], data["fps"],
-                   dict(data["extra"]), data["line"])
+                   dict(data["extra"]), data["line"], tuple(data["stop"]))
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,17 @@ def _positive_number(obj: dict, name: str, problems: list[str]) -> float | None:
     return float(value)
 
 
+def _stop_strings(obj: dict, problems: list[str]) -> tuple[str, ...]:
+    value = obj.get("stop")
+    if value is None:
+        return ()
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
+        problems.append(f"field 'stop' must be a non-empty string or a list of them, got {_json_type(value)}")
+        return ()
+    return tuple(strings)
+
+
 def _required_text(obj: dict, name: str, problems: list[str]) -> str | None:
     if name not in obj:
         problems.append(f"missing field '{name}'")
@@ -173,6 +188,7 @@ def _parse_object(
     max_new_tokens = _positive_int(obj, "max_new_tokens", problems)
     num_frames = _positive_int(obj, "num_frames", problems)
     fps = _positive_number(obj, "fps", problems)
+    stop = _stop_strings(obj, problems)
     if obj.get("num_frames") is not None and obj.get("fps") is not None:
         problems.append("give 'num_frames' or 'fps', not both")
     video_path = _video_path(video, base_dir, check_files, problems) if video is not None else None
@@ -184,7 +200,7 @@ def _parse_object(
     if special:  # the item asks for its prompt's special-token strings to act as control tokens
         prompt = ControlText(prompt)
     extra = {key: value for key, value in obj.items() if key not in KNOWN_FIELDS}
-    item = ManifestItem(item_id, video_path, prompt, max_new_tokens, num_frames, fps, extra, line)
+    item = ManifestItem(item_id, video_path, prompt, max_new_tokens, num_frames, fps, extra, line, stop)
     return item_id, item, problems
 
 

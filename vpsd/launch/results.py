@@ -16,8 +16,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Collection, Sequence
 
+from vpsd.pipeline.stopping import StopCut, cut_at_stop
 from vpsd.storage import LineFile
 
 
@@ -63,10 +64,14 @@ class ResultRow:
                 "error": None if self.error is None else self.error.to_json()}
 
 
-def finish_reason(token_ids: list[int], eos_token_ids: list[int]) -> str:
-    """A result's `finish_reason` stat: "stop" when the answer ended at an EOS token, "length" at the token
-    budget (max_new_tokens)."""
-    return "stop" if token_ids and token_ids[-1] in eos_token_ids else "length"
+def output_of(decode: Callable[[Sequence[int]], str], token_ids: Sequence[int], stop: Sequence[str],
+              eos_token_ids: Collection[int]) -> tuple[StopCut, str]:
+    """A decoded item's output as plain decoding returns it (cut at its first stop string: pipeline/stopping.py)
+    and its `finish_reason`: "stop" when it ended at an EOS token or a stop string, "length" at the token budget
+    (max_new_tokens). `decode`: the tokenizer's, as results read it."""
+    out = cut_at_stop(decode, token_ids, stop)
+    ended = out.stopped or bool(out.tokens and out.tokens[-1] in eos_token_ids)
+    return out, "stop" if ended else "length"
 
 
 class ResultsFile:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -131,6 +131,10 @@ class VideoLMAdapter(ABC):
         return {}
 
     # ---- shared machinery ---------------------------------------------------------------------
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        """What generated tokens read as: a result's text, and what stop strings are looked for in."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def render_chat(self, prompt: str, video_block: str) -> str | None:
         """The tokenizer's own chat template for one user turn (the video, then `prompt`), or None when the
