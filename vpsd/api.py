@@ -67,11 +67,16 @@ class SamplingParams:
     max_new_tokens: int | None = None
     temperature: float = 0.0  # 0: greedy; > 0: sampled, by the speculative-sampling rule
     top_p: float = 1.0  # only 1.0: the speculative-sampling rule here is exact for the whole distribution
-    stop: tuple[str, ...] = ()  # decoding stops at the first of these, and the text is cut before it
+    stop: tuple[str, ...] | str = ()  # decoding stops at the first of these, and the text is cut before it
     seed: int | None = None  # every random stream of every request (target, draft, pruning) derives from it
+
+    def __post_init__(self) -> None:  # one stop string may be given as itself, as vLLM's SamplingParams takes it
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
     def check(self) -> list[str]:
         problems = []
+        if not all(isinstance(s, str) and s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:
@@ -201,7 +206,7 @@ class LLM:
             wire_id = f"{item.id}#{self._calls}"
             ids[wire_id] = item.id
             try:
-                items.append(self._manifest_item(item, wire_id, params.max_new_tokens, tuple(params.stop), n))
+                items.append(self._manifest_item(item, wire_id, params.max_new_tokens, params.stop, n))
             except (VideoError, ValueError) as e:
                 outputs[item.id] = _failed(item.id, e)
         assert self._ranks is not None
@@ -334,7 +339,7 @@ class _Events:
         else:
             loaded = self.reader.load(ManifestItem(item.id, Path(item.video), prompt, budget, None, None, {}, 0))
         self.frames.put(item.id, loaded.frames, loaded.times)  # a draft thread takes them from here
-        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None, tuple(self.params.stop))
+        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None, self.params.stop)
 
     def started(self, item: _Item) -> None:
         pass

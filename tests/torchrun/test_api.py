@@ -99,6 +99,9 @@ def test_bad_settings_are_a_config_error_before_any_model_loads():
     with vpsd.LLM(CONFIG, method="ar") as llm:
         with pytest.raises(vpsd.ConfigError, match="only top_p = 1.0"):
             llm.generate([], vpsd.SamplingParams(top_p=0.9))
+        with pytest.raises(vpsd.ConfigError, match="stop must be non-empty strings"):
+            llm.generate([], vpsd.SamplingParams(stop=["\n", ""]))
+    assert vpsd.SamplingParams(stop="\n\n").stop == ("\n\n",)  # one string is one stop string, not its characters
 
 
 def test_arrays_chat_messages_seeds_and_stop_strings():
