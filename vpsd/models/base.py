@@ -32,6 +32,7 @@ from vpsd.models.cache_ops import CACHE_OPS
 from vpsd.models.captured import CapturedLanguageModel, FixedCache, FixedCacheLease
 from vpsd.models.hf_compat import cache_kwargs
 from vpsd.models.kv_cache import GrowingCache
+from vpsd.models.prompt import tokenizer_lock
 from vpsd.pipeline.layout import VideoTokenLayout
 
 
@@ -134,7 +135,8 @@ class VideoLMAdapter(ABC):
 
     def text(self, token_ids: Sequence[int]) -> str:
         """What generated tokens read as: a result's text, and what stop strings are looked for in."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        with tokenizer_lock(self.tokenizer):
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def render_chat(self, prompt: str, video_block: str) -> str | None:
         """The tokenizer's own chat template for one user turn (the video, then `prompt`), or None when the

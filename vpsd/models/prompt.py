@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 # Where the user's prompt goes in a rendered chat template (a private-use character; templates have none).
@@ -26,4 +27,19 @@ def encode_chat(tokenizer: Any, template: str, prompt: str) -> list[int]:
     def enc(text: str, split: bool = False) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split) if text else []
 
-    return enc(before) + enc(prompt, split=not isinstance(prompt, ControlText)) + enc(after)
+    with tokenizer_lock(tokenizer):
+        return enc(before) + enc(prompt, split=not isinstance(prompt, ControlText)) + enc(after)
+
+
+_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def tokenizer_lock(tokenizer: Any) -> threading.Lock:
+    """The one lock of a tokenizer, held around every use of it. A fast tokenizer is not thread-safe: transformers
+    sets `split_special_tokens` on the shared Rust tokenizer for the length of a call, so another thread's call
+    meanwhile encodes a template's control tokens as text (wrong token ids, silently, or an item failing with "0
+    video tokens"), and a call that finds the tokenizer borrowed raises. Items are prepared on the prefill-ahead
+    thread and on the engine's (engine/prefill_ahead.py), which also reads committed text for stop strings."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(id(tokenizer), threading.Lock())
