@@ -4,6 +4,8 @@ tokens, unless the item sets "prompt_special_tokens": true."""
 from __future__ import annotations
 
 import json
+import sys
+import threading
 
 import pytest
 
@@ -66,9 +68,6 @@ def test_two_threads_preparing_items_get_the_tokens_one_thread_gets(family):
     text meanwhile: transformers toggles `split_special_tokens` on the shared tokenizer for a call, so without
     `tokenizer_lock` a thread encoded the template's <|video_pad|> as text (CI: "tokenizer produced 0 video
     tokens"; here 18 of 600 wrong encodings at a 1 us switch interval)."""
-    import sys
-    import threading
-
     target, _ = tiny_pair(family)
     frames = random_frames(0)
     prompts = ["Describe it.", VIDEO_PAD, TURN_END]
