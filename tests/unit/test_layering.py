@@ -137,3 +137,14 @@ def test_models_import_nothing_above_them(path):
     them: what a config means for a forward is said by the engine or a role, which pass the values down."""
     above = {"config", "engine", "roles", "launch", "decoders", "reports", "api", "integrations"}
     assert not {n for n in vpsd_imports(path) if layer(n) in above}, f"{path.name} imports {sorted(vpsd_imports(path))}"
+
+
+def test_only_the_command_imports_the_server():
+    """`vpsd serve` (vpsd.serve) sits on top beside the launcher, over the Python API: nothing the runtime runs may
+    depend on it (its FastAPI and uvicorn are an optional extra), and it reaches the engine only through vpsd.api."""
+    users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
+             if "serve" not in p.relative_to(PACKAGE).parts and any(layer(n) == "serve" for n in _all_imports(p))}
+    assert users <= {"launch/cli.py"}, sorted(users)
+    below = {str(p.relative_to(PACKAGE)): sorted(n for n in vpsd_imports(p) if layer(n) in ("roles", "engine", "launch"))
+             for p in modules("serve")}
+    assert not {k: v for k, v in below.items() if v}

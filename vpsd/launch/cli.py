@@ -9,6 +9,7 @@
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
     vpsd plan --config C [--method M] [--set K=V] [--gpu-gib G]  each rank's memory, from the configs alone
     vpsd world [--kind short|long] --out DIR --count N [--seed S]   procedural videos and their manifest
+    vpsd serve --config C [--method M] [--host H] [--port P] [--api-key K] [--batch N] ...   OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.launch.plan import main as run
     elif command == "world":
         from vpsd.world.dataset import main as run
+    elif command == "serve":
+        from vpsd.serve.cli import main as run
     else:
         print(f"vpsd: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2

@@ -1,0 +1,286 @@
+"""The HTTP surface of `vpsd serve` (FastAPI): OpenAI's chat completions over vpsd's Python API.
+
+    POST /v1/chat/completions   one user turn: text + one video (video_url, or frames as image_url parts)
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine takes requests, 503 while shutting down
+    GET  /metrics               Prometheus text (serve/metrics.py)
+
+Every refusal is OpenAI's error object with a status the client can act on: 401 a wrong or missing key (when
+the server has one), 400 a request vpsd cannot run (unsupported fields named; a video missing, unreadable or
+too long for the context, with the job's error kind as `code`), 403 a local path outside --allowed-media-dir,
+404 another model's name, 413 a body or video over the limits, 429 a full queue (Retry-After), 503 shutting
+down or the engine failing. One request's failure is its own: the server goes on.
+
+A streamed request (`stream: true`) gets server-sent events in OpenAI's chunk format: the role, the text, the
+finish reason (and the usage, with `stream_options.include_usage`), then `data: [DONE]`. The text is sent once
+the request's decoding ends (the API returns whole outputs), already cut at its stop strings. A client that
+disconnects while its request waits in the queue has it dropped before it decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from vpsd.api import Output, SamplingParams, VideoRequest
+from vpsd.models.prompt import tokenizer_lock
+from vpsd.serve.batcher import Batcher, Done, Job, QueueFull, ServerClosing
+from vpsd.serve.media import MediaError, MediaLimits, parse_messages
+from vpsd.serve.metrics import Metrics
+from vpsd.serve.schema import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
+                               ModelCard, ModelList, ResponseMessage, Usage, VpsdStats, error_body, unsupported)
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_name: str
+    method: str
+    api_key: str | None = None
+    max_body_bytes: int = 96 * 2**20
+    limits: MediaLimits = MediaLimits()
+    scratch: Path = Path("/tmp")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.code, self.param, self.headers = status, type_, code, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.type, self.code, self.param), self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    pass
+
+
+def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Metrics) -> FastAPI:
+    """llm: what made the batcher's outputs (its tokenizer counts prompt tokens)."""
+    app = FastAPI(title="vpsd", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.closing = False
+    created = int(time.time())
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        metrics.requests.labels(str(exc.status)).inc()
+        return exc.response()
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise HTTPError(401, "a wrong or missing API key (Authorization: Bearer KEY)", "authentication_error",
+                            "invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if app.state.closing:
+            return JSONResponse({"status": "shutting down"}, 503)
+        return JSONResponse({"status": "ok", "queue": batcher.depth, "running": batcher.running})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_key(request)
+        return JSONResponse(ModelList(data=[ModelCard(id=settings.model_name, created=created)]).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrived = time.perf_counter()
+        check_key(request)
+        if app.state.closing:
+            raise HTTPError(503, "the server is shutting down", "server_error", "shutting_down")
+        body = await _read_body(request, settings.max_body_bytes)
+        req = _parse(body)
+        if req.model not in (None, settings.model_name):
+            raise HTTPError(404, f"model {req.model!r} is not served here; this server serves "
+                                 f"{settings.model_name!r} (GET /v1/models)", "invalid_request_error",
+                            "model_not_found", "model")
+        params = _sampling_params(req)
+        try:
+            parsed = await asyncio.to_thread(parse_messages, req, settings.limits, settings.scratch)
+        except MediaError as e:
+            raise HTTPError(e.status, str(e), "invalid_request_error", e.code, "messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        job = Job(VideoRequest(parsed.video, parsed.prompt, id=rid), params)
+        try:
+            batcher.submit(job)
+        except QueueFull as e:
+            parsed.cleanup()
+            raise HTTPError(429, str(e), "rate_limit_error", "queue_full",
+                            headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ServerClosing as e:
+            parsed.cleanup()
+            raise HTTPError(503, str(e), "server_error", "shutting_down") from None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(job, parsed, rid, include_usage, arrived), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            done = await _wait(job, request)
+        finally:
+            parsed.cleanup()
+        out = _checked(done)
+        usage = _usage(out, parsed.prompt, done)
+        metrics.ttft.observe(time.perf_counter() - arrived)
+        body_out = ChatCompletion(id=rid, model=settings.model_name, usage=usage,
+                                  choices=[Choice(message=ResponseMessage(content=out.text),
+                                                  finish_reason=out.finish_reason)])
+        _answered(out, usage, done, arrived)
+        return JSONResponse(body_out.model_dump())
+
+    # ---- helpers over the app's state ------------------------------------------------------------
+
+    def _usage(out: Output, prompt: str, done: Done) -> Usage:
+        with tokenizer_lock(llm.tokenizer):
+            text_tokens = len(llm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        prompt_tokens = text_tokens + int(out.num_video_tokens or 0)
+        s = out.stats
+        stats = VpsdStats(method=settings.method, mean_accepted_tokens=s.get("mean_accepted_tokens"),
+                          acceptance_rate=s.get("acceptance_rate"), rounds=s.get("rounds"),
+                          num_video_tokens=out.num_video_tokens, num_kept=s.get("num_kept"),
+                          prefill_s=s.get("prefill_s"), decode_s=s.get("decode_s"), queue_s=done.queue_s,
+                          batch_size=done.batch_size)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=len(out.token_ids),
+                     total_tokens=prompt_tokens + len(out.token_ids), vpsd=stats)
+
+    def _answered(out: Output, usage: Usage, done: Done, arrived: float) -> None:
+        metrics.requests.labels("200").inc()
+        metrics.latency.observe(time.perf_counter() - arrived)
+        metrics.queue_wait.observe(done.queue_s)
+        metrics.answered(usage.prompt_tokens, usage.completion_tokens, out.stats)
+
+    async def _stream(job: Job, parsed, rid: str, include_usage: bool, arrived: float) -> AsyncIterator[str]:
+        made = int(time.time())
+
+        def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
+            c = ChatCompletionChunk(id=rid, created=made, model=settings.model_name, usage=usage,
+                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
+            return f"data: {c.model_dump_json(exclude_none=False)}\n\n"
+
+        try:
+            yield chunk(Delta(role="assistant", content=""))
+            try:
+                waiting = asyncio.wrap_future(job.future)
+                await asyncio.wait({waiting})
+                done = _resolved(waiting)
+                out = _checked(done)
+            except HTTPError as e:  # the status line is sent already: the error goes as an event, as OpenAI's does
+                yield f"data: {json.dumps(error_body(str(e), e.type, e.code))}\n\n"
+                yield "data: [DONE]\n\n"
+                metrics.requests.labels(str(e.status)).inc()
+                return
+            metrics.ttft.observe(time.perf_counter() - arrived)
+            if out.text:
+                yield chunk(Delta(content=out.text))
+            usage = _usage(out, parsed.prompt, done)
+            yield chunk(Delta(), out.finish_reason)
+            if include_usage:
+                yield chunk(Delta(), usage=usage, choices=False)
+            yield "data: [DONE]\n\n"
+            _answered(out, usage, done, arrived)
+        except asyncio.CancelledError:  # the client went away: a queued request is dropped before it decodes
+            job.future.cancel()
+            raise
+        finally:
+            parsed.cleanup()
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPError(413, f"the request body is {declared} bytes, over the server's limit of {limit} "
+                             "(--max-body-mib)", "invalid_request_error", "body_too_large")
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise HTTPError(413, f"the request body is over the server's limit of {limit} bytes (--max-body-mib)",
+                            "invalid_request_error", "body_too_large")
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+def _parse(body: bytes) -> ChatCompletionRequest:
+    try:
+        req = ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise HTTPError(400, f"invalid request: {where}: {first.get('msg')} ({e.error_count()} error(s))",
+                        code="invalid_request", param=where or None) from None
+    bad = unsupported(req)
+    if bad:
+        raise HTTPError(400, f"not supported by vpsd: {', '.join(bad)}", code="unsupported_parameter",
+                        param=bad[0].split("=")[0].split(" ")[0])
+    return req
+
+
+def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    """The request's decoding settings as the API's SamplingParams; its own checks answer 400 (top_p != 1, ...)."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "stop": stop, "seed": req.seed}
+    if req.temperature is not None:
+        kwargs["temperature"] = float(req.temperature)
+    if req.top_p is not None:
+        kwargs["top_p"] = float(req.top_p)
+    params = SamplingParams(**kwargs)
+    problems = params.check()
+    if problems:
+        raise HTTPError(400, "; ".join(problems), code="unsupported_parameter")
+    return params
+
+
+async def _wait(job: Job, request: Request) -> Done:
+    """The job's result; a 499 (its future cancelled, if still queued) when the client disconnects first."""
+    waiting = asyncio.wrap_future(job.future)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return _resolved(waiting)
+        if await request.is_disconnected():
+            job.future.cancel()  # only a queued job cancels; one decoding finishes and is discarded
+            waiting.cancel()
+            raise HTTPError(499, "the client closed the request", code="client_closed")
+
+
+def _resolved(waiting: "asyncio.Future[Done]") -> Done:
+    """A finished job's Done, or why it has none as an HTTPError."""
+    try:
+        return waiting.result()
+    except asyncio.CancelledError:
+        raise HTTPError(499, "the client closed the request", code="client_closed") from None
+    except ServerClosing as e:
+        raise HTTPError(503, str(e), "server_error", "shutting_down") from None
+    except Exception as e:  # noqa: BLE001 - the engine call failed (a rank died): this request's answer
+        raise HTTPError(503, f"the engine failed: {type(e).__name__}: {e}", "server_error", "engine_failed") from None
+
+
+def _checked(done: Done) -> Output:
+    """The output, or its error as the job reports it: 400 with the error's kind (missing, corrupt, too_long)."""
+    out = done.output
+    if out.finish_reason == "error":
+        raise HTTPError(400, out.error or "the request failed", "invalid_request_error", out.error_kind or "bad_request",
+                        "messages")
+    return out

@@ -1,0 +1,64 @@
+"""The server's Prometheus metrics (`GET /metrics`, text format), on a registry of its own.
+
+Per request: how it ended, its tokens, its latency, its time to first token (the first content the client got:
+the whole text until streaming commits per round), its time in the queue, its MAT and the mean time of one
+decoding round (decode_s / rounds: a target verification round, or one `ar` step). Per engine call: how many
+requests it decoded together and how long it took. Gauges: the queue's depth and the requests decoding now.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+MAT_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model = model
+        self.requests = Counter("vpsd_requests", "chat completion requests, by HTTP status", ["status"], registry=r)
+        self.prompt_tokens = Counter("vpsd_prompt_tokens", "prompt tokens (text and video) of answered requests",
+                                     registry=r)
+        self.generation_tokens = Counter("vpsd_generation_tokens", "completion tokens of answered requests", registry=r)
+        self.latency = Histogram("vpsd_request_latency_seconds", "from the request's arrival to its last byte",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("vpsd_time_to_first_token_seconds", "from the request's arrival to its first content",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("vpsd_queue_wait_seconds", "from arrival to the start of its engine call",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.mat = Histogram("vpsd_mean_accepted_tokens", "a request's tokens committed per verification round (MAT)",
+                             buckets=MAT_BUCKETS, registry=r)
+        self.step = Histogram("vpsd_decode_step_seconds", "a request's mean decoding round (decode_s / rounds)",
+                              buckets=STEP_BUCKETS, registry=r)
+        self.batch = Histogram("vpsd_engine_batch_size", "requests decoded by one engine call",
+                               buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.engine_call_s = Histogram("vpsd_engine_call_seconds", "one engine call's duration",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("vpsd_queue_depth", "requests waiting for the engine", registry=r)
+        self.running = Gauge("vpsd_requests_running", "requests in the engine call now", registry=r)
+
+    # BatchObserver (serve/batcher.py)
+    def queue(self, depth: int, running: int) -> None:
+        self.queue_depth.set(depth)
+        self.running.set(running)
+
+    def engine_call(self, size: int, seconds: float) -> None:
+        self.batch.observe(size)
+        self.engine_call_s.observe(seconds)
+
+    def answered(self, prompt_tokens: int, completion_tokens: int, stats: dict) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if stats.get("mean_accepted_tokens") is not None:
+            self.mat.observe(float(stats["mean_accepted_tokens"]))
+        if stats.get("rounds") and stats.get("decode_s") is not None:
+            self.step.observe(float(stats["decode_s"]) / int(stats["rounds"]))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
