@@ -1,0 +1,259 @@
+"""`vpsd serve` end to end: one real server (a subprocess, uvicorn on 127.0.0.1, hippo at batch 4 on the embedded
+world pair) called by OpenAI's own client, held to `ar` through the Python API.
+
+- plain and streamed completions equal `ar`'s text token for token (greedy), for a video sent as a data: URL, as
+  a local path under --allowed-media-dir, and as frames (image_url PNGs, lmms-eval's form); streamed chunks join
+  to the plain text; stop strings cut both at the same place;
+- a burst of 8 requests from 4 threads: each answered once, each equal to its batch-1 `ar` output;
+- refusals are OpenAI error objects and the server goes on: 401 (key), 400 (unsupported fields, top_p, a missing
+  video with the job's error kind, bad base64), 403 (a path outside the allowed folder), 404 (another model),
+  413 (body and video over the limits);
+- /v1/models, /health and /metrics answer; SIGTERM (last): the request in flight finishes, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import vpsd
+from tests.torchrun_jobs import ROOT, job_env
+
+openai = pytest.importorskip("openai")
+
+CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
+WORLD = ROOT / "examples" / "world"
+KEY = "test-key"
+MAX_TOKENS = 24
+STARTUP_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", str(CONFIG), "--method", "hippo",
+           "--batch", "4", "--port", str(port), "--api-key", KEY, "--allowed-media-dir", str(WORLD / "videos"),
+           "--max-body-mib", "2", "--max-video-mib", "1", "--shutdown-timeout", "30"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(), cwd=ROOT)
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited {proc.returncode} at startup:\n{log.read_text()}")
+        try:
+            if _get(f"http://127.0.0.1:{port}/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start in {STARTUP_S} s:\n{log.read_text()}")
+        time.sleep(0.25)
+    proc.base = f"http://127.0.0.1:{port}"
+    proc.log = log
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+ITEMS = [json.loads(line) for line in (WORLD / "manifest.jsonl").read_text().splitlines()[:2]]
+
+
+def _frames() -> np.ndarray:
+    """Four small frames with a moving square: what a client sends as image_url PNGs."""
+    frames = np.zeros((4, 56, 84, 3), np.uint8)
+    for t in range(4):
+        frames[t, 10:30, 10 + 12 * t:30 + 12 * t] = (200, 60 + 40 * t, 30)
+    return frames
+
+
+@pytest.fixture(scope="module")
+def ar():
+    """`ar` through the Python API, batch 1: the texts every server answer is held to (by key)."""
+    requests = [vpsd.VideoRequest(str(WORLD / it["video"]), it["prompt"], id=it["id"]) for it in ITEMS]
+    requests.append(vpsd.VideoRequest(_frames(), "Describe the video.", id="frames"))
+    with vpsd.LLM(CONFIG, method="ar") as llm:
+        plain = {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
+        cut = llm.generate(requests[0], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, stop=["square"]))[0].text
+    assert "square" not in cut and plain[ITEMS[0]["id"]].startswith(cut) and cut != plain[ITEMS[0]["id"]]
+    return {**plain, "stopped": cut}
+
+
+def _video_part(item: dict) -> dict:
+    data = base64.b64encode((WORLD / item["video"]).read_bytes()).decode()
+    return {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{data}"}}
+
+
+def _png(frame: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(frame).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _messages(text: str, *parts: dict) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, *parts]}]
+
+
+def _ask(client, item: dict, **kw):
+    return client.chat.completions.create(model="world_qwen2_5_vl", messages=_messages(item["prompt"], _video_part(item)),
+                                          max_tokens=MAX_TOKENS, **kw)
+
+
+def _streamed(client, messages: list[dict], **kw) -> tuple[str, list, object]:
+    chunks = list(client.chat.completions.create(model="world_qwen2_5_vl", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks, chunks[-1].usage
+
+
+def test_plain_and_streamed_answers_equal_ar(client, ar):
+    for item in ITEMS:
+        r = _ask(client, item)
+        assert r.choices[0].message.content == ar[item["id"]]
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > r.usage.vpsd["num_video_tokens"] > 0
+        assert r.usage.vpsd["method"] == "hippo" and r.usage.vpsd["mean_accepted_tokens"] >= 1
+        text, chunks, usage = _streamed(client, _messages(item["prompt"], _video_part(item)), max_tokens=MAX_TOKENS)
+        assert text == ar[item["id"]]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+        assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_frames_and_a_local_path_equal_ar(client, ar):
+    frames = [{"type": "image_url", "image_url": {"url": _png(f)}} for f in _frames()]
+    r = client.chat.completions.create(model="world_qwen2_5_vl", messages=_messages("Describe the video.", *frames),
+                                       max_completion_tokens=MAX_TOKENS)
+    assert r.choices[0].message.content == ar["frames"]
+    item = ITEMS[1]
+    for url in (str(WORLD / item["video"]), (WORLD / item["video"]).as_uri()):
+        r = client.chat.completions.create(model="world_qwen2_5_vl", max_tokens=MAX_TOKENS, messages=_messages(
+            item["prompt"], {"type": "video_url", "video_url": {"url": url}}))
+        assert r.choices[0].message.content == ar[item["id"]]
+
+
+def test_stop_strings_cut_plain_and_streamed_text_alike(client, ar):
+    item = ITEMS[0]
+    assert _ask(client, item, stop=["square"]).choices[0].message.content == ar["stopped"]
+    text, _, _ = _streamed(client, _messages(item["prompt"], _video_part(item)), max_tokens=MAX_TOKENS, stop="square")
+    assert text == ar["stopped"]
+
+
+def test_a_burst_from_four_threads_is_answered_once_each_as_ar_answers(client, ar):
+    jobs = [ITEMS[n % 2] for n in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), jobs))
+    assert len({r.id for _, r in answers}) == 8
+    assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
+    assert max(r.usage.vpsd["batch_size"] for _, r in answers) > 1  # they were decoded together
+
+
+def _status(client, **kw) -> tuple[int, dict]:
+    try:
+        client.chat.completions.create(model=kw.pop("model", "world_qwen2_5_vl"), **kw)
+    except openai.APIStatusError as e:
+        return e.status_code, e.body
+    return 200, {}
+
+
+def test_refusals_are_openai_errors_and_the_server_goes_on(server, client, ar):
+    item = ITEMS[0]
+    video = _video_part(item)
+    msgs = _messages(item["prompt"], video)
+    wrong_key = openai.OpenAI(base_url=f"{server.base}/v1", api_key="nope", max_retries=0)
+    assert _status(wrong_key, messages=msgs)[0] == 401
+    assert _get(f"{server.base}/v1/models", key=None)[0] == 401
+    status, body = _status(client, messages=msgs, n=2, logprobs=True)
+    assert status == 400 and "n=2" in body["message"] and "logprobs=True" in body["message"]
+    status, body = _status(client, messages=msgs, top_p=0.5)
+    assert status == 400 and "top_p" in body["message"]
+    assert _status(client, messages=msgs, model="gpt-4o")[0] == 404
+    missing = {"type": "video_url", "video_url": {"url": str(WORLD / "videos" / "no-such.mp4")}}
+    status, body = _status(client, messages=_messages("x", missing), max_tokens=4)
+    assert status == 400 and body["code"] == "missing" and "no-such.mp4" in body["message"]
+    outside = {"type": "video_url", "video_url": {"url": str(ROOT / "README.md")}}
+    assert _status(client, messages=_messages("x", outside))[0] == 403
+    bad = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,@@@"}}
+    assert _status(client, messages=_messages("x", bad))[0] == 400
+    corrupt = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"x" * 999).decode()}}
+    status, body = _status(client, messages=_messages("x", corrupt), max_tokens=4)
+    assert status == 400 and body["code"] == "corrupt"
+    big = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * (1536 * 1024)}}  # 1.1 MiB
+    status, body = _status(client, messages=_messages("x", big))
+    assert status == 413 and body["code"] == "video_too_large"
+    huge = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * (3 * 2**20)}}
+    assert _status(client, messages=_messages("x", huge))[0] == 413
+    assert _status(client, messages=[{"role": "system", "content": "x"}, *msgs])[0] == 400
+    assert _status(client, messages=_messages("no video"))[0] == 400
+    assert _ask(client, item).choices[0].message.content == ar[item["id"]]  # still up, still right
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["world_qwen2_5_vl"]
+    status, body = _get(f"{server.base}/health", key=None)
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, body = _get(f"{server.base}/metrics", key=None)
+    text = body.decode()
+    assert status == 200
+    for name in ("vpsd_requests_total", "vpsd_generation_tokens_total", "vpsd_mean_accepted_tokens_bucket",
+                 "vpsd_time_to_first_token_seconds_bucket", "vpsd_decode_step_seconds_bucket", "vpsd_queue_depth"):
+        assert name in text, name
+    assert 'vpsd_requests_total{status="401"}' in text and 'vpsd_requests_total{status="413"}' in text
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(server, client, ar):
+    """Last in the file: it ends the module's server."""
+    item = ITEMS[1]
+    answer: dict = {}
+    asking = threading.Thread(target=lambda: answer.update(r=_ask(client, item)))
+    asking.start()
+    deadline = time.monotonic() + 30
+    while json.loads(_get(f"{server.base}/health")[1]).get("running", 0) + json.loads(
+            _get(f"{server.base}/health")[1]).get("queue", 0) == 0 and "r" not in answer:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    server.send_signal(signal.SIGTERM)
+    asking.join(60)
+    assert answer["r"].choices[0].message.content == ar[item["id"]]
+    assert server.wait(60) == 0, server.log.read_text()
+    with pytest.raises(OSError):
+        _get(f"{server.base}/health")
