@@ -140,11 +140,12 @@ def test_models_import_nothing_above_them(path):
 
 
 def test_only_the_command_imports_the_server():
-    """`vpsd serve` (vpsd.serve) sits on top beside the launcher, over the Python API: nothing the runtime runs may
-    depend on it (its FastAPI and uvicorn are an optional extra), and it reaches the engine only through vpsd.api."""
+    """`vpsd serve` (vpsd.serve) sits on top beside the launcher, over the Python API and the engine's wiring:
+    nothing the runtime runs may depend on it (its FastAPI and uvicorn are an optional extra), and it imports no
+    role (the roles are the engine's business)."""
     users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
              if "serve" not in p.relative_to(PACKAGE).parts and any(layer(n) == "serve" for n in _all_imports(p))}
     assert users <= {"launch/cli.py"}, sorted(users)
-    below = {str(p.relative_to(PACKAGE)): sorted(n for n in vpsd_imports(p) if layer(n) in ("roles", "engine", "launch"))
+    below = {str(p.relative_to(PACKAGE)): sorted(n for n in vpsd_imports(p) if layer(n) == "roles")
              for p in modules("serve")}
     assert not {k: v for k, v in below.items() if v}

@@ -4,9 +4,13 @@
     app.py      the routes (FastAPI): chat completions (plain and streamed), models, health, metrics; errors
     schema.py   OpenAI's chat-completions request, response, chunk and error shapes (pydantic)
     media.py    a request's messages as one prompt and one video, within the limits
-    batcher.py  the queue and the one engine thread that owns the `vpsd.LLM`
+    jobs.py     the bounded queue of requests between the handlers and the one engine thread
+    online.py   continuous batching fed from the queue, text streamed per round (methods decoding in process)
+    batcher.py  dynamic batching over `LLM.generate` calls (a parallel method's roles on child ranks)
+    stream_text.py  a streamed request's text as it commits, never past a stop string's cut
     metrics.py  Prometheus metrics
 
-It sits on top beside the launcher: only the `vpsd` command imports it, and it imports vpsd only through the
-Python API (vpsd.api) and the tokenizer's lock. FastAPI, uvicorn and prometheus-client are the `serve` extra.
+It sits on top beside the launcher: only the `vpsd` command imports it. It builds on the Python API (vpsd.api: the
+`LLM` loads the models and resolves the settings) and, for continuous batching, on the same engine wiring the API
+and the job use (launch/wiring.py); it imports no role. FastAPI, uvicorn and prometheus-client are the `serve` extra.
 """

@@ -11,10 +11,11 @@ too long for the context, with the job's error kind as `code`), 403 a local path
 404 another model's name, 413 a body or video over the limits, 429 a full queue (Retry-After), 503 shutting
 down or the engine failing. One request's failure is its own: the server goes on.
 
-A streamed request (`stream: true`) gets server-sent events in OpenAI's chunk format: the role, the text, the
-finish reason (and the usage, with `stream_options.include_usage`), then `data: [DONE]`. The text is sent once
-the request's decoding ends (the API returns whole outputs), already cut at its stop strings. A client that
-disconnects while its request waits in the queue has it dropped before it decodes.
+A streamed request (`stream: true`) gets server-sent events in OpenAI's chunk format: the role, the text as it
+commits (each round's new text where the engine runs in this process, serve/online.py; the whole text at the end
+of its call where a parallel method's ranks decode it, serve/batcher.py), never past a stop string's cut, the
+finish reason (and the usage, with `stream_options.include_usage`), then `data: [DONE]`. A client that
+disconnects has its request dropped from the queue, or stopped in the engine at its next round.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pydantic import ValidationError
 
 from vpsd.api import Output, SamplingParams, VideoRequest
 from vpsd.models.prompt import tokenizer_lock
-from vpsd.serve.batcher import Batcher, Done, Job, QueueFull, ServerClosing
+from vpsd.serve.jobs import Done, Job, QueueFull, Runner, ServerClosing
 from vpsd.serve.media import MediaError, MediaLimits, parse_messages
 from vpsd.serve.metrics import Metrics
 from vpsd.serve.schema import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
@@ -67,8 +68,9 @@ class ClientGone(Exception):
     pass
 
 
-def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Metrics) -> FastAPI:
-    """llm: what made the batcher's outputs (its tokenizer counts prompt tokens)."""
+def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metrics) -> FastAPI:
+    """llm: what the runner decodes with (its tokenizer counts prompt tokens)."""
+    queue = runner.queue
     app = FastAPI(title="vpsd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.closing = False
     created = int(time.time())
@@ -91,7 +93,7 @@ def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Met
     async def health() -> Response:
         if app.state.closing:
             return JSONResponse({"status": "shutting down"}, 503)
-        return JSONResponse({"status": "ok", "queue": batcher.depth, "running": batcher.running})
+        return JSONResponse({"status": "ok", "queue": queue.depth, "running": queue.running})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -121,8 +123,12 @@ def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Met
             raise HTTPError(e.status, str(e), "invalid_request_error", e.code, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         job = Job(VideoRequest(parsed.video, parsed.prompt, id=rid), params)
+        deltas: asyncio.Queue[str] = asyncio.Queue()
+        if req.stream:
+            loop = asyncio.get_running_loop()
+            job.on_text = lambda text: loop.call_soon_threadsafe(deltas.put_nowait, text)
         try:
-            batcher.submit(job)
+            queue.submit(job)
         except QueueFull as e:
             parsed.cleanup()
             raise HTTPError(429, str(e), "rate_limit_error", "queue_full",
@@ -132,7 +138,8 @@ def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Met
             raise HTTPError(503, str(e), "server_error", "shutting_down") from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(job, parsed, rid, include_usage, arrived), media_type="text/event-stream",
+            return StreamingResponse(_stream(job, deltas, parsed, rid, include_usage, arrived),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             done = await _wait(job, request)
@@ -140,11 +147,10 @@ def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Met
             parsed.cleanup()
         out = _checked(done)
         usage = _usage(out, parsed.prompt, done)
-        metrics.ttft.observe(time.perf_counter() - arrived)
         body_out = ChatCompletion(id=rid, model=settings.model_name, usage=usage,
                                   choices=[Choice(message=ResponseMessage(content=out.text),
                                                   finish_reason=out.finish_reason)])
-        _answered(out, usage, done, arrived)
+        _answered(job, out, usage, done, arrived)
         return JSONResponse(body_out.model_dump())
 
     # ---- helpers over the app's state ------------------------------------------------------------
@@ -162,25 +168,36 @@ def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Met
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=len(out.token_ids),
                      total_tokens=prompt_tokens + len(out.token_ids), vpsd=stats)
 
-    def _answered(out: Output, usage: Usage, done: Done, arrived: float) -> None:
+    def _answered(job: Job, out: Output, usage: Usage, done: Done, arrived: float) -> None:
         metrics.requests.labels("200").inc()
+        if job.first_token is not None:  # the engine's first committed token (its whole call's end for batcher.py)
+            metrics.ttft.observe(job.first_token - job.enqueued)
         metrics.latency.observe(time.perf_counter() - arrived)
         metrics.queue_wait.observe(done.queue_s)
         metrics.answered(usage.prompt_tokens, usage.completion_tokens, out.stats)
 
-    async def _stream(job: Job, parsed, rid: str, include_usage: bool, arrived: float) -> AsyncIterator[str]:
+    async def _stream(job: Job, deltas: "asyncio.Queue[str]", parsed, rid: str, include_usage: bool,
+                      arrived: float) -> AsyncIterator[str]:
         made = int(time.time())
 
         def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
             c = ChatCompletionChunk(id=rid, created=made, model=settings.model_name, usage=usage,
                                     choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
-            return f"data: {c.model_dump_json(exclude_none=False)}\n\n"
+            return f"data: {c.model_dump_json()}\n\n"
 
+        sent = ""
         try:
             yield chunk(Delta(role="assistant", content=""))
+            waiting = asyncio.wrap_future(job.future)
+            while not waiting.done() or not deltas.empty():
+                getting = asyncio.ensure_future(deltas.get())
+                await asyncio.wait({getting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():
+                    getting.cancel()
+                    continue
+                sent += getting.result()
+                yield chunk(Delta(content=getting.result()))
             try:
-                waiting = asyncio.wrap_future(job.future)
-                await asyncio.wait({waiting})
                 done = _resolved(waiting)
                 out = _checked(done)
             except HTTPError as e:  # the status line is sent already: the error goes as an event, as OpenAI's does
@@ -188,17 +205,17 @@ def create_app(llm: Any, batcher: Batcher, settings: ServeSettings, metrics: Met
                 yield "data: [DONE]\n\n"
                 metrics.requests.labels(str(e.status)).inc()
                 return
-            metrics.ttft.observe(time.perf_counter() - arrived)
-            if out.text:
-                yield chunk(Delta(content=out.text))
+            if out.text.startswith(sent) and len(out.text) > len(sent):  # what was not streamed as it committed
+                yield chunk(Delta(content=out.text[len(sent):]))
             usage = _usage(out, parsed.prompt, done)
             yield chunk(Delta(), out.finish_reason)
             if include_usage:
                 yield chunk(Delta(), usage=usage, choices=False)
             yield "data: [DONE]\n\n"
-            _answered(out, usage, done, arrived)
-        except asyncio.CancelledError:  # the client went away: a queued request is dropped before it decodes
-            job.future.cancel()
+            _answered(job, out, usage, done, arrived)
+        except asyncio.CancelledError:  # the client went away: dropped from the queue, or stopped in the engine
+            job.abandon()
+            metrics.requests.labels("499").inc()
             raise
         finally:
             parsed.cleanup()
@@ -260,8 +277,7 @@ async def _wait(job: Job, request: Request) -> Done:
         if done:
             return _resolved(waiting)
         if await request.is_disconnected():
-            job.future.cancel()  # only a queued job cancels; one decoding finishes and is discarded
-            waiting.cancel()
+            job.abandon()  # dropped from the queue, or stopped in the engine where the runner can
             raise HTTPError(499, "the client closed the request", code="client_closed")
 
 

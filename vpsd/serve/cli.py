@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vpsd
     from vpsd.config import parse_overrides
     from vpsd.serve.batcher import Batcher
+    from vpsd.serve.jobs import JobQueue
     from vpsd.serve.media import MediaLimits
     from vpsd.serve.metrics import Metrics
 
@@ -113,8 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 args.allowed_media_dir),
                              scratch=scratch)
     metrics = Metrics(name)
-    batcher = Batcher(llm, args.batch, args.max_queue, metrics)
-    app = create_app(llm, batcher, settings, metrics)
+    queue = JobQueue(args.max_queue, args.batch, metrics)
+    if llm.served:  # a parallel method's roles on child ranks: calls of generate (serve/batcher.py)
+        runner = Batcher(llm, queue)
+    else:  # the engine in this process, fed from the queue (serve/online.py)
+        from vpsd.serve.online import OnlineEngine
+
+        runner = OnlineEngine(llm, queue)
+    app = create_app(llm, runner, settings, metrics)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # /health says 503 at once; new requests get 503
@@ -127,13 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # instead of killing the process by the default handler (143) or a KeyboardInterrupt.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    print(f"vpsd serve: {name} ({args.method}, batch {args.batch}) on http://{args.host}:{args.port}/v1",
+    how = "child ranks, dynamic batching" if llm.served else "in process, continuous batching"
+    print(f"vpsd serve: {name} ({args.method}, batch {args.batch}, {how}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     try:
         server.run()
     finally:
         app.state.closing = True
-        ended = batcher.close(grace_s=args.shutdown_timeout)
+        ended = runner.close(grace_s=args.shutdown_timeout)
         if not ended:
             print("vpsd serve: the engine call in flight did not end in time; stopping it", file=sys.stderr)
         llm.close()

@@ -1,0 +1,229 @@
+"""Continuous batching fed from the server's queue: the runner for every method that decodes in the server's
+process (`ar`, sd and the trees, a batch that drafts in process, `draft_on: thread`).
+
+One engine (launch/wiring.py `build_engine`, the API's and the job's) runs the scheduler's loop over an item
+source that is the queue: a request that arrives while others decode is read and prefilled ahead and joins the
+batch at the next free slot (engine/scheduler.py), up to `batch` in flight; with nothing in flight the source
+waits for the next arrival. Each request carries its own budget and stop strings. The engine's decoding settings
+(temperature, seed; whatever `LLM` maps from SamplingParams besides the budget and stops) are one per engine:
+a request that needs others waits until the requests in flight leave, and the engine is built again for it.
+
+After every round (`Scheduler.on_round`) each streamed request's newly committed tokens are released as text
+(serve/stream_text.py: never past a stop string's cut), and a request whose client left gets an error set, so
+the engine drops it at its next round and frees its KV cache (the path a drafter's failed item takes). A request
+that cannot be decoded (its video missing, corrupt, too long) answers with the job's error; an engine that fails
+fails the requests it holds (503) and the next request builds it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vpsd.api import Output, SamplingParams
+from vpsd.engine.request import Request
+from vpsd.launch.items import ItemReader
+from vpsd.launch.manifest import ManifestItem
+from vpsd.launch.results import output_of
+from vpsd.launch.wiring import SharedFrames, build_engine
+from vpsd.serve.jobs import Done, Job, JobQueue
+from vpsd.serve.stream_text import TextStream
+from vpsd.tracing import get_logger
+from vpsd.video.errors import VideoError
+
+log = get_logger()
+CANCELLED = "cancelled: the client closed the request"
+IDLE_POLL_S = 0.5  # an idle engine looks at the queue's state this often (closing, another engine's requests)
+
+
+def engine_key(params: SamplingParams) -> SamplingParams:
+    """What one engine's requests share: the sampling parameters less those each request carries itself."""
+    return dataclasses.replace(params, max_new_tokens=None, stop=())
+
+
+class OnlineEngine:
+    streams = True
+
+    def __init__(self, llm, queue: JobQueue) -> None:
+        """llm: a `vpsd.LLM` whose method decodes in this process (`llm.served` False)."""
+        self.llm, self.queue = llm, queue
+        self._thread = threading.Thread(target=self._loop, name="vpsd-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while self.queue.wait():
+            head = self.queue.head()
+            if head is not None:
+                self._serve(engine_key(head.params))
+
+    def _serve(self, key: SamplingParams) -> None:
+        """One engine for the requests of `key`, until none is queued or in flight."""
+        # The API's own mapping of SamplingParams to the run's decoding config, and its draft, loaded once and kept.
+        cfg = self.llm._decoding_config(key)
+        frames = SharedFrames()
+        events = _Events(self.llm.target, cfg, frames, self.queue)
+        source = _QueueSource(self.queue, key, events)
+        started = time.perf_counter()
+        wired = None
+        try:
+            wired = build_engine(cfg, self.llm.method, self.llm.target, draft=self.llm._load_draft(cfg), videos=frames,
+                                 timeout_s=cfg.timeout_s, job_id="serve")
+            wired.ready(cfg.startup_timeout_s)
+            wired.scheduler.on_round = lambda: events.after_round(wired.engine)
+            wired.scheduler.run(source, events)
+        except BaseException as e:  # noqa: BLE001 - the requests it held get it (503); the next builds it again
+            log.warning("serve_engine_failed", error=f"{type(e).__name__}: {e}", requests=len(events.jobs))
+            events.fail_all(e)
+        finally:
+            if wired is not None:
+                wired.stop()
+            frames.close()
+            self.queue.running = 0
+            self.queue.observe()
+            if self.queue.observer is not None and events.count:
+                self.queue.observer.engine_call(events.count, time.perf_counter() - started)
+
+    def close(self, grace_s: float) -> bool:
+        """Fails the queued jobs; the requests in flight finish within grace_s (True if they did)."""
+        self.queue.close()
+        self._thread.join(grace_s)
+        return not self._thread.is_alive()
+
+
+@dataclasses.dataclass
+class _Item:
+    job: Job
+    manifest: ManifestItem | None  # a file's; None: frames in memory
+    stream: TextStream | None = None
+
+
+class _QueueSource:
+    """The scheduler's ItemSource (engine/prefill_ahead.py) over the queue: the next request of this engine's key.
+    With nothing in flight it waits for one; it ends (no more) when the server closes, or when the queue's next
+    request needs another engine, so that the requests in flight finish and the engine is built again."""
+
+    def __init__(self, queue: JobQueue, key: SamplingParams, events: "_Events") -> None:
+        self.queue, self.key, self.events = queue, key, events
+
+    def take(self, needed: bool) -> tuple[_Item | None, bool]:
+        while True:
+            job = self.queue.pop_head(lambda j: engine_key(j.params) == self.key)
+            if job is not None:
+                if not job.start():
+                    continue  # its client left while it was queued
+                return self.events.taken(job), True
+            head = self.queue.head()
+            if self.queue.closing or (head is not None and engine_key(head.params) != self.key):
+                return None, False  # the server closes, or the next request needs another engine
+            if not needed or self.events.jobs:
+                return None, True  # not now: asked again after the next round
+            if not self.queue.wait(IDLE_POLL_S) and self.queue.closing:
+                return None, False
+
+
+class _Events:
+    """The scheduler's events (engine/scheduler.py JobEvents) over the server's jobs."""
+
+    def __init__(self, target, cfg, frames: SharedFrames, queue: JobQueue) -> None:
+        self.target, self.cfg, self.frames, self.queue = target, cfg, frames, queue
+        self.reader = ItemReader(target, cfg)
+        self.jobs: dict[str, _Item] = {}  # taken and not answered yet, by request id
+        self.count = 0  # requests this engine took
+
+    def taken(self, job: Job) -> _Item:
+        r = job.request
+        video = None if isinstance(r.video, np.ndarray) else Path(r.video)
+        manifest = None if video is None else ManifestItem(
+            str(r.id), video, str(r.prompt), job.params.max_new_tokens, None, None, {}, 0, job.params.stop)
+        stream = TextStream(self.target.text, job.params.stop) if job.on_text is not None else None
+        item = _Item(job, manifest, stream)
+        self.jobs[str(r.id)] = item
+        self.count += 1
+        self.queue.running = len(self.jobs)
+        self.queue.observe()
+        return item
+
+    # ---- JobEvents ---------------------------------------------------------------------------------
+
+    def request(self, item: _Item, nxt: _Item | None) -> Request:
+        """Its frames read and fitted, on the prefill thread (VideoError, ValueError: its answer carries them)."""
+        job = item.job
+        if item.manifest is not None:
+            loaded = self.reader.load(item.manifest)
+            request = self.reader.request(item.manifest, loaded, None)
+        else:
+            budget = job.params.max_new_tokens or self.cfg.decoding.max_new_tokens
+            prompt = str(job.request.prompt)
+            loaded = self.reader.load_array(str(job.request.id), prompt, job.request.video, job.request.frame_times,
+                                            budget)
+            request = Request(str(job.request.id), prompt, budget, loaded.frames, loaded.times, loaded.video, None,
+                              job.params.stop)
+        self.frames.put(request.id, loaded.frames, loaded.times)  # a draft thread takes them from here
+        return request
+
+    def started(self, item: _Item) -> None:
+        pass
+
+    def finished(self, item: _Item, request: Request) -> None:
+        self.frames.drop(request.id)
+        if request.error is not None:
+            self._answer(item, _failed(request.id, ValueError(request.error)))
+            return
+        res = request.result()
+        out, reason = output_of(self.target.text, res.token_ids, request.stop, self.target.eos_token_ids)
+        stats = res.stats_dict()
+        self._answer(item, Output(request.id, out.text, out.tokens, reason, stats.get("num_video_tokens"),
+                                  out.generated, dict(stats)))
+
+    def failed(self, item: _Item, error: Exception) -> None:
+        self.frames.drop(str(item.job.request.id))
+        self._answer(item, _failed(str(item.job.request.id), error))
+
+    # ---- after each round (the engine thread) ------------------------------------------------------
+
+    def after_round(self, engine) -> None:
+        now = time.perf_counter()
+        for rid, request in list(engine.requests.items()):
+            item = self.jobs.get(rid)
+            if item is None or request.machine is None:
+                continue
+            job = item.job
+            if job.cancelled and request.error is None:
+                request.error = CANCELLED  # it leaves at the next round, its KV freed
+                continue
+            if job.first_token is None and request.committed:
+                job.first_token, job.batch_size = now, len(engine.requests)
+            if item.stream is not None and (delta := item.stream.update(request.machine.output())):
+                job.on_text(delta)
+
+    def _answer(self, item: _Item, out: Output) -> None:
+        job = item.job
+        self.jobs.pop(str(job.request.id), None)
+        self.queue.running = len(self.jobs)
+        self.queue.observe()
+        if job.first_token is None:
+            job.first_token = time.perf_counter()
+        if job.started is not None:
+            self.queue.served(time.perf_counter() - job.started)
+        if job.future.done():
+            return
+        if item.stream is not None and not job.gone and out.finish_reason != "error" and (
+                rest := item.stream.finish(out.text)):
+            job.on_text(rest)
+        job.future.set_result(Done(out, (job.started or job.enqueued) - job.enqueued, job.batch_size))
+
+    def fail_all(self, error: BaseException) -> None:
+        for item in list(self.jobs.values()):
+            self.jobs.pop(str(item.job.request.id), None)
+            if not item.job.future.done():
+                item.job.future.set_exception(error)
+        self.queue.running = 0
+
+
+def _failed(item_id: str, error: Exception) -> Output:
+    kind = error.kind if isinstance(error, VideoError) else None
+    return Output(item_id, "", [], "error", error=f"{type(error).__name__}: {error}", error_kind=kind)
