@@ -20,6 +20,7 @@ import yaml
 
 from vpsd.models.spec import ModelSpec
 from vpsd.pipeline.ensemble import TabedConfig
+from vpsd.pipeline.sampling import SamplingRule
 from vpsd.pipeline.tree import parse_tree
 from vpsd.pipeline.cost import AUTO
 
@@ -64,7 +65,15 @@ class DecodingConfig:
     gamma_start: int = 5  # the first item's first window under auto, before anything was measured
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
-    seed: int = 0  # seeds the acceptance test and sampling when temperature > 0
+    seed: int = 0  # an item's seed when it has none of its own (a manifest line's "seed"; pipeline/seeds.py)
+    # How a sampled token is chosen (pipeline/sampling.py): "keyed" (position-keyed Gumbel-max: a seeded output
+    # is `ar`'s own, token for token, whatever drafted it) or "rejection" (min(1, p/q) and the residual: exact in
+    # distribution, but a seeded output depends on the windows, hence on timing).
+    sampling: str = "keyed"
+    # Filters applied to target and draft alike before either rule (0 / 1.0 / 0.0: off), in transformers' order.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     # The draft tree of the methods that draft one (sd-tree, specvlm; pipeline/tree.py): None = the method's
     # default (EAGLE's / SpecVLM's tree), "chain" = a chain of gamma tokens instead, a name ("eagle"),
     # per-depth branching factors ([4, 2, 1]) or node paths ([[0], [1], [0, 0]]). Chain methods ignore it.
@@ -92,14 +101,18 @@ class DecodingConfig:
         if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:
             raise ValueError(f"need 1 <= gamma_min <= gamma_start <= gamma_max, got "
                              f"{self.gamma_min}, {self.gamma_start}, {self.gamma_max}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.rule  # a bad temperature, filter or rule fails here, with the reason
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
 
     @property
     def auto_gamma(self) -> bool:
         return self.gamma == AUTO
+
+    @property
+    def rule(self) -> SamplingRule:
+        """Every setting of how logits become tokens, for the pure core (pipeline/sampling.py)."""
+        return SamplingRule(self.temperature, self.top_k, self.top_p, self.min_p, self.sampling)
 
     def serial_gamma(self) -> int:
         """The fixed window of a serial method."""

@@ -411,7 +411,9 @@ def _chi2(counts: Counter, law: torch.Tensor, bins: list[list[int]], n: int) -> 
 
 
 def test_each_row_of_a_sampled_batch_follows_the_target_law():
-    """Per row inside a batch, the speculative-sampling rule's token has the target's law (chi-square).
+    """Per row inside a batch, the speculative-sampling rule's token has the target's law (chi-square). (The
+    position-keyed rule's rows are `ar`'s own samples, token for token: test_sampled_outputs_are_ar_own; its law:
+    tests/unit/test_sampling.py.)
 
     Four items share every forward of a batch of 4; each row's first token is fixed (t1) so that its second,
     which a smaller draft proposes and the row's verification accepts or resamples, has the known law
@@ -423,7 +425,7 @@ def test_each_row_of_a_sampled_batch_follows_the_target_law():
     target, smaller = tiny_pair("qwen2_5_vl")
     temp, trials, k = 0.1, 800, 8
     pruning = PruningConfig("none", 0.0)
-    base = DecodingConfig(gamma=1, max_new_tokens=3, temperature=temp, seed=0)
+    base = DecodingConfig(gamma=1, max_new_tokens=3, temperature=temp, seed=0, sampling="rejection")
     todo = [Request(f"row-{i}", PROMPTS[i % 3], 3, random_frames(40 + i)) for i in range(4)]
     first = [30 + 7 * i for i in range(4)]
     engine, _ = local_engine(target, smaller, base, pruning, 4)
@@ -439,6 +441,7 @@ def test_each_row_of_a_sampled_batch_follows_the_target_law():
         engine, _ = local_engine(target, smaller, dataclasses.replace(base, seed=trial), pruning, 4)
         for pf, t1 in zip(prefilled, first):
             request = copy.deepcopy(pf)
+            request.seed = trial  # the item's seed was the run's when it was prefilled
             only = torch.full_like(request.prefill.logits, float("-inf"))
             only[t1] = 0.0
             request.prefill.logits = only  # its first token is t1, so its second has a known law

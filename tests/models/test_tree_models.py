@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from vpsd.engine.keep import keep_policy_for
 from vpsd.decoders.sd import decode_sd
 from vpsd.decoders.tree_sd import draft_tree
 from vpsd.pipeline.kv import CacheCursor
+from vpsd.pipeline.sampling import ItemSampler, SamplingRule
 from vpsd.pipeline.tree import parse_tree
 
 TREE = parse_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
@@ -69,7 +72,7 @@ def test_draft_expansion_equals_each_node_decoded_as_a_chain(family):
     state = _pruned_state(draft)
     cursor = CacheCursor(state.length)
     committed = [5, 6, 7]
-    drafted = draft_tree(draft, state, cursor, committed, TREE, 0.0, None)
+    drafted = draft_tree(draft, state, cursor, committed, TREE, ItemSampler(SamplingRule(0.0), 0, 0))
     assert state.length == cursor.length + len(drafted.fed)
     assert sorted(drafted.logits) == [0] + drafted.fed  # every node with children was expanded, leaves never fed
     draft.rollback(state, cursor.length - len(committed))
@@ -133,9 +136,15 @@ def test_sampled_self_speculation_accepts_every_first_candidate(family):
     """Sampling with q == p (the unpruned target drafting for itself): min(1, p/q) = 1, so every round accepts
     its first candidate at every depth; proves each node's q reaches the rule with its own p. Seeded: repeatable."""
     target, _ = tiny_pair(family)
-    cfg = DecodingConfig(max_new_tokens=13, temperature=0.3, seed=3)
+    cfg = DecodingConfig(max_new_tokens=13, temperature=0.3, seed=3, sampling="rejection")
     keep = keep_policy_for(PruningConfig("none", 0.0))
     tree = parse_tree([2, 2, 2])
     runs = [decode_sd(target, target, random_frames(6), PROMPT, cfg, keep, tree=tree) for _ in range(2)]
     assert runs[0].stats.accepted_per_round == [3, 3, 3]
     assert runs[0].token_ids == runs[1].token_ids
+    # Position-keyed: the draft's first candidate is its keyed sample, the target's own at every depth, so every
+    # round accepts a whole path too, and the output is ar's sample at the seed.
+    keyed = dataclasses.replace(cfg, sampling="keyed")
+    got = decode_sd(target, target, random_frames(6), PROMPT, keyed, keep, tree=tree)
+    assert got.token_ids == decode_ar(target, random_frames(6), PROMPT, keyed).token_ids
+    assert all(a == 3 for a in got.stats.accepted_per_round[:-1])

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 import vpsd.pipeline.tree as tree_mod
-from vpsd.pipeline.sampling import probs_from_logits
+from vpsd.pipeline.sampling import ItemSampler, SamplingRule, probs_from_logits
 from vpsd.pipeline.tree import (
     EAGLE_TREE,
     DraftTree,
     parse_tree,
-    propose_children,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -98,7 +97,7 @@ def test_greedy_is_the_temperature_zero_case_of_sampling():
             if kids:
                 d = torch.randn(V, generator=g)
                 d[int(target_logits[node].argmax())] += float(torch.rand((), generator=g)) * 4  # agree often
-                chosen, _ = propose_children(d, len(kids), 0.0, None)
+                chosen, _ = ItemSampler(SamplingRule(0.0), 0, 0).children(d, len(kids), 0)
                 for c, x in zip(kids, chosen):
                     tokens[c] = x
                 q[node] = torch.softmax(d, -1)
@@ -118,7 +117,7 @@ def _markov(seed: int, scale: float) -> torch.Tensor:
     return torch.softmax(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale, -1)
 
 
-def _two_tokens(P: torch.Tensor, Q: torch.Tensor, g: torch.Generator) -> tuple[int, int]:
+def _two_tokens(P: torch.Tensor, Q: torch.Tensor, s: ItemSampler) -> tuple[int, int]:
     """Runs tree rounds on a Markov 'model' (target P, draft Q) from token 0 until two tokens are out."""
     out: list[int] = []
     while len(out) < 2:
@@ -127,19 +126,19 @@ def _two_tokens(P: torch.Tensor, Q: torch.Tensor, g: torch.Generator) -> tuple[i
         for node in range(TREE.num_nodes + 1):  # breadth-first: a parent's token is set before its children
             kids = TREE.children[node]
             if kids:
-                chosen, q[node] = propose_children(torch.log(Q[tokens[node]]), len(kids), 1.0, g)
+                chosen, q[node] = s.children(torch.log(Q[tokens[node]]), len(kids), len(out))
                 for c, x in zip(kids, chosen):
                     tokens[c] = x
         p = P[torch.tensor(tokens)]
-        out += verify_tree_sampling(TREE, tokens, q, p, g).emitted(tokens)
+        out += verify_tree_sampling(TREE, tokens, q, p, s.gen).emitted(tokens)
     return out[0], out[1]
 
 
 def _chi2(P: torch.Tensor, Q: torch.Tensor, trials: int, seed: int) -> float:
-    g = torch.Generator().manual_seed(seed)
+    s = ItemSampler(SamplingRule(1.0, rule="rejection"), seed, seed)  # one stream for draft and target: the rule's law
     counts: dict[tuple[int, int], int] = {}
     for _ in range(trials):
-        key = _two_tokens(P, Q, g)
+        key = _two_tokens(P, Q, s)
         counts[key] = counts.get(key, 0) + 1
     chi2 = 0.0
     for a, b in itertools.product(range(VOCAB), repeat=2):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vpsd.pipeline.sampling import probs_from_logits
+from vpsd.pipeline.sampling import ItemSampler, SamplingRule, probs_from_logits
 from vpsd.pipeline.verification import verify_chunk, verify_greedy, verify_sampling
 
 
@@ -102,7 +102,8 @@ def test_a_round_that_drafts_nothing_draws_from_p():
     p = torch.tensor([[0.0, 1.0, 0.0]])
     v = verify_sampling([], None, p, torch.Generator().manual_seed(0))
     assert (v.num_accepted, v.next_token, v.num_drafted) == (0, 1, 0)
-    assert verify_chunk([], None, torch.tensor([[0.0, 5.0, 0.0]]), 1.0, torch.Generator().manual_seed(0)).num_drafted == 0
+    rejection = ItemSampler(SamplingRule(1.0, rule="rejection"), 0, 0)
+    assert verify_chunk([], None, torch.tensor([[0.0, 5.0, 0.0]]), rejection, 0).num_drafted == 0
 
 
 def test_greedy_ids_reads_every_rows_argmax_of_a_batch_at_once():

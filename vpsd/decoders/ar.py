@@ -10,10 +10,9 @@ import torch
 from vpsd.config import DecodingConfig
 from vpsd.pipeline.result import DecodeResult
 from vpsd.models.base import VideoLMAdapter
-from vpsd.pipeline.sampling import next_token
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import done
-from vpsd.pipeline.seeds import verify_seed
+from vpsd.pipeline.seeds import verify_sampler
 
 
 def decode_ar(
@@ -22,15 +21,15 @@ def decode_ar(
     t0 = time.perf_counter()
     emb = target.embed(target.prepare(frames, prompt, frame_times))
     pre = target.prefill(emb)
-    gen = torch.Generator().manual_seed(verify_seed(cfg.seed))
-    tokens = [next_token(pre.logits, cfg.temperature, gen)]
+    sampler = verify_sampler(cfg.rule, cfg.seed)  # the token at output position t: sampler.token(row, t)
+    tokens = [sampler.token(pre.logits, 0)[0]]
     t1 = time.perf_counter()
     stats = AcceptanceStats()
     stats.record(0, 0)
     eos = target.eos_token_ids
     while not done(tokens, cfg.max_new_tokens, eos):
         logits = target.step(pre.state, torch.tensor([tokens[-1]]))[-1]
-        tokens.append(next_token(logits, cfg.temperature, gen))
+        tokens.append(sampler.token(logits, len(tokens))[0])
         stats.record(0, 0)
     return DecodeResult(
         token_ids=tokens,

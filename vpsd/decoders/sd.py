@@ -18,8 +18,8 @@ from vpsd.decoders.tree_sd import speculate_tree
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.sampling import next_token, probs_from_logits, sample
-from vpsd.pipeline.seeds import draft_seed, verify_seed
+from vpsd.pipeline.sampling import ItemSampler
+from vpsd.pipeline.seeds import draft_sampler, verify_sampler
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree
@@ -34,10 +34,10 @@ def draft_chunk(
     cursor: CacheCursor,
     committed: list[int],
     k: int,
-    temperature: float,
-    generator: torch.Generator | None,
+    sampler: ItemSampler,
 ) -> tuple[list[int], torch.Tensor | None]:
-    """Brings the draft cache in line with `committed`, then proposes k tokens (and their q when sampling)."""
+    """Brings the draft cache in line with `committed`, then proposes k tokens (and their q under the rejection
+    rule), the i-th at output position len(committed) + i."""
     length, pending = cursor.sync(committed)
     draft.rollback(state, length)
     with span("draft_step", tokens=len(pending)):
@@ -47,12 +47,10 @@ def draft_chunk(
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
     for i in range(k):
-        if temperature == 0.0:
-            tokens.append(int(logits.argmax()))
-        else:
-            q = probs_from_logits(logits, temperature)
+        token, q = sampler.token(logits, len(committed) + i)
+        tokens.append(token)
+        if q is not None:
             probs.append(q)
-            tokens.append(sample(q, generator))
         if i < k - 1:  # the last proposal is never fed: verification decides what comes next
             with span("draft_step", tokens=1):
                 logits = draft.step(state, torch.tensor(tokens[-1:]))[-1]
@@ -78,13 +76,13 @@ def decode_sd(
     t0 = time.perf_counter()
     pair = prefill_pair(target, draft, frames, prompt, keep_policy, pruning, frame_times, item_seed=cfg.seed)
     t_pre, d_pre = pair.target, pair.draft
-    verify_gen = torch.Generator().manual_seed(verify_seed(cfg.seed))
-    committed = [next_token(t_pre.logits, cfg.temperature, verify_gen)]
+    sampler = verify_sampler(cfg.rule, cfg.seed)
+    committed = [sampler.token(t_pre.logits, 0)[0]]
     t1 = time.perf_counter()
     if tree is None:
-        committed, stats = speculate(target, t_pre.state, draft, d_pre.state, committed, cfg, verify_gen)
+        committed, stats = speculate(target, t_pre.state, draft, d_pre.state, committed, cfg, sampler)
     else:
-        committed, stats = speculate_tree(target, t_pre.state, draft, d_pre.state, committed, cfg, tree, verify_gen)
+        committed, stats = speculate_tree(target, t_pre.state, draft, d_pre.state, committed, cfg, tree, sampler)
     return DecodeResult(
         token_ids=committed,
         stats=stats,
@@ -104,28 +102,28 @@ def speculate(
     d_state: DecodeState,
     committed: list[int],
     cfg: DecodingConfig,
-    verify_gen: torch.Generator,
+    sampler: ItemSampler,  # the item's target side (pipeline/seeds.py verify_sampler)
 ) -> tuple[list[int], AcceptanceStats]:
     """The serial draft / verify loop from both prefills and the target's first token, to the end.
 
     The draft is any (adapter, state) pair: a smaller model, the target fed pruned video (sd, specvlm),
     or the target on a sparse KV cache (std). Returns the committed tokens, cut where `ar` stops.
     """
-    draft_gen = torch.Generator().manual_seed(draft_seed(cfg.seed))
+    drafting = draft_sampler(cfg.rule, sampler.seed)
     t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
     stats = AcceptanceStats()
     eos = target.eos_token_ids
     while not done(committed, cfg.max_new_tokens, eos):
         # Never draft past max_new_tokens: the round's own token fills the last slot.
         k = min(cfg.serial_gamma(), cfg.max_new_tokens - len(committed) - 1)
-        drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, cfg.temperature, draft_gen)
+        drafts, q = draft_chunk(draft, d_state, d_cur, committed, k, drafting)
         length, feed, first = t_cur.verify_feed(committed, drafts)
         target.rollback(t_state, length)
         # Same span names as the parallel roles, so benchmarks read T_p and T_q the same way.
         # Verification sits inside the span, as in the target role, so the span can carry `accepted`.
         with span("verify", tokens=len(feed), drafted=len(drafts)) as verify_fields:
             logits = window_rows(target.step(t_state, torch.tensor(feed), rowwise=cfg.exact_verify), first)
-            v = verify_chunk(drafts, q, logits, cfg.temperature, verify_gen)
+            v = verify_chunk(drafts, q, logits, sampler, len(committed))
             verify_fields["accepted"] = v.num_accepted
         stats.record(v.num_accepted, v.num_drafted)
         stats.rollbacks += int(not v.all_accepted)

@@ -16,8 +16,7 @@ from vpsd.pipeline.result import DecodeResult
 from vpsd.decoders.sd import speculate
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.sparse_kv import kept_video_per_head, sparse_state, std_cache_indices, std_prefill
-from vpsd.pipeline.sampling import next_token
-from vpsd.pipeline.seeds import verify_seed
+from vpsd.pipeline.seeds import verify_sampler
 
 
 def decode_std(
@@ -36,10 +35,10 @@ def decode_std(
     indices = std_cache_indices(pre, emb, pruning.ratio)
     pre.signals = None
     d_state = sparse_state(target, pre.state, indices, emb.next_position)
-    verify_gen = torch.Generator().manual_seed(verify_seed(cfg.seed))
-    committed = [next_token(pre.logits, cfg.temperature, verify_gen)]
+    sampler = verify_sampler(cfg.rule, cfg.seed)
+    committed = [sampler.token(pre.logits, 0)[0]]
     t1 = time.perf_counter()
-    committed, stats = speculate(target, pre.state, target, d_state, committed, cfg, verify_gen)
+    committed, stats = speculate(target, pre.state, target, d_state, committed, cfg, sampler)
     kept_video = kept_video_per_head(indices, emb)
     return DecodeResult(
         token_ids=committed,

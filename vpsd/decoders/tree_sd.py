@@ -25,12 +25,12 @@ from vpsd.config import DecodingConfig
 from vpsd.models.base import DecodeState, VideoLMAdapter
 from vpsd.models.timing import settle
 from vpsd.pipeline.kv import CacheCursor
-from vpsd.pipeline.sampling import next_token
+from vpsd.pipeline.sampling import ItemSampler
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import cut, done
 from vpsd.pipeline.tree import DraftTree, propose_level, verify_tree
 from vpsd.tracing import span
-from vpsd.pipeline.seeds import draft_seed
+from vpsd.pipeline.seeds import draft_sampler
 
 
 @dataclass
@@ -47,8 +47,7 @@ def draft_tree(
     cursor: CacheCursor,
     committed: list[int],
     tree: DraftTree,
-    temperature: float,
-    generator: torch.Generator | None,
+    sampler: ItemSampler,  # the item's draft side
 ) -> DraftedTree:
     """Brings the draft cache in line with `committed`, then expands `tree` in tree.depth forwards."""
     length, pending = cursor.sync(committed)
@@ -60,7 +59,7 @@ def draft_tree(
     root_index = state.length - 1  # the root's index in the sequence
     out = DraftedTree(tokens=[committed[-1]] + [0] * tree.num_nodes, fed=[], logits={0: root_logits})
     for depth in range(1, tree.depth + 1):
-        new = propose_level(tree, depth, out.logits, out.tokens, out.probs, temperature, generator)
+        new = propose_level(tree, depth, out.logits, out.tokens, out.probs, sampler, len(committed))
         if not new:
             break
         seq_index = torch.tensor([root_index + depth] * len(new))
@@ -82,10 +81,10 @@ def speculate_tree(
     committed: list[int],
     cfg: DecodingConfig,
     tree: DraftTree,
-    verify_gen: torch.Generator,
+    sampler: ItemSampler,  # the item's target side
 ) -> tuple[list[int], AcceptanceStats]:
     """The serial tree loop from both prefills and the target's first token, to the end (cut where `ar` stops)."""
-    draft_gen = torch.Generator().manual_seed(draft_seed(cfg.seed))
+    drafting = draft_sampler(cfg.rule, sampler.seed)
     t_cur, d_cur = CacheCursor(t_state.length), CacheCursor(d_state.length)
     stats = AcceptanceStats()
     eos = target.eos_token_ids
@@ -99,15 +98,15 @@ def speculate_tree(
                 logits = target.step(t_state, torch.tensor(pending))[-1]
                 settle(target.device)
             t_cur.feed(pending)
-            committed.append(next_token(logits, cfg.temperature, verify_gen))
+            committed.append(sampler.token(logits, len(committed))[0])
             stats.record(0, 0)
             continue
-        drafted = draft_tree(draft, d_state, d_cur, committed, round_tree, cfg.temperature, draft_gen)
+        drafted = draft_tree(draft, d_state, d_cur, committed, round_tree, drafting)
         offsets, visible = round_tree.verify_inputs(len(pending))
         fed = pending + drafted.tokens[1:]
         with span("verify", tokens=len(fed), drafted=round_tree.depth, nodes=round_tree.num_nodes) as fields:
             logits = target.step_tree(t_state, torch.tensor(fed), offsets + length, visible)[len(pending) - 1 :]
-            v = verify_tree(round_tree, drafted.tokens, drafted.probs, logits, cfg.temperature, verify_gen)
+            v = verify_tree(round_tree, drafted.tokens, drafted.probs, logits, sampler, len(committed))
             fields["accepted"] = v.num_accepted
         # Keep only the accepted path in both caches (node i sits at slot i - 1 after the root).
         target.compact(t_state, length + len(pending), [n - 1 for n in v.path])

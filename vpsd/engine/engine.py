@@ -10,9 +10,10 @@ decoder draws it), and from then on every round is
     2. ONE target forward: each request feeds the committed tokens its cache lacks and its window
        (`CacheCursor.verify_feed`; ragged rows padded with holes), the rows that score each window cut out
        (`window_rows`, with the row the request held from the last round when the window starts there);
-    3. commit (`commit_window`, the one rule for every place and batch size): `verify_chunk` (greedy, or
-       the speculative-sampling rule on the request's own random stream) and the request's `TargetMachine`
-       decide what is committed; the verdict goes to the drafter;
+    3. commit (`commit_window`, the one rule for every place and batch size): `verify_chunk` (the greedy rule
+       on the rows' keyed scores: greedy, or position-keyed sampling; else the speculative-sampling rule on the
+       request's own random stream) and the request's `TargetMachine` decide what is committed; the verdict goes
+       to the drafter;
     4. the requests that are done (budget, EOS, a stop string in their text) or failed leave; their results
        are final.
 
@@ -40,8 +41,7 @@ from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
 from vpsd.pipeline.cost import ParallelWindow, SerialWindow, Window
 from vpsd.pipeline.drafting_policy import ItemMeans
-from vpsd.pipeline.sampling import next_token
-from vpsd.pipeline.seeds import verify_seed
+from vpsd.pipeline.seeds import verify_sampler
 from vpsd.pipeline.state_machine import TargetMachine
 from vpsd.pipeline.tree import verify_tree
 from vpsd.pipeline.verification import greedy_ids, verify_chunk, window_rows
@@ -96,6 +96,8 @@ class Engine:
         from inside the prefill; elsewhere they are held until the join. Raises ValueError (or a VideoError)
         for an item that cannot be decoded."""
         t0, request.started = time.perf_counter(), time.time()
+        if request.seed is None:  # an item without a seed of its own takes the run's (pipeline/seeds.py)
+            request.seed = int(self.cfg.decoding.seed)
         inputs, request.inputs = request.inputs, None
         if inputs is None:
             inputs = self.target.prepare(request.frames, request.prompt, request.frame_times)
@@ -126,16 +128,16 @@ class Engine:
         pre, request.prefill = request.prefill, None
         drafted = request.drafted and self.drafter is not None
         machine = TargetMachine(request.max_new_tokens, self.eos, item_id=request.id, defer_bonus=self.parallel)
-        gen = torch.Generator().manual_seed(verify_seed(self.cfg.decoding.seed))
+        sampler = verify_sampler(self.cfg.decoding.rule, request.seed)
         if drafted and self.parallel:  # the draft proposes the first token; the prefill's row verifies it
             request.kept_row = pre.logits
         else:  # drawn from the prefill's row, as the item's batch-1 decoder draws it
-            machine.committed.append(next_token(pre.logits, self.cfg.decoding.temperature, gen))
+            machine.committed.append(sampler.token(pre.logits, 0)[0])
             machine.holds_next_row = False
         if not drafted:
             request.stats.record(0, 0)  # as decode_ar counts its first token
             self.report.plain_items += self.drafter is not None
-        request.start_decoding(machine, pre.state.length, gen, self.report.rounds)
+        request.start_decoding(machine, pre.state.length, sampler, self.report.rounds)
         request.look_for_stop(self.target.text)
         if request.done:  # a first token that ends it (EOS, a budget of one, a stop string)
             self._trace_item(request)
@@ -205,11 +207,11 @@ class Engine:
                       else self.batch.step(feed, trees))
             watch.stop()
             windows = {rid: window_rows(logits[rid], first[rid], self.requests[rid].kept_row) for rid in proposals}
-            # Greedy: every row's argmax in one host transfer for the batch (pipeline/verification.py greedy_ids),
-            # the round's one host read; the forward's time is read after it, so timing waits for nothing.
-            chains = {rid: rows for rid, rows in windows.items() if rid not in trees}  # a tree reads its own rows
-            ids = (greedy_ids({**{r.id: logits[r.id][-1:] for r in plain}, **chains})
-                   if self.cfg.decoding.temperature == 0.0 else {})
+            # Keyed (greedy, or position-keyed sampling): every row's keyed token in one host transfer for the
+            # batch (pipeline/verification.py greedy_ids), the round's one host read; the forward's time is read
+            # after it, so timing waits for nothing. A tree reads its own rows.
+            ids = self._keyed_ids({r.id: logits[r.id][-1:] for r in plain},
+                                  {rid: rows for rid, rows in windows.items() if rid not in trees})
             seconds = watch.seconds
             self.window.observe_verify(len(feed), rows, seconds)
             outcome = [self._commit_plain(r, logits[r.id], ids.get(r.id)) for r in plain]
@@ -220,13 +222,26 @@ class Engine:
             fields.update({name: list(col) for name, col in zip(names, zip(*outcome))})
         self.report.observe_round(len(feed), gamma, seconds)
 
+    def _keyed_ids(self, plain: dict[str, torch.Tensor], chains: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        """The keyed tokens of each plain request's last row and of each chain window's rows (row i at output
+        position len(committed) + i), read in one transfer; {} under the rejection rule, whose draws read their
+        own rows."""
+        if not self.cfg.decoding.rule.keyed:
+            return {}
+        scores = {}
+        for rid, rows in {**plain, **chains}.items():
+            r = self.requests[rid]
+            n = len(r.committed)
+            scores[rid] = r.sampler.scores(rows, list(range(n, n + rows.shape[0])))
+        return greedy_ids(scores)
+
     def _observe_draft_step(self, rows: int, seconds: float) -> None:
         self.window.observe_draft_step(rows, seconds)
         self.report.t_q_s = self.window.cost.t_q(rows)
 
     def _commit_plain(self, r: Request, logits: torch.Tensor, ids: list[int] | None) -> tuple:
         """A plain step: the next token from the last row, drawn as `ar` draws it (greedy: `ids`, its argmax)."""
-        token = ids[-1] if ids is not None else next_token(logits[-1], self.cfg.decoding.temperature, r.gen)
+        token = ids[-1] if ids is not None else r.sampler.token(logits[-1], len(r.committed))[0]
         r.machine.committed.append(token)
         r.machine.holds_next_row = False
         r.kept_row = None
@@ -246,12 +261,11 @@ class Engine:
         recursive rejection, pipeline/tree.py) and commits what its batch-1 run would; the verdict goes to the
         drafter. Returns (drafted, accepted, committed) tokens, the mode it was verified in, its start."""
         mode = r.machine.mode.value
-        temperature = self.cfg.decoding.temperature
         if p.tree is None:
-            v = verify_chunk(p.token_ids, p.q, rows, temperature, r.gen, ids)
+            v = verify_chunk(p.token_ids, p.q, rows, r.sampler, len(r.committed), ids)
             chunk, accepted, token, drafted = p.token_ids, v.num_accepted, v.next_token, v.num_drafted
         else:  # only the accepted path stays in the cache, which then holds what a chain's would
-            t = verify_tree(p.tree.tree, p.tree.tokens, p.tree.probs, rows, temperature, r.gen)
+            t = verify_tree(p.tree.tree, p.tree.tokens, p.tree.probs, rows, r.sampler, len(r.committed))
             chunk, accepted, token, drafted = t.emitted(p.tree.tokens)[:-1], t.num_accepted, t.next_token, t.num_drafted
             self.batch.keep(r.id, self.batch.length(r.id) - len(p.token_ids), [n - 1 for n in t.path])
             r.cursor.feed(r.committed[len(r.cursor.fed):] + chunk)

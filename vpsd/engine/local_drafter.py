@@ -6,7 +6,7 @@ batched forward per token (`ModelProposer`), until each has its window (never pa
 item's draft side starts with the target's prefill: the signals its strategy reads, the kept video tokens,
 the draft's vision and its pruned prefill (`prefill_pair`, the serial reference's own), on whatever thread
 prefills the item; its row joins the draft's batch with the request. Each request drafts from its own
-random stream, seeded as its batch-1 run seeds it (pipeline/seeds.py), so a sampled item's tokens never depend on
+sampler, seeded as its batch-1 run seeds it (pipeline/seeds.py), so a sampled item's tokens never depend on
 the batch.
 """
 
@@ -23,7 +23,8 @@ from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import VerifyResult
-from vpsd.pipeline.seeds import draft_seed
+from vpsd.pipeline.sampling import ItemSampler
+from vpsd.pipeline.seeds import draft_sampler
 from vpsd.models.timing import Stopwatch
 from vpsd.tracing import record_span, span
 
@@ -49,7 +50,7 @@ class LocalDrafter:
         self.keep_policy = keep_policy_for(pruning, target.family)
         self.proposer = ModelProposer(draft)
         self.cursors: dict[str, CacheCursor] = {}
-        self.gens: dict[str, torch.Generator] = {}
+        self.samplers: dict[str, ItemSampler] = {}
         self._step: tuple[int, float] | None = None
 
     def start(self, request: Request, gamma: int) -> None:
@@ -67,7 +68,7 @@ class LocalDrafter:
     def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
         pair = prefill_pair(self.target, self.draft, request.frames, request.prompt, self.keep_policy, self.pruning,
                             request.frame_times, target_emb=emb, parallel_signals=self.parallel_signals,
-                            item_seed=self.decoding.seed)
+                            item_seed=request.seed)
         request.draft_handle = pair.draft
         request.num_kept, request.kept, request.layout = pair.num_kept, pair.kept_indices(), emb.layout
         request.draft_prefill_s = pair.draft_s
@@ -76,7 +77,7 @@ class LocalDrafter:
     def join(self, request: Request, gamma: int) -> None:
         pre, request.draft_handle = request.draft_handle, None
         self.cursors[request.id] = CacheCursor(self.proposer.join(request.id, pre))
-        self.gens[request.id] = torch.Generator().manual_seed(draft_seed(self.decoding.seed))
+        self.samplers[request.id] = draft_sampler(self.decoding.rule, request.seed)
 
     def proposals(self, requests: list[Request], gamma: int) -> dict[str, Proposal]:
         windows = {r.id: max(0, min(gamma, r.max_new_tokens - len(r.committed) - 1)) for r in requests}
@@ -100,7 +101,8 @@ class LocalDrafter:
                 for item in active:
                     if len(tokens[item]) >= windows[item]:
                         continue
-                    token, q = self.proposer.propose(item, 0, self.decoding.temperature, self.gens[item])
+                    pos = len(active[item].committed) + len(tokens[item])  # its output position
+                    token, q = self.proposer.propose(item, pos, self.samplers[item])
                     tokens[item].append(token)
                     if q is not None:
                         probs[item].append(q)
@@ -118,7 +120,7 @@ class LocalDrafter:
 
     def finish(self, request: Request, error: str | None) -> None:
         if request.id in self.cursors:
-            del self.cursors[request.id], self.gens[request.id]
+            del self.cursors[request.id], self.samplers[request.id]
             self.proposer.leave(request.id)
 
     def draft_step(self) -> tuple[int, float] | None:

@@ -5,7 +5,8 @@ drivers ask (engine/local_drafter.py in the target's process, roles/draft.py on 
 
     admit(item, emb, keep, gamma)       prefill the item's draft (pruned input, or TABED's views)
     ready(item)                         whether it holds logits for the item's next position
-    propose(item, pos, temperature, gen)   the next token from them (and its q when sampling)
+    propose(item, pos, sampler)         the next token from them, at output position pos (and its q, when the
+                                        rejection rule samples)
     feed({item: tokens})                append tokens to the items' caches: ONE forward for every model row
     rollback(item, length)              crop an item's cache (nothing when it holds no more than that)
     leave(item)
@@ -25,15 +26,7 @@ from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
 from vpsd.models.views import prefill_views, step_views
 from vpsd.pipeline.ensemble import AdaptiveWeights, TabedConfig, weighted_average
-from vpsd.pipeline.sampling import probs_from_logits, sample
-
-
-def draw(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
-    """The draft's token from a logits row: the argmax, or drawn from q (returned, the target verifies with it)."""
-    if temperature == 0.0:
-        return int(logits.argmax()), None
-    q = probs_from_logits(logits, temperature)
-    return sample(q, gen), q
+from vpsd.pipeline.sampling import ItemSampler, gumbel, probs_from_logits, sample
 
 
 class ModelProposer:
@@ -57,8 +50,8 @@ class ModelProposer:
     def ready(self, item: str) -> bool:
         return self.last.get(item) is not None
 
-    def propose(self, item: str, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
-        return draw(self.last[item], temperature, gen)
+    def propose(self, item: str, pos: int, sampler: ItemSampler) -> tuple[int, torch.Tensor | None]:
+        return sampler.token(self.last[item], pos)
 
     def feed(self, feeds: dict[str, list[int]]) -> tuple[int, Stopwatch]:
         """One forward of every row's tokens; returns (rows, its stopwatch) for the cost model: read its
@@ -109,8 +102,11 @@ class TabedProposer:
     distribution is kept per drafted position until the target's verdict turns it into a distance
     (AdaptiveWeights.observe) or a rollback discards it. Greedy: each view's q is its softmax at temperature 1
     (a one-hot view could not be weighed) and the token is the ensemble's argmax; sampling: views at the run's
-    temperature and the token drawn from q, which the target verifies with, so sampling stays exact whatever
-    the ensemble is."""
+    temperature and the token drawn from q: position-keyed (the argmax of log q plus the item's noise at its
+    position, so a draft that agrees with the target in distribution agrees in tokens), or under the rejection
+    rule from the draft's stream, q going to the target to verify with. Either stays exact whatever the ensemble
+    is. Departure: the run's top-k / top-p / min-p filters are the target's; the ensemble drafts from its whole q
+    (what the draft proposes never changes what is committed)."""
 
     def __init__(self, draft: VideoLMAdapter, cfg: TabedConfig) -> None:
         self.draft, self.cfg = draft, cfg
@@ -124,8 +120,8 @@ class TabedProposer:
     def ready(self, item: str) -> bool:
         return item in self.items
 
-    def propose(self, item: str, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
-        return self.items[item].propose(pos, temperature, gen)
+    def propose(self, item: str, pos: int, sampler: ItemSampler) -> tuple[int, torch.Tensor | None]:
+        return self.items[item].propose(pos, sampler)
 
     def feed(self, feeds: dict[str, list[int]]) -> tuple[int, Stopwatch]:
         watch = Stopwatch(self.draft.device)
@@ -174,7 +170,8 @@ class _Views:
         self.probs: dict[int, torch.Tensor] = {}  # position -> (m, V), until verified or rejected
         self.weight_log: list[list[float]] = []
 
-    def propose(self, pos: int, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    def propose(self, pos: int, sampler: ItemSampler) -> tuple[int, torch.Tensor | None]:
+        temperature = sampler.rule.temperature
         if self.block_start is None or pos >= self.block_start + self.gamma:
             self.weights = self.adaptive.weights()  # line 3: w* from the verified window, once per block
             self.block_start = pos
@@ -184,4 +181,6 @@ class _Views:
         q = weighted_average(views, self.weights)  # line 6
         if temperature == 0.0:
             return int(q.argmax()), None
-        return sample(q, gen), q  # line 7
+        if sampler.rule.keyed:  # line 7, drawn by Gumbel-max with the target's noise at this position
+            return int((q.double().log() + gumbel(sampler.seed, pos, q.shape[-1], q.device)[0]).argmax()), None
+        return sample(q, sampler.gen), q  # line 7

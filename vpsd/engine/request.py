@@ -19,6 +19,7 @@ from vpsd.pipeline.result import DecodeResult
 from vpsd.models.base import PrefillResult, VideoInputs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.layout import VideoTokenLayout
+from vpsd.pipeline.sampling import ItemSampler
 from vpsd.pipeline.state_machine import TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import stop_length
@@ -35,6 +36,7 @@ class Request:
     video: dict = field(default_factory=dict)  # how a draft rank reads the same frames (FrameRequest.to_wire)
     next_video: dict | None = None  # the next item's, so a draft rank reads it ahead
     stop: tuple[str, ...] = ()  # stop strings: decoding ends once the committed text holds one (pipeline/stopping.py)
+    seed: int | None = None  # its draws' seed (pipeline/seeds.py); None: the run's decoding.seed, set at its prefill
 
     # ---- what the engine fills ----
     drafted: bool = True  # False: decoded plain, one token a round (the drafting policy's decision)
@@ -43,7 +45,7 @@ class Request:
     draft_handle: Any = None  # what the drafter keeps of its side of the prefill until the join
     machine: TargetMachine | None = None  # committed tokens, epoch, whether the next row is held
     cursor: CacheCursor | None = None  # which committed tokens the target's cache holds
-    gen: torch.Generator | None = None  # the verify stream, seeded as the item's batch-1 run seeds it
+    sampler: ItemSampler | None = None  # the target side's draws, seeded as the item's batch-1 run seeds them
     kept_row: torch.Tensor | None = None  # the target's logits row for position len(committed), when held
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     windows: list[int] = field(default_factory=list)  # the window each verified proposal was drafted under
@@ -78,9 +80,9 @@ class Request:
             self.hit_stop = stop_length(decode, self.committed, self.stop, self.stop_checked + 1) is not None
             self.stop_checked = len(self.committed)
 
-    def start_decoding(self, machine: TargetMachine, cache_length: int, gen: torch.Generator, round_: int) -> None:
+    def start_decoding(self, machine: TargetMachine, cache_length: int, sampler: ItemSampler, round_: int) -> None:
         """The request joins the batch: its first token is committed, its cache holds `cache_length` entries."""
-        self.machine, self.cursor, self.gen = machine, CacheCursor(cache_length), gen
+        self.machine, self.cursor, self.sampler = machine, CacheCursor(cache_length), sampler
         self.decode_start, self.joined_round = time.perf_counter(), round_
 
     def result(self) -> DecodeResult:

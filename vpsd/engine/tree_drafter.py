@@ -13,7 +13,7 @@ A round (SpecVLM Sec. "Seamless Tree Attention Integration", Appendix B; EAGLE's
   4. the verdict's path is kept in the draft row too (`BatchedCache.keep`): the accepted nodes it was fed (the
      path's internal nodes) stay, the rest are dropped, and the next round feeds what the row still lacks.
 
-Each request's candidates are drawn from its own stream, seeded as its batch-1 run seeds it (pipeline/seeds.py),
+Each request's candidates are drawn by its own sampler, seeded as its batch-1 run seeds it (pipeline/seeds.py),
 in the order that run draws them, so a sampled item's tokens never depend on the batch. With one request in flight
 every forward is the batch-1 forward (models/batch.py), so at --batch 1 this is the reference tree decoder
 (decoders/tree_sd.py), forward for forward.
@@ -47,6 +47,7 @@ class _Growing:
 
     drafted: DraftedTree
     root_index: int  # the root's index in the row's chain sequence
+    pos: int  # the output position of the root's successor (its request's committed length)
     live: bool = True  # it has nodes still to expand
     fed: list[int] = field(default_factory=list)  # nodes whose entries follow the root in the draft row, in order
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # expanded node -> (V,) draft logits
@@ -92,7 +93,7 @@ class TreeDrafter(LocalDrafter):
             self.cursors[item].feed(feed[item])
             tree = trees[item]
             grown = _Growing(DraftedTree(tree, [r.committed[-1]] + [0] * tree.num_nodes),
-                             root_index=self.cursors[item].length - 1)
+                             root_index=self.cursors[item].length - 1, pos=len(r.committed))
             grown.logits[0] = self.proposer.last[item]
             self.grown[item] = grown
         return watch
@@ -101,12 +102,11 @@ class TreeDrafter(LocalDrafter):
         """Each live tree's candidates for the nodes at depth - 1, and the nodes at `depth` that have children,
         to feed (a tree with none left is done)."""
         feeds, shapes = {}, {}
-        temperature = self.decoding.temperature
         for item, grown in self.grown.items():
             if not grown.live:
                 continue
             tree, out = grown.drafted.tree, grown.drafted
-            new = propose_level(tree, depth, grown.logits, out.tokens, out.probs, temperature, self.gens[item])
+            new = propose_level(tree, depth, grown.logits, out.tokens, out.probs, self.samplers[item], grown.pos)
             if not new:
                 grown.live = False
                 continue

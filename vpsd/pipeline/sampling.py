@@ -1,26 +1,205 @@
-"""Turning logits into the distributions speculative decoding compares, and drawing from them.
+"""Turning logits into tokens and distributions: the two sampling rules, and the filters both apply.
 
-Temperature 0 is greedy: the distribution is one-hot on the argmax (ties go to the lowest id, as
-torch.argmax does), which makes greedy decoding the exact temperature-0 case of the sampling rule.
+**Position-keyed sampling** (`rule: keyed`, the default). An item's token at output position t is
 
-Every draw runs on its generator's device, the host: each item's random streams are CPU generators seeded as
-at batch 1, and torch refuses a CPU generator for a draw from a CUDA tensor. So the row a draw reads moves to
-the host first (`on_generator`; the speculative-sampling rule moves only that row and the two numbers per
-drafted token it compares: pipeline/verification.py), and a seed draws the same tokens from the same
-probabilities whichever device computed them.
+    argmax_v  filtered(logits / T)_v + g(seed, t, v)
+
+where g is Gumbel noise computed from a counter-based hash of (the item's seed, t, v): no generator state, no
+host read, the same noise on whatever device and whichever side (target or draft) computes it. Gumbel-max draws
+exactly from softmax(filtered(logits / T)) (the argmax of log-probabilities plus independent Gumbel noise is a
+sample), and since position t's noise is independent of every other position's, a sequence drawn so is drawn
+exactly from the target's law. `ar` samples this way; the target verifies a drafted token by computing its own
+keyed sample at that position and accepting while the two are equal, which is the greedy rule on perturbed
+scores; the draft proposes with the same noise at the same positions (Daliri, Musco and Suresh,
+"Drafter-Invariant Speculative Decoding", arXiv 2408.07978). So a seeded output is `ar`'s own, token for token,
+whatever drafted it, where and how fast, and with whom it was batched. Greedy is the case g = 0 (T = 0: the
+argmax of the logits, ties to the lowest id as torch.argmax breaks them).
+
+**The rejection rule** (`rule: rejection`; Leviathan et al. 2023, Chen et al. 2023): the draft samples from q,
+the target accepts with min(1, p/q) and resamples from norm(max(p - q, 0)) (pipeline/verification.py,
+pipeline/tree.py). Exact in distribution, but its draws come from per-item host generators (`ItemSampler.gen`),
+so a seeded output depends on how many draws each stream made: on the windows, hence on timing. Each row a draw
+reads moves to the host first (`on_generator`).
+
+**Filters** (both rules, target and draft alike, applied in the order transformers' `generate` applies its
+warpers: temperature, top-k, top-p, min-p): top_k keeps the k largest logits (and any tied with the k-th),
+top_p the smallest set of most likely tokens whose mass reaches p, min_p the tokens whose probability is at least
+min_p times the most likely one's. The law a sampled output follows is the filtered target's.
+
+The hash (`_mix32`, Chris Wellons' "lowbias32" constants) runs in int64 tensors with every product kept below
+2^63 (a 32-bit multiply split into 16-bit halves), so it is exact and identical on CPU and CUDA; the Gumbel
+transform runs in float64, where the last-ulp differences between two devices' `log` cannot flip an argmax
+except at a tie of ~1e-16.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+KEYED = "keyed"
+REJECTION = "rejection"
+RULES = (KEYED, REJECTION)
+_MASK32 = 0xFFFFFFFF
 
-def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits (..., V) -> probabilities (..., V) float32; one-hot on the argmax when temperature == 0."""
-    logits = logits.float()
-    if temperature == 0.0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return torch.softmax(logits / temperature, dim=-1)
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """How a run turns logits into tokens (module docstring). temperature 0: greedy, whatever else is set."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    rule: str = KEYED
+
+    def __post_init__(self) -> None:
+        for problem in self.problems():
+            raise ValueError(problem)
+
+    def problems(self) -> list[str]:
+        out = []
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and self.temperature >= 0):
+            out.append(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            out.append(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            out.append(f"top_p must be in (0, 1] (1: off), got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
+            out.append(f"min_p must be in [0, 1) (0: off), got {self.min_p!r}")
+        if self.rule not in RULES:
+            out.append(f"sampling rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def keyed(self) -> bool:
+        """Whether tokens are chosen as argmaxes of (perturbed) scores: greedy, or the position-keyed rule."""
+        return self.greedy or self.rule == KEYED
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        """The rejection rule's verify reads the draft's q; a keyed one reads only its tokens."""
+        return not self.keyed
+
+    def tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits / T, float32, with the filtered-out tokens at -inf (T > 0)."""
+        x = logits.float() / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:
+            probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
+            before = probs.cumsum(-1) - probs  # mass of the more likely tokens: a token stays while it is < top_p
+            drop = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
+            x = x.masked_fill(drop, float("-inf"))
+        if self.min_p > 0.0:
+            probs = torch.softmax(x, dim=-1)
+            x = x.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+        return x
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (..., V) -> the distribution sampled from, float32; one-hot on the argmax when greedy."""
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.float().argmax(-1), logits.shape[-1]).float()
+        return torch.softmax(self.tempered(logits), dim=-1)
+
+    def scores(self, logits: torch.Tensor, seed: int, positions: torch.Tensor | list[int] | int) -> torch.Tensor:
+        """What a keyed token is the argmax of: logits (..., V) themselves when greedy, else the tempered,
+        filtered logits plus the Gumbel noise of `positions` (one output position a row of `logits`)."""
+        if self.greedy:
+            return logits
+        return self.tempered(logits).double() + gumbel(seed, positions, logits.shape[-1], logits.device).view(
+            logits.shape)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32), without an int64 product past 2^63."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32): every input bit moves about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def row_keys(seed: int, positions: list[int]) -> list[tuple[int, int]]:
+    """Two 32-bit keys per (seed, position), on the host: what the device hashes each vocabulary id with."""
+    out = []
+    for t in positions:
+        k = _splitmix64(_splitmix64(int(seed) & 0xFFFFFFFFFFFFFFFF) ^ int(t))
+        out.append((k & _MASK32, k >> 32))
+    return out
+
+
+def uniforms(seed: int, positions: torch.Tensor | list[int] | int, vocab: int,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n, vocab) float64 in (0, 1): the uniform draw behind every (position, vocabulary id) of an item."""
+    if isinstance(positions, int):
+        positions = [positions]
+    elif isinstance(positions, torch.Tensor):
+        positions = positions.reshape(-1).tolist()
+    keys = torch.tensor(row_keys(seed, positions), dtype=torch.int64).to(device, non_blocking=True)
+    v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
+    h = _mix32(v ^ keys[:, :1])
+    h = _mix32(h ^ keys[:, 1:])
+    return (h.double() + 0.5) / 2.0**32
+
+
+def gumbel(seed: int, positions: torch.Tensor | list[int] | int, vocab: int,
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n, vocab) float64 standard Gumbel noise g(seed, t, v) of each position t."""
+    return -torch.log(-torch.log(uniforms(seed, positions, vocab, device)))
+
+
+class ItemSampler:
+    """One item's draws on one side (the target's verify, or its draft): the rule, the item's seed (the keyed
+    noise, shared by both sides) and, for the rejection rule only, the side's own host generator seeded
+    `stream_seed` (pipeline/seeds.py)."""
+
+    def __init__(self, rule: SamplingRule, seed: int, stream_seed: int) -> None:
+        self.rule, self.seed = rule, int(seed)
+        self.gen = None if rule.keyed else torch.Generator().manual_seed(int(stream_seed))
+
+    def scores(self, logits: torch.Tensor, positions: torch.Tensor | list[int] | int) -> torch.Tensor:
+        return self.rule.scores(logits, self.seed, positions)
+
+    def token(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
+        """The token plain decoding emits at output position `pos` from a (V,) logits row, and, under the
+        rejection rule, the q it was drawn from (the target verifies a draft's token with it)."""
+        if self.rule.keyed:
+            return int(self.scores(logits, pos).argmax()), None
+        q = self.rule.probs(logits)
+        return sample(q, self.gen), q
+
+    def children(self, logits: torch.Tensor, k: int, pos: int) -> tuple[list[int], torch.Tensor | None]:
+        """A tree node's k candidates at output position `pos` (pipeline/tree.py): the k best keyed scores (the
+        Gumbel-top-k trick: k draws without replacement, the first the keyed token), or, under the rejection
+        rule, k draws from q without replacement and the q they were drawn from."""
+        if self.rule.keyed:
+            return self.scores(logits, pos).topk(k).indices.tolist(), None
+        q = on_generator(self.rule.probs(logits), self.gen)
+        if int((q > 0).sum()) < k:  # fewer than k tokens of non-zero mass (a filter, or underflow): a tiny floor
+            q = q + 1e-12
+            q = q / q.sum()
+        return torch.multinomial(q, k, replacement=False, generator=self.gen).tolist(), q
 
 
 def on_generator(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -33,8 +212,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(on_generator(probs, generator), 1, generator=generator))
 
 
-def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The token plain decoding emits from (V,) logits: argmax when greedy, else a seeded draw."""
-    if temperature == 0.0:
-        return int(logits.argmax())
-    return sample(probs_from_logits(logits, temperature), generator)
+def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits (..., V) -> softmax(logits / T) float32, one-hot when T == 0: an unfiltered rule's `probs`
+    (TABED's views and distances, which weigh whole distributions)."""
+    return SamplingRule(temperature).probs(logits)

@@ -26,7 +26,11 @@ outputs a token distributed as p_i, either the accepted x_i or, on rejection, a 
 r_i = norm(max(p_i - q_i, 0)). Replacing that draw by the next step (target r_i, proposal q_{i+1}, which
 depends on the history only through the removed tokens, and r_i gives those tokens zero mass since each was
 rejected only where p_i(x_i) < q_i(x_i)) keeps the law by induction; the last residual is sampled directly.
-Greedy is the temperature-0 case (p one-hot): a candidate is accepted iff it is the target's argmax.
+Greedy is the temperature-0 case (p one-hot): a candidate is accepted iff it is the target's argmax. The
+position-keyed rule (pipeline/sampling.py, the default when sampling) is that greedy rule on keyed scores: a
+node's candidates are the draft's k best keyed scores at its position (Gumbel-top-k: k draws without
+replacement, the first the draft's own keyed sample), and a candidate is accepted iff it is the target's keyed
+sample at that position, so the accepted path and the round's token are what `ar` samples there.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 
 import torch
 
-from vpsd.pipeline.sampling import on_generator, probs_from_logits
+from vpsd.pipeline.sampling import ItemSampler, on_generator
 
 Path = tuple[int, ...]
 
@@ -199,33 +203,17 @@ def parse_tree(spec: Any) -> DraftTree | None:
 # ---- drafting a node's candidates ------------------------------------------------------------------
 
 
-def propose_children(
-    logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None
-) -> tuple[list[int], torch.Tensor | None]:
-    """A node's k candidates from the draft's (V,) logits, and the q they were drawn from (None if greedy).
-
-    Greedy: the top-k tokens. Sampling: k draws from q without replacement, in draw order (rank 0 first).
-    Where q has fewer than k tokens of non-zero mass (float underflow at extreme logits) every token gets a
-    tiny floor first; the q returned is the one actually drawn from, which is all the rule needs.
-    """
-    if temperature == 0.0:
-        return logits.float().topk(k).indices.tolist(), None
-    q = on_generator(probs_from_logits(logits, temperature), generator)
-    if int((q > 0).sum()) < k:
-        q = q + 1e-12
-        q = q / q.sum()
-    return torch.multinomial(q, k, replacement=False, generator=generator).tolist(), q
-
-
 def propose_level(tree: DraftTree, depth: int, logits: dict[int, torch.Tensor], tokens: list[int],
-                  probs: dict[int, torch.Tensor], temperature: float, generator: torch.Generator | None) -> list[int]:
+                  probs: dict[int, torch.Tensor], sampler: ItemSampler, root_pos: int) -> list[int]:
     """One depth of a tree's drafting: the candidates of every node at depth - 1 that has children, from its draft
-    `logits` row, written into `tokens` (and the q drawn from into `probs`, sampling), in breadth-first order.
-    Returns the nodes at `depth` to feed next, those with children (a leaf is never fed: nothing expands it)."""
+    `logits` row (`ItemSampler.children`: at output position root_pos + depth - 1, `root_pos` the first drafted
+    token's), written into `tokens` (and the q drawn from into `probs`, under the rejection rule), in
+    breadth-first order. Returns the nodes at `depth` to feed next, those with children (a leaf is never fed:
+    nothing expands it)."""
     for parent in tree.level(depth - 1):
         kids = tree.children[parent]
         if kids:
-            chosen, q = propose_children(logits[parent], len(kids), temperature, generator)
+            chosen, q = sampler.children(logits[parent], len(kids), root_pos + depth - 1)
             for c, x in zip(kids, chosen):
                 tokens[c] = x
             if q is not None:
@@ -317,11 +305,12 @@ def verify_tree(
     node_tokens: list[int],
     draft_probs: dict[int, torch.Tensor] | None,
     target_logits: torch.Tensor,  # (N+1, V)
-    temperature: float,
-    generator: torch.Generator | None,
+    sampler: ItemSampler,  # the item's target side
+    root_pos: int,  # the output position of the root's successor (the first drafted token)
 ) -> TreeVerification:
-    """The one entry point decoders use: the greedy rule at temperature 0, else recursive rejection."""
-    if temperature == 0.0:
-        return verify_tree_greedy(tree, node_tokens, target_logits)
-    target_probs = probs_from_logits(target_logits, temperature)
-    return verify_tree_sampling(tree, node_tokens, draft_probs, target_probs, generator)
+    """The one entry point decoders use: the greedy rule on the rows' keyed scores (greedy, or position-keyed
+    sampling: row i at position root_pos + depth_i), else recursive rejection."""
+    if sampler.rule.keyed:
+        positions = [root_pos + d for d in tree.depths]
+        return verify_tree_greedy(tree, node_tokens, sampler.scores(target_logits, positions))
+    return verify_tree_sampling(tree, node_tokens, draft_probs, sampler.rule.probs(target_logits), sampler.gen)

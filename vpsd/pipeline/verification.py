@@ -8,7 +8,9 @@ row i is the target's distribution for position i, row k the bonus position):
 Greedy verification is the temperature-0 case (p and q one-hot): accept while x_i == argmax p_i, then
 emit argmax p at the first mismatch (or the bonus position). `verify_greedy` implements that case
 directly so it needs no probabilities on the wire; tests prove it equals `verify_sampling` on one-hot
-inputs. The target alone makes this decision; drafts only obey it.
+inputs. The position-keyed rule (pipeline/sampling.py, the default when sampling) is the same greedy rule on
+the rows' keyed scores: accept while x_i is the target's own keyed sample at its position. The target alone
+makes this decision; drafts only obey it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vpsd.pipeline.sampling import on_generator, probs_from_logits
+from vpsd.pipeline.sampling import ItemSampler, on_generator
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,16 @@ def greedy_ids(rows: dict[str, torch.Tensor]) -> dict[str, list[int]]:
 
 def verify_chunk(
     draft_token_ids: list[int],
-    draft_probs: torch.Tensor | None,  # (k, V) q; None when greedy
+    draft_probs: torch.Tensor | None,  # (k, V) q; None unless the rejection rule samples
     target_logits: torch.Tensor,  # (k+1, V)
-    temperature: float,
-    generator: torch.Generator | None,
-    target_ids: list[int] | None = None,  # greedy: the rows' argmaxes, when already read (greedy_ids)
+    sampler: ItemSampler,  # the item's target side
+    pos: int,  # the output position of the first drafted token (row 0)
+    target_ids: list[int] | None = None,  # keyed: the rows' keyed tokens, when already read (greedy_ids)
 ) -> Verification:
-    """The one entry point decoders use: the greedy rule at temperature 0, else speculative sampling."""
-    if temperature == 0.0:
+    """The one entry point decoders use: the greedy rule on the rows' keyed scores (greedy, or position-keyed
+    sampling), else the speculative-sampling rule on the item's generator."""
+    if sampler.rule.keyed:
+        if target_ids is None:
+            target_ids = sampler.scores(target_logits, list(range(pos, pos + target_logits.shape[0]))).argmax(-1).tolist()
         return verify_greedy(draft_token_ids, target_logits, target_ids)
-    return verify_sampling(draft_token_ids, draft_probs, probs_from_logits(target_logits, temperature), generator)
+    return verify_sampling(draft_token_ids, draft_probs, sampler.rule.probs(target_logits), sampler.gen)

@@ -10,7 +10,7 @@ applied by the item's own `DraftMachine` (optimistic and conservative modes, epo
 target's ItemDone. What is batched is only the forward:
 
   step():  1. every row that may draft proposes its next token from its last logits row (greedy, or sampled
-              from its own random stream, seeded as its batch-1 run seeds it) and sends what is ready;
+              by its own sampler, seeded as its batch-1 run seeds it) and sends what is ready;
            2. ONE forward feeds every row what its cache lacks: the token it just proposed, or after a
               rollback the target's token (`CacheCursor.sync`, a per-row rollback in the batch);
            3. each row's last logits row is what its next proposal reads.
@@ -42,7 +42,8 @@ from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import (DraftChunk, Error, ItemDone, JobStart, Message, Ready, Shutdown, TensorAnnounce,
                                    VerifyResult)
-from vpsd.pipeline.seeds import draft_seed
+from vpsd.pipeline.sampling import ItemSampler
+from vpsd.pipeline.seeds import draft_sampler
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
 from vpsd.roles.context import RoleContext
@@ -65,13 +66,13 @@ class FrameSource(Protocol):
 
 @dataclass
 class DraftRow:
-    """One item being drafted for: its machine, its cache's bookkeeping and its random stream."""
+    """One item being drafted for: its machine, its cache's bookkeeping and its sampler."""
 
     job: JobStart
     machine: DraftMachine
     cursor: CacheCursor
-    gen: torch.Generator
-    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q, when sampling
+    sampler: ItemSampler
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q, under the rejection rule
 
     def stopped(self) -> bool:
         return done(self.machine.sequence, self.job.max_new_tokens, self.job.eos_token_ids)
@@ -160,11 +161,11 @@ class DraftWorker:
             return
         dec = self.cfg.decoding
         machine = DraftMachine(gamma=job.gamma, lookahead=dec.lookahead_for(job.gamma), eager_when_idle=dec.eager_when_idle)
-        gen = torch.Generator().manual_seed(draft_seed(job.seed))  # the one rule, wherever the draft runs
+        sampler = draft_sampler(dec.rule, job.seed)  # the one rule, wherever the draft runs
         with doing("prefill", item_id, int(keep.numel())), span("prefill", item=item_id, kept=int(keep.numel()),
                                                                 draft=self.kind):
             length = self.proposer.admit(item_id, emb, keep, job.gamma)
-        self.rows[item_id] = DraftRow(job, machine, CacheCursor(length), gen)
+        self.rows[item_id] = DraftRow(job, machine, CacheCursor(length), sampler)
 
     def on_verdict(self, v: VerifyResult) -> None:
         # TABED's p rows are on the wire after every verdict (pipeline/ensemble.py)
@@ -200,13 +201,12 @@ class DraftWorker:
     def step(self) -> bool:
         """Proposes for every row that can, sends what is ready, and runs one batched forward for every row
         whose cache lacks tokens of its sequence. False when no row could move (wait for a message)."""
-        temperature = self.cfg.decoding.temperature
         proposed = 0
         self._time_last_step()  # the proposals below read its logits: waiting for it here costs nothing more
         for item_id, row in self.rows.items():
             if self._can_propose(item_id, row):
                 pos = len(row.machine.sequence)
-                token, q = self.proposer.propose(item_id, pos, temperature, row.gen)
+                token, q = self.proposer.propose(item_id, pos, row.sampler)
                 if q is not None:
                     row.probs[pos] = q
                 row.machine.record_proposal(token)
@@ -243,7 +243,7 @@ class DraftWorker:
         machine = row.machine
         while (chunk := machine.ready_chunk(flush=row.stopped())) is not None:
             start, tokens = chunk
-            has_probs = self.cfg.decoding.temperature > 0
+            has_probs = self.cfg.decoding.rule.needs_draft_probs
             with span("send", item=item_id, what="chunk", start=start, tokens=len(tokens), epoch=machine.epoch):
                 self.link.send("target", DraftChunk(item_id, machine.epoch, start, tokens, has_probs, self.step_s))
             if has_probs:

@@ -94,7 +94,7 @@ class RemoteDrafter:
         self._start(request, gamma)
 
     def _start(self, request: Request, gamma: int) -> None:
-        job = job_start(self.job_id, request, int(self.cfg.decoding.seed), gamma, self.target)
+        job = job_start(self.job_id, request, int(request.seed), gamma, self.target)
         self.link.send("draft", job)
         self.link.send("pruner", job)
         self.chunks[request.id] = deque()
