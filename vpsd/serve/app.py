@@ -157,7 +157,7 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
 
     def _usage(out: Output, prompt: str, done: Done) -> Usage:
         with tokenizer_lock(llm.tokenizer):
-            text_tokens = len(llm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            text_tokens = len(llm.tokenizer.encode(prompt, add_special_tokens=False, split_special_tokens=True))
         prompt_tokens = text_tokens + int(out.num_video_tokens or 0)
         s = out.stats
         stats = VpsdStats(method=settings.method, mean_accepted_tokens=s.get("mean_accepted_tokens"),

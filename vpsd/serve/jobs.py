@@ -97,7 +97,10 @@ class JobQueue:
 
     @property
     def depth(self) -> int:
-        return len(self._jobs)
+        """Jobs waiting (not those whose client left)."""
+        with self._cond:
+            self._drop_cancelled()
+            return len(self._jobs)
 
     def _retry_after_s(self) -> int:
         """About when a slot frees: the queue ahead, served `batch` at a time at the recent pace per job."""
@@ -154,7 +157,7 @@ class JobQueue:
 
     def observe(self) -> None:
         if self.observer is not None:
-            self.observer.queue(len(self._jobs), self.running)
+            self.observer.queue(self.depth, self.running)
 
     def close(self) -> None:
         """Refuses new jobs and fails the queued ones."""

@@ -1,0 +1,155 @@
+"""The server's parts without a model: a streamed text never passes a stop string's cut and joins to the final
+text; the queue refuses when full (429 with Retry-After), drops a request whose client left, and fails the queued
+ones at shutdown (503). The HTTP cases run the real app (FastAPI on uvicorn, 127.0.0.1) in a thread, with the
+dynamic batcher over a stand-in for `LLM.generate` that waits on a gate, so that the queue's states are held
+while the test looks at them (the model's outputs are test_serve.py's business)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vpsd.api import Output, SamplingParams, VideoRequest
+from vpsd.serve.jobs import Job, JobQueue, QueueFull, ServerClosing
+from vpsd.serve.stream_text import TextStream
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+VOCAB = ["a", " b", "c", "\n", "\n\n", "x", "y", "\ufffd"]
+
+
+def decode(tokens) -> str:
+    return "".join(VOCAB[t] for t in tokens)
+
+
+def stream_all(tokens: list[int], stop: tuple[str, ...], step: int = 1) -> tuple[list[str], str]:
+    s = TextStream(decode, stop)
+    pieces = [s.update(tokens[:n]) for n in range(step, len(tokens) + 1, step)]
+    return pieces, s
+
+
+@pytest.mark.parametrize("step", [1, 3])  # one token a round, or a parallel round's several at once
+def test_streamed_text_stops_at_the_cut_and_joins_to_the_final_text(step):
+    tokens = [0, 1, 3, 2, 4, 5, 0]  # "a b\nc\n\nxa"
+    pieces, s = stream_all(tokens, ("\n\n",), step)
+    assert "".join(pieces) == "a b\nc" and not any("\n\n" in p for p in pieces)
+    assert s.update(tokens + [6]) == ""  # nothing after the stop, ever
+    assert s.finish("a b\nc") == ""
+    pieces, s = stream_all([0, 3], ("\n\n",))
+    assert pieces == ["a", ""]  # a lone "\n" may start the stop string: held back
+    assert s.finish("a\n") == "\n"  # released at the end: the output did not stop there
+    pieces, s = stream_all([0, 7], ())
+    assert pieces == ["a", ""]  # a replacement character: bytes the next token may complete
+
+
+def test_the_queue_refuses_when_full_drops_a_left_client_and_fails_the_queued_at_close():
+    q = JobQueue(max_queue=2, batch=1)
+    jobs = [q.submit(Job(VideoRequest(f"v{n}", "p", id=str(n)), SamplingParams())) for n in range(2)]
+    with pytest.raises(QueueFull) as full:
+        q.submit(Job(VideoRequest("v", "p"), SamplingParams()))
+    assert full.value.retry_after_s >= 1
+    jobs[0].abandon()
+    assert q.head() is jobs[1] and q.depth == 1
+    q.close()
+    with pytest.raises(ServerClosing):
+        jobs[1].future.result(timeout=1)
+    with pytest.raises(ServerClosing):
+        q.submit(Job(VideoRequest("v", "p"), SamplingParams()))
+
+
+class _Words:
+    def encode(self, text: str, **_) -> list[int]:
+        return list(range(len(text.split())))
+
+
+class GatedGenerate:
+    """A stand-in for LLM.generate that answers each request with its prompt once the gate opens."""
+
+    tokenizer = _Words()
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.seen: list[str] = []
+        self.calls = 0
+
+    def generate(self, requests, params):
+        self.calls += 1
+        assert self.gate.wait(30)
+        self.seen += [r.prompt for r in requests]
+        return [Output(r.id, f"answer to {r.prompt}", [1, 2], "stop", 4, 2,
+                       {"mean_accepted_tokens": 2.0, "rounds": 1, "decode_s": 0.01}) for r in requests]
+
+
+@pytest.fixture()
+def gated_server(tmp_path):
+    from vpsd.serve.app import ServeSettings, create_app
+    from vpsd.serve.batcher import Batcher
+    from vpsd.serve.media import MediaLimits
+    from vpsd.serve.metrics import Metrics
+
+    llm = GatedGenerate()
+    metrics = Metrics("m")
+    queue = JobQueue(max_queue=2, batch=1, observer=metrics)
+    runner = Batcher(llm, queue)
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    (videos / "clip.mp4").write_bytes(b"not decoded by the stand-in")
+    app = create_app(llm, runner, ServeSettings("m", "ar", limits=MediaLimits(allowed_media_dir=videos),
+                                                scratch=tmp_path), metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield llm, queue, f"http://127.0.0.1:{port}/v1", videos / "clip.mp4"
+    llm.gate.set()
+    server.should_exit = True
+    thread.join(10)
+    runner.close(5)
+
+
+def _ask(base: str, clip: Path, prompt: str, timeout: float = 30):
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=timeout)
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+        {"type": "text", "text": prompt}, {"type": "video_url", "video_url": {"url": str(clip)}}]}])
+
+
+def _until(condition, limit_s: float = 10) -> None:
+    end = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < end
+        time.sleep(0.01)
+
+
+def test_a_full_queue_answers_429_and_a_client_that_leaves_is_dropped(gated_server):
+    llm, queue, base, clip = gated_server
+    answers: dict[str, object] = {}
+
+    def ask(prompt: str) -> None:
+        answers[prompt] = _ask(base, clip, prompt)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    _until(lambda: llm.calls == 1)  # the engine holds "first" at the gate
+    with pytest.raises(openai.APITimeoutError):
+        _ask(base, clip, "leaves", timeout=0.5)  # queued, then its client gives up
+    _until(lambda: queue.depth == 0)  # dropped from the queue
+    waiting = [threading.Thread(target=ask, args=(p,)) for p in ("second", "third")]
+    for t in waiting:
+        t.start()
+    _until(lambda: queue.depth == 2)
+    with pytest.raises(openai.RateLimitError) as refused:
+        _ask(base, clip, "too many")
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    assert refused.value.body["code"] == "queue_full"
+    llm.gate.set()
+    for t in [first, *waiting]:
+        t.join(30)
+    assert {p: a.choices[0].message.content for p, a in answers.items()} == {
+        p: f"answer to {p}" for p in ("first", "second", "third")}
+    assert sorted(llm.seen) == ["first", "second", "third"]  # each decoded once; "leaves" never
