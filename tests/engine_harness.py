@@ -62,7 +62,7 @@ def requests(n: int, max_new: int = 14) -> list[Request]:
 
 def fresh(todo: list[Request]) -> list[Request]:
     """The same items, never decoded (a Request is the engine's state for its item: one per run)."""
-    return [Request(r.id, r.prompt, r.max_new_tokens, r.frames, r.frame_times, dict(r.video), stop=r.stop)
+    return [Request(r.id, r.prompt, r.max_new_tokens, r.frames, r.frame_times, dict(r.video), stop=r.stop, seed=r.seed)
             for r in todo]
 
 

@@ -37,7 +37,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import structlog
@@ -51,6 +51,7 @@ from vpsd.launch.served import RanksFailed, ServedRanks
 from vpsd.launch.settings import run_config
 from vpsd.launch.wiring import SharedFrames, build_engine
 from vpsd.models.registry import load_adapter, load_tokenizer
+from vpsd.pipeline.sampling import rule_problems
 from vpsd.pipeline.methods import DraftPlace, get_method
 from vpsd.tracing import configure_tracing
 from vpsd.video.decode import write_frames_file
@@ -65,10 +66,14 @@ class SamplingParams:
     """How to decode one `generate` call's requests. None: the config's value."""
 
     max_new_tokens: int | None = None
-    temperature: float = 0.0  # 0: greedy; > 0: sampled, by the speculative-sampling rule
-    top_p: float = 1.0  # only 1.0: the speculative-sampling rule here is exact for the whole distribution
+    temperature: float = 0.0  # 0: greedy; > 0: sampled (the config's decoding.sampling rule: keyed by default)
+    top_k: int = 0  # the filters, applied to target and draft alike (0 / 1.0 / 0.0: off; pipeline/sampling.py)
+    top_p: float = 1.0
+    min_p: float = 0.0
     stop: tuple[str, ...] | str = ()  # decoding stops at the first of these, and the text is cut before it
-    seed: int | None = None  # every random stream of every request (target, draft, pruning) derives from it
+    # Every request's seed (its draws, its random pruning: pipeline/seeds.py); None: the config's decoding.seed.
+    # Position-keyed sampling makes a seeded output `ar`'s own sample at that seed, whatever the method.
+    seed: int | None = None
 
     def __post_init__(self) -> None:  # one stop string may be given as itself, as vLLM's SamplingParams takes it
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -79,11 +84,9 @@ class SamplingParams:
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.top_p != 1.0:
-            problems.append(f"top_p {self.top_p}: vpsd samples from the whole distribution (the speculative-sampling "
-                            "rule is exact for it); only top_p = 1.0 runs")
+        problems += rule_problems(self.temperature, self.top_k, self.top_p, self.min_p)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            problems.append(f"seed must be an int >= 0, got {self.seed!r}")
         return problems
 
 
@@ -100,6 +103,7 @@ class VideoRequest:
     prompt: str | list[dict[str, Any]]
     frame_times: np.ndarray | None = None
     id: str | None = None
+    seed: int | None = None  # this request's seed, before SamplingParams.seed and the config's decoding.seed
 
 
 @dataclass
@@ -148,7 +152,7 @@ class LLM:
         self._closed = False
         self._draft = None  # loaded with the first engine that needs it, then kept
         self._ranks: ServedRanks | None = None
-        self._ranks_for: tuple[float, int] | None = None  # the decoding (temperature, seed) they run
+        self._ranks_for: tuple | None = None  # the sampling settings they run (_sampling_key)
         self._scratch = Path(trace_dir) if trace_dir is not None else Path(tempfile.mkdtemp(prefix="vpsd-llm-"))
         self._own_scratch = trace_dir is None
         _open.add(self)
@@ -180,7 +184,7 @@ class LLM:
 
     def _in_process(self, todo: list[_Item], cfg: RunConfig, params: SamplingParams) -> dict[str, Output]:
         frames = SharedFrames()
-        events = _Events(self.target, cfg, frames, params)
+        events = _Events(self.target, cfg, frames, params, lambda item: self._seed(params, item))
         wired = build_engine(cfg, self.method, self.target, draft=self._load_draft(cfg), videos=frames,
                              timeout_s=cfg.timeout_s, job_id="api")
         try:
@@ -193,8 +197,8 @@ class LLM:
 
     def _on_ranks(self, todo: list[_Item], cfg: RunConfig, params: SamplingParams) -> dict[str, Output]:
         """The requests through the child ranks (launch/served.py). Their config holds the decoding's temperature
-        and seed, so a call with others starts them again; max_new_tokens goes with each item."""
-        if self._ranks is None or self._ranks_for != (cfg.decoding.temperature, cfg.decoding.seed):
+        and filters, so a call with others starts them again; max_new_tokens and the seed go with each item."""
+        if self._ranks is None or self._ranks_for != _sampling_key(cfg):
             self._stop_ranks()
             self._start_ranks(cfg)
         outputs: dict[str, Output] = {}
@@ -206,7 +210,7 @@ class LLM:
             wire_id = f"{item.id}#{self._calls}"
             ids[wire_id] = item.id
             try:
-                items.append(self._manifest_item(item, wire_id, params.max_new_tokens, params.stop, n))
+                items.append(self._manifest_item(item, wire_id, params, n))
             except (VideoError, ValueError) as e:
                 outputs[item.id] = _failed(item.id, e)
         assert self._ranks is not None
@@ -221,18 +225,19 @@ class LLM:
             outputs[ids[wire_id]] = self._row_output(ids[wire_id], row)
         return outputs
 
-    def _manifest_item(self, item: _Item, wire_id: str, max_new_tokens: int | None, stop: tuple[str, ...],
-                       n: int) -> ManifestItem:
+    def _manifest_item(self, item: _Item, wire_id: str, params: SamplingParams, n: int) -> ManifestItem:
         """A request as a job's item: a file or folder by its path; frames in memory written as a frames file
         (video/decode.py) that the ranks read back whole."""
         prompt = _prompt_text(item.prompt)
+        max_new_tokens, stop, seed = params.max_new_tokens, params.stop, self._seed(params, item)
         if not isinstance(item.video, np.ndarray):
-            return ManifestItem(wire_id, Path(item.video).absolute(), prompt, max_new_tokens, None, None, {}, 0, stop)
+            return ManifestItem(wire_id, Path(item.video).absolute(), prompt, max_new_tokens, None, None, {}, 0, stop,
+                                seed)
         frames, times = checked_frames(item.id, item.video, item.frame_times)
         path = self._scratch / "frames" / f"{n}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_frames_file(path, frames, times)
-        return ManifestItem(wire_id, path, prompt, max_new_tokens, len(frames), None, {}, 0, stop)
+        return ManifestItem(wire_id, path, prompt, max_new_tokens, len(frames), None, {}, 0, stop, seed)
 
     def _row_output(self, item_id: str, row: ResultRow) -> Output:
         """A job's result row as an Output: the job cut it at the request's stop strings already."""
@@ -245,15 +250,22 @@ class LLM:
 
     def _item(self, r: VideoRequest) -> _Item:
         self._count += 1
-        return _Item(r.id or f"request-{self._count}", r.video, r.prompt, r.frame_times)
+        return _Item(r.id or f"request-{self._count}", r.video, r.prompt, r.frame_times, r.seed)
 
     def _decoding_config(self, params: SamplingParams) -> RunConfig:
-        dec = dataclasses.replace(self.config.decoding, temperature=float(params.temperature))
+        dec = dataclasses.replace(self.config.decoding, temperature=float(params.temperature), top_k=params.top_k,
+                                  top_p=float(params.top_p), min_p=float(params.min_p))
         if params.max_new_tokens is not None:
             dec = dataclasses.replace(dec, max_new_tokens=params.max_new_tokens)
-        if params.seed is not None:
-            dec = dataclasses.replace(dec, seed=int(params.seed))
         return dataclasses.replace(self.config, decoding=dec)
+
+    def _seed(self, params: SamplingParams, item: _Item) -> int:
+        """A request's seed (its own, else the call's, else the config's): every item carries it (Request.seed, a
+        manifest item's seed), so requests with other seeds share one batch and one set of child ranks."""
+        for seed in (item.seed, params.seed):
+            if seed is not None:
+                return int(seed)
+        return int(self.config.decoding.seed)
 
     def _load_draft(self, cfg: RunConfig):
         if self.method.loads_draft_model and self._draft is None:
@@ -268,7 +280,7 @@ class LLM:
         # The ranks wait for the next call as long as this process lives (they die with it).
         served = dataclasses.replace(cfg, idle_timeout_s=max(cfg.idle_timeout_s, SERVED_IDLE_S))
         self._ranks = ServedRanks(served, self.method.name, self._scratch, cfg.startup_timeout_s)
-        self._ranks_for = (cfg.decoding.temperature, cfg.decoding.seed)
+        self._ranks_for = _sampling_key(cfg)
 
     def _stop_ranks(self) -> None:
         if self._ranks is not None:
@@ -305,6 +317,7 @@ class _Item:
     video: Any
     prompt: str | list[dict[str, Any]]
     frame_times: np.ndarray | None
+    seed: int | None = None
 
 
 def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
@@ -325,8 +338,9 @@ def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
 class _Events:
     """The scheduler's events (engine/scheduler.py JobEvents) over a generate call's requests."""
 
-    def __init__(self, target, cfg: RunConfig, frames: SharedFrames, params: SamplingParams) -> None:
-        self.target, self.cfg, self.frames, self.params = target, cfg, frames, params
+    def __init__(self, target, cfg: RunConfig, frames: SharedFrames, params: SamplingParams,
+                 seed: Callable[[_Item], int]) -> None:
+        self.target, self.cfg, self.frames, self.params, self.seed = target, cfg, frames, params, seed
         self.reader = ItemReader(target, cfg)
         self.outputs: dict[str, Output] = {}
 
@@ -339,7 +353,8 @@ class _Events:
         else:
             loaded = self.reader.load(ManifestItem(item.id, Path(item.video), prompt, budget, None, None, {}, 0))
         self.frames.put(item.id, loaded.frames, loaded.times)  # a draft thread takes them from here
-        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None, self.params.stop)
+        return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None, self.params.stop,
+                       seed=self.seed(item))
 
     def started(self, item: _Item) -> None:
         pass
@@ -358,6 +373,12 @@ class _Events:
     def failed(self, item: _Item, error: Exception) -> None:
         self.frames.drop(item.id)
         self.outputs[item.id] = _failed(item.id, error)
+
+
+def _sampling_key(cfg: RunConfig) -> tuple:
+    """What child ranks hold of a call's sampling settings in their config: other values start them again."""
+    dec = cfg.decoding
+    return dec.temperature, dec.top_k, dec.top_p, dec.min_p
 
 
 def _failed(item_id: str, error: Exception) -> Output:

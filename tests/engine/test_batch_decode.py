@@ -147,15 +147,43 @@ def test_self_speculation_really_accepts_in_a_batch(family):
     assert all(r.stats.acceptance_rate == 1.0 for r in got.values())
 
 
+SAMPLED = DecodingConfig(gamma=3, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=7)
+
+
+@pytest.mark.parametrize("size", [1, 4, 8])
+@pytest.mark.parametrize("draft_kind,strategy,ratio", [(None, "none", 0.0), ("smaller", "uniform", 0.5),
+                                                       ("self", "hippo", 0.5), ("self", "none", 0.0)])
+def test_sampled_outputs_are_ar_own(size, draft_kind, strategy, ratio):
+    """Position-keyed sampling (the default): at a seed every item's tokens are `ar`'s sample, token for token,
+    whatever drafted them and whatever else is in the batch (the law: tests/unit/test_sampling.py). Items carry
+    their own seeds: two of them the run's, the others their own. The target drafting for itself on the whole
+    video draws the target's own samples (the same noise at the same positions): every token is accepted."""
+    target, smaller = tiny_pair("qwen2_5_vl")
+    draft = {None: None, "smaller": smaller, "self": target}[draft_kind]
+    pruning = PruningConfig(strategy, ratio, seed=1, layers=2) if draft is not None else None
+    todo = items(9 if size == 8 else 5, max_new=12)
+    for i, it in enumerate(todo[2:]):
+        it.seed = 100 + i
+    got = run(local_engine(target, draft, SAMPLED, pruning, size)[1], todo)
+    for it in todo:
+        one = dataclasses.replace(SAMPLED, max_new_tokens=it.max_new_tokens, seed=it.seed or SAMPLED.seed)
+        assert got[it.id].token_ids == batch1_ar(target, it, one).token_ids, it.id
+    if draft is not None:
+        assert sum(r.stats.accepted_tokens for r in got.values()) > 0  # the draft's tokens were accepted
+    if draft is target and ratio == 0.0:
+        assert all(r.stats.acceptance_rate == 1.0 for r in got.values())
+
+
 @pytest.mark.parametrize("size", [2, 8])
-def test_sampling_draws_each_item_from_its_own_streams(size):
-    """At temperature 1 every item's tokens are exactly those of its batch-1 run (the same seeded streams, the
-    same rows up to float noise): what else is in the batch changes nothing, so each row follows the law that
-    the speculative-sampling rule gives batch-1 decoding (its chi-square test: tests/unit/test_verification.py)."""
+def test_the_rejection_rule_draws_each_item_from_its_own_streams(size):
+    """decoding.sampling: rejection: every item's tokens are exactly those of its batch-1 run (the same seeded
+    streams, the same rows up to float noise): what else is in the batch changes nothing, so each row follows the
+    law that the speculative-sampling rule gives batch-1 decoding (its chi-square test:
+    tests/unit/test_verification.py)."""
     target, smaller = tiny_pair("qwen2_5_vl")
     pruning = PruningConfig("uniform", 0.5, seed=1)
     for draft in (None, smaller):
-        cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=1.0, seed=7)
+        cfg = DecodingConfig(gamma=3, max_new_tokens=12, temperature=1.0, seed=7, sampling="rejection")
         todo = items(9 if size == 8 else 4, max_new=12)
         got = run(local_engine(target, draft, cfg, pruning if draft else None, size)[1], todo)
         for it in todo:

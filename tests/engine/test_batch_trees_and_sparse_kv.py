@@ -67,17 +67,24 @@ def test_every_item_equals_its_reference_decoder_and_ar_at_any_batch(family, nam
         assert judge(div, TIE_TOLERANCE[target.model.dtype]), (it.id, div)
 
 
-@pytest.mark.parametrize("name", ["sd-tree", "std"])
-def test_sampled_items_draw_their_batch1_tokens_in_a_batch(name):
-    """Temperature 1, seed 5: each item's candidates and verdicts come from its own streams, in its batch-1 order
-    (recursive rejection over a tree's siblings, pipeline/tree.py), whatever else is in flight."""
+@pytest.mark.parametrize("rule", ["keyed", "rejection"])
+@pytest.mark.parametrize("name,size", [("sd-tree", 3), ("specvlm", 1), ("specvlm", 8), ("std", 3)])
+def test_sampled_items_draw_their_batch1_tokens_in_a_batch(name, size, rule):
+    """Temperature 1, seed 5: each item's candidates and verdicts are its batch-1 run's, in its order, whatever
+    else is in flight: keyed, a node's candidates are the draft's best keyed scores and the output is `ar`'s
+    sample; under the rejection rule they come from its own streams (recursive rejection over a tree's
+    siblings, pipeline/tree.py)."""
     target, draft, pruning, dec = _setup("qwen2_5_vl", name, 1.0)
-    todo = requests(5)
-    got = _engine_run(target, draft, pruning, dec, name, 3, todo)
+    dec = dataclasses.replace(dec, sampling=rule)
+    todo = requests(9 if size == 8 else 5)
+    got = _engine_run(target, draft, pruning, dec, name, size, todo)
     for it in todo:
         one = dataclasses.replace(dec, max_new_tokens=it.max_new_tokens)
         ref = decode_serial(get_method(name), target, draft, it.frames, it.prompt, one, pruning)
         assert got[it.id].token_ids == ref.token_ids, it.id
+        assert got[it.id].stats.accepted_per_round == ref.stats.accepted_per_round, it.id
+        if rule == "keyed":
+            assert ref.token_ids == decode_ar(target, it.frames, it.prompt, one).token_ids, it.id
         assert got[it.id].stats.accepted_per_round == ref.stats.accepted_per_round, it.id
 
 

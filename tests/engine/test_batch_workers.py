@@ -47,6 +47,21 @@ def test_every_item_equals_its_batch1_ar_under_any_interleaving(family, size, me
 ONE = [("pearl", False), ("hippo", True), ("parallelvlm", False), ("tabed", False)]
 
 
+@pytest.mark.parametrize("size,seed", [(1, 0), (4, 1), (8, 2)])
+@pytest.mark.parametrize("method,draft_is_target", ONE, ids=[c[0] for c in ONE])
+def test_a_sampled_item_is_ar_own_sample_under_any_interleaving(method, draft_is_target, size, seed):
+    """Position-keyed sampling at temperature 0.8, top-p 0.9: every item's tokens are its `ar` sample at the seed,
+    for every parallel method at B = 1, 4 and 8 under random interleavings (a parallel draft's look-ahead thrown
+    away by rejections, chunks arriving late: nothing of the timing reaches a sample)."""
+    todo = work_items(9 if size == 8 else 4, max_new=10)
+    settings = {"decoding.gamma": 3, "decoding.temperature": 0.8, "decoding.top_p": 0.9, "decoding.seed": 5}
+    pipe = Pipeline("qwen2_5_vl", method, size, todo, settings, draft_is_target)
+    got = pipe.run(seed)
+    for it in todo:
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, it.id
+
+
 @pytest.mark.parametrize("method,draft_is_target", ONE, ids=[c[0] for c in ONE])
 def test_one_item_in_flight_is_the_batch1_pipeline(family, method, draft_is_target):
     """`--batch 1` runs this same engine with one item in flight (the scheduler prefills it on the engine's
@@ -75,7 +90,8 @@ def test_tabed_items_draft_from_their_views_in_a_batch_and_sample_from_their_own
         assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, it.id
     outs = []
     for size, seed in ((1, 0), (3, 1)):
-        pipe = Pipeline("qwen2_5_vl", "tabed", size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.8}, True)
+        pipe = Pipeline("qwen2_5_vl", "tabed", size, todo, {"decoding.gamma": 3, "decoding.temperature": 0.8,
+                                                            "decoding.sampling": "rejection"}, True)
         assert pipe.drafter.target_probs and pipe.dw.target_probs
         with capture_logs() as logs:
             got = pipe.run(seed)
@@ -186,20 +202,26 @@ def test_a_round_waits_for_stragglers_only_while_that_costs_less_than_a_round():
     assert s.patience_s(0, 3) == 0.0
 
 
-def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing():
+@pytest.mark.parametrize("rule", ["keyed", "rejection"])
+def test_a_sampled_item_draws_from_its_own_streams_whatever_the_batch_and_timing(rule):
     """Temperature 1, the target drafting for itself on the whole video: every proposal is accepted (p = q, up to
-    float noise), so an item's tokens are its draft stream's draws, seeded per item. They are the same at B = 2
-    and B = 8 and under different interleavings: nothing another row or the timing does reaches an item's
-    sample."""
+    float noise; keyed: the draft's noise is the target's), so an item's tokens are its draft's draws, seeded per
+    item. They are the same at B = 2 and B = 8 and under different interleavings: nothing another row or the
+    timing does reaches an item's sample (keyed: they are `ar`'s)."""
     todo = work_items(5, max_new=10)
     outs = []
     for size, seed in ((2, 0), (8, 1), (8, 2)):
-        pipe = Pipeline("qwen2_5_vl", "pearl", size, todo, {"decoding.gamma": 3, "decoding.temperature": 1.0}, True)
+        pipe = Pipeline("qwen2_5_vl", "pearl", size, todo, {"decoding.gamma": 3, "decoding.temperature": 1.0,
+                                                           "decoding.sampling": rule}, True)
         got = pipe.run(seed)
         assert all(r.stats.acceptance_rate == 1.0 for r in got.values())
         outs.append({k: r.token_ids for k, r in got.items()})
     assert outs[0] == outs[1] == outs[2]
     assert len({tuple(t) for t in outs[0].values()}) > 1  # the items differ: not one stream shared by all
+    if rule == "keyed":
+        for it in todo:
+            one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+            assert outs[0][it.id] == batch1_ar(pipe.target, it, one).token_ids, it.id
 
 
 def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones():

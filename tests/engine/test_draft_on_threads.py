@@ -62,8 +62,12 @@ def test_a_sampled_item_draws_the_same_tokens_on_a_thread_as_through_the_ranks_p
     todo = work_items(3, max_new=10)
     settings = {"decoding.gamma": 3, "decoding.temperature": 1.0, "decoding.seed": 5}
     threads = _run_on_threads("qwen2_5_vl", "pearl", 2, todo, settings, True)
-    ranks = Pipeline("qwen2_5_vl", "pearl", 2, todo, settings, True).run(seed=3)
+    pipe = Pipeline("qwen2_5_vl", "pearl", 2, todo, settings, True)
+    ranks = pipe.run(seed=3)
     assert {k: r.token_ids for k, r in threads.items()} == {k: r.token_ids for k, r in ranks.items()}
+    for it in todo:  # and position-keyed (the default), they are `ar`'s own sample at the seed
+        one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
+        assert threads[it.id].token_ids == decode_ar(pipe.target, it.frames, it.prompt, one).token_ids, it.id
 
 
 def test_a_role_thread_that_dies_ends_the_targets_wait_naming_it():

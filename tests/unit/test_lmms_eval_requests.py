@@ -53,12 +53,14 @@ def test_generation_kwargs_as_sampling_params():
     sampled, ignored = sampling_params({"temperature": 0.7, "until": "Q:", "seed_of_my_own": 1})
     assert (sampled.temperature, sampled.stop, sampled.max_new_tokens) == (0.7, ("Q:",), None)
     assert ignored == ["seed_of_my_own"]
+    filtered = sampling_params({"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.05})[0]
+    assert (filtered.top_k, filtered.top_p, filtered.min_p) == (50, 0.9, 0.05)
 
 
 def test_what_would_decode_another_distribution_is_refused():
     with pytest.raises(ConfigError) as e:
-        sampling_params({"num_beams": 4, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.2})
-    assert [p.split()[0] for p in e.value.problems] == ["num_beams", "repetition_penalty", "top_k", "top_p"]
+        sampling_params({"num_beams": 4, "temperature": 1.0, "top_p": 1.5, "repetition_penalty": 1.2})
+    assert [p.split()[0] for p in e.value.problems] == ["num_beams", "repetition_penalty", "top_p"]
 
 
 def test_equal_kwargs_share_a_group():

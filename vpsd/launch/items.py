@@ -106,4 +106,5 @@ class ItemReader:
     def request(self, item: ManifestItem, loaded: LoadedItem, nxt: ManifestItem | None) -> Request:
         """The item as the engine takes it: its frames, and how a draft rank reads them and the next item's."""
         return Request(item.id, item.prompt, self.max_new_tokens(item), loaded.frames, loaded.times, loaded.video,
-                       self.frame_request(nxt).to_wire(nxt.id) if nxt is not None else None, item.stop)
+                       self.frame_request(nxt).to_wire(nxt.id) if nxt is not None else None, item.stop,
+                       seed=item.seed)

@@ -33,7 +33,7 @@ from typing import Any
 
 from vpsd.models.prompt import ControlText
 
-KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps", "stop")
+KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps", "stop", "seed")
 
 # Exit codes of check_manifest.
 OK, HAS_PROBLEMS, UNREADABLE = 0, 1, 2
@@ -54,19 +54,20 @@ class ManifestItem:
     extra: dict[str, Any] = field(hash=False)  # every field not listed in KNOWN_FIELDS, as parsed
     line: int  # 1-based line in the manifest
     stop: tuple[str, ...] = ()  # stop strings
+    seed: int | None = None  # its sampling seed (pipeline/seeds.py); None: the run's decoding.seed
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for a control message (the coordinator hands items to pipelines with it)."""
         return {"id": self.id, "video": str(self.video), "prompt": str(self.prompt),
                 "prompt_special_tokens": isinstance(self.prompt, ControlText), "max_new_tokens": self.max_new_tokens,
                 "num_frames": self.num_frames, "fps": self.fps, "extra": self.extra, "line": self.line,
-                "stop": list(self.stop)}
+                "stop": list(self.stop), "seed": self.seed}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "ManifestItem":
         prompt = ControlText(data["prompt"]) if data["prompt_special_tokens"] else data["prompt"]
         return cls(data["id"], Path(data["video"]), prompt, data["max_new_tokens"], data["num_frames"], data["fps"],
-                   dict(data["extra"]), data["line"], tuple(data["stop"]))
+                   dict(data["extra"]), data["line"], tuple(data["stop"]), data["seed"])
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,14 @@ def _stop_strings(obj: dict, problems: list[str]) -> tuple[str, ...]:
     return tuple(strings)
 
 
+def _seed(obj: dict, problems: list[str]) -> int | None:
+    value = obj.get("seed")
+    if value is not None and (not _is_int(value) or value < 0):
+        problems.append(f"field 'seed' must be an integer >= 0, got {_json_type(value)}")
+        return None
+    return value
+
+
 def _required_text(obj: dict, name: str, problems: list[str]) -> str | None:
     if name not in obj:
         problems.append(f"missing field '{name}'")
@@ -189,6 +198,7 @@ def _parse_object(
     num_frames = _positive_int(obj, "num_frames", problems)
     fps = _positive_number(obj, "fps", problems)
     stop = _stop_strings(obj, problems)
+    seed = _seed(obj, problems)
     if obj.get("num_frames") is not None and obj.get("fps") is not None:
         problems.append("give 'num_frames' or 'fps', not both")
     video_path = _video_path(video, base_dir, check_files, problems) if video is not None else None
@@ -200,7 +210,7 @@ def _parse_object(
     if special:  # the item asks for its prompt's special-token strings to act as control tokens
         prompt = ControlText(prompt)
     extra = {key: value for key, value in obj.items() if key not in KNOWN_FIELDS}
-    item = ManifestItem(item_id, video_path, prompt, max_new_tokens, num_frames, fps, extra, line, stop)
+    item = ManifestItem(item_id, video_path, prompt, max_new_tokens, num_frames, fps, extra, line, stop, seed)
     return item_id, item, problems
 
 

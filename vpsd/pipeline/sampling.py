@@ -55,23 +55,8 @@ class SamplingRule:
     rule: str = KEYED
 
     def __post_init__(self) -> None:
-        for problem in self.problems():
+        for problem in rule_problems(self.temperature, self.top_k, self.top_p, self.min_p, self.rule):
             raise ValueError(problem)
-
-    def problems(self) -> list[str]:
-        out = []
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and self.temperature >= 0):
-            out.append(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            out.append(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            out.append(f"top_p must be in (0, 1] (1: off), got {self.top_p!r}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
-            out.append(f"min_p must be in [0, 1) (0: off), got {self.min_p!r}")
-        if self.rule not in RULES:
-            out.append(f"sampling rule must be one of {', '.join(RULES)}, got {self.rule!r}")
-        return out
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +101,25 @@ class SamplingRule:
             return logits
         return self.tempered(logits).double() + gumbel(seed, positions, logits.shape[-1], logits.device).view(
             logits.shape)
+
+
+def rule_problems(temperature: object, top_k: object, top_p: object, min_p: object, rule: object = KEYED) -> list[str]:
+    """What is wrong with these settings, a line each (a config, a request's SamplingParams)."""
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    out = []
+    if not (number(temperature) and temperature >= 0):
+        out.append(f"temperature must be a number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        out.append(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+    if not (number(top_p) and 0 < top_p <= 1):
+        out.append(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
+    if not (number(min_p) and 0 <= min_p < 1):
+        out.append(f"min_p must be in [0, 1) (0: off), got {min_p!r}")
+    if rule not in RULES:
+        out.append(f"sampling rule must be one of {', '.join(RULES)}, got {rule!r}")
+    return out
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ lmms-eval's response cache never calls it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -39,7 +40,8 @@ from lmms_eval.api.model import lmms
 from loguru import logger as eval_logger
 
 import vpsd
-from vpsd.integrations.lmms_eval.requests import BadRequest, group_key, sampling_params, video_request
+from vpsd.integrations.lmms_eval.requests import (BadRequest, group_key, request_seed, sampling_params,
+                                                   video_request)
 from vpsd.integrations.lmms_eval.speed import SpeedLog, speed_file
 
 REFUSED = ("vpsd answers generate_until requests only: {kind} requests score given continuations by the "
@@ -106,12 +108,13 @@ class VpsdLmms(lmms):
             todo: list[tuple[int, vpsd.VideoRequest]] = []
             for i in idxs:
                 _, doc_to_messages, _, doc_id, task, split = requests[i].args
-                # The request's id seeds its random streams (api.py): the document's, the k-th repeat its own.
+                # The request's id seeds its draws (request_seed): the document's, the k-th repeat its own.
                 rid = f"{task}:{split}:{doc_id}"
                 repeats[rid] += 1
                 rid += f"#{repeats[rid] - 1}" if repeats[rid] > 1 else ""
                 try:
-                    todo.append((i, video_request(doc_to_messages(self.task_dict[task][split][doc_id]), rid)))
+                    req = video_request(doc_to_messages(self.task_dict[task][split][doc_id]), rid)
+                    todo.append((i, dataclasses.replace(req, seed=request_seed(self.llm.config.decoding.seed, rid))))
                 except BadRequest as e:
                     self._failed(task, rid, f"BadRequest: {e}")
             started = time.perf_counter()

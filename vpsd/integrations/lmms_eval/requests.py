@@ -11,25 +11,28 @@ clip's start/end times, system or assistant turns) is a `BadRequest` for that re
 it with an empty string and a warning, as it does a request whose video fails to read.
 
 Generation kwargs follow transformers' `generate`: greedy unless `do_sample` is not false and `temperature > 0`;
-`until` (a string or a list) are stop strings. What would decode another distribution than the one vpsd samples
-losslessly (beam search, top-p/top-k truncation, repetition penalties) is a `ConfigError` for the whole group: a
-score from settings silently ignored would not be the score the task asks for.
+`until` (a string or a list) are stop strings; `top_k`, `top_p` and `min_p` filter the target's distribution (and
+the draft's) as transformers' warpers do, and a seeded output is `ar`'s own (pipeline/sampling.py). What would
+decode another distribution than the one vpsd samples losslessly (beam search, repetition penalties) is a
+`ConfigError` for the whole group: a score from settings silently ignored would not be the score the task asks
+for.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any, Mapping, Sequence
 
 from vpsd.api import SamplingParams, VideoRequest
 from vpsd.config import ConfigError
 
 # Keys that only shape how transformers runs (not what it samples), or that greedy decoding ignores anyway.
-NEUTRAL_KEYS = frozenset({"max_new_tokens", "temperature", "do_sample", "until", "top_p", "top_k", "num_beams",
-                          "use_cache", "image_aspect_ratio"})
+NEUTRAL_KEYS = frozenset({"max_new_tokens", "temperature", "do_sample", "until", "top_p", "top_k", "min_p",
+                          "num_beams", "use_cache", "image_aspect_ratio"})
 # Keys whose non-default values change the distribution (or the search) in a way vpsd does not reproduce.
 UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0,
-               "typical_p": 1.0, "min_p": 0.0}
+               "typical_p": 1.0}
 
 
 class BadRequest(ValueError):
@@ -77,21 +80,25 @@ def sampling_params(gen_kwargs: Mapping[str, Any]) -> tuple[SamplingParams, list
                             f"{key} {neutral} runs")
     temperature = float(gen_kwargs.get("temperature") or 0.0)
     sampled = temperature > 0 and gen_kwargs.get("do_sample") is not False
-    top_k = gen_kwargs.get("top_k")
-    if sampled and top_k not in (None, 0):
-        problems.append(f"top_k {top_k}: vpsd samples from the whole distribution (the speculative-sampling rule is "
-                        "exact for it); set top_k 0 or leave it out")
     until = gen_kwargs.get("until") or ()
     stop = (until,) if isinstance(until, str) else tuple(s for s in until if s)
     max_new = gen_kwargs.get("max_new_tokens")
     params = SamplingParams(max_new_tokens=int(max_new) if max_new is not None else None,
                             temperature=temperature if sampled else 0.0,
-                            top_p=float(gen_kwargs.get("top_p") or 1.0) if sampled else 1.0, stop=stop)
+                            top_k=int(gen_kwargs.get("top_k") or 0) if sampled else 0,
+                            top_p=float(gen_kwargs.get("top_p") or 1.0) if sampled else 1.0,
+                            min_p=float(gen_kwargs.get("min_p") or 0.0) if sampled else 0.0, stop=stop)
     problems += params.check()
     if problems:
         raise ConfigError(problems)
     ignored = sorted(k for k in gen_kwargs if k not in NEUTRAL_KEYS and k not in UNSUPPORTED)
     return params, ignored
+
+
+def request_seed(base: int, request_id: str) -> int:
+    """A request's seed: the run's decoding.seed moved by a hash of its id (task, split, document, repeat), so
+    two documents, or two repeats of one, sample apart, and every method samples a document alike."""
+    return int(base) + zlib.crc32(request_id.encode())
 
 
 def group_key(gen_kwargs: Mapping[str, Any]) -> str:
