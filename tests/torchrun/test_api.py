@@ -9,6 +9,7 @@ one of them dies (RanksFailed, then started again), leaving no process or thread
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -97,8 +98,8 @@ def test_bad_settings_are_a_config_error_before_any_model_loads():
     with pytest.raises(vpsd.ConfigError, match="method tabed: it drafts with TABED's views"):
         vpsd.LLM(CONFIG, method="tabed", batch=2)
     with vpsd.LLM(CONFIG, method="ar") as llm:
-        with pytest.raises(vpsd.ConfigError, match="only top_p = 1.0"):
-            llm.generate([], vpsd.SamplingParams(top_p=0.9))
+        with pytest.raises(vpsd.ConfigError, match=r"top_p must be in \(0, 1\]"):
+            llm.generate([], vpsd.SamplingParams(top_p=0.0))
         with pytest.raises(vpsd.ConfigError, match="stop must be non-empty strings"):
             llm.generate([], vpsd.SamplingParams(stop=["\n", ""]))
     assert vpsd.SamplingParams(stop="\n\n").stop == ("\n\n",)  # one string is one stop string, not its characters
@@ -114,12 +115,16 @@ def test_arrays_chat_messages_seeds_and_stop_strings():
         other = llm.generate(vpsd.VideoRequest(frames, "Describe the video."),
                              vpsd.SamplingParams(max_new_tokens=12, temperature=1.0, seed=8))[0]
         assert first.error is None and first.token_ids == again.token_ids != other.token_ids
+        mine = llm.generate(vpsd.VideoRequest(frames, "Describe the video.", seed=8), sampled)[0]  # its own seed
+        assert mine.token_ids == other.token_ids
         greedy = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), vpsd.SamplingParams(max_new_tokens=12))[0]
         stop = greedy.text[len(greedy.text) // 2:][:3]
         cut = llm.generate(vpsd.VideoRequest(frames, "Describe the video."),
                            vpsd.SamplingParams(max_new_tokens=12, stop=(stop,)))[0]
     assert cut.finish_reason == "stop" and cut.text == greedy.text[:greedy.text.find(stop)]
     assert cut.token_ids == greedy.token_ids[:len(cut.token_ids)] and len(cut.token_ids) <= len(greedy.token_ids)
+    with vpsd.LLM(CONFIG, method="ar") as llm:  # a seeded sample is `ar`'s own (position-keyed sampling)
+        assert llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0].token_ids == first.token_ids
 
 
 def _children() -> set[int]:
@@ -189,6 +194,14 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
     on_ranks = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0]
     assert on_ranks.error is None and on_ranks.token_ids == on_threads.token_ids
     assert on_ranks.stats["num_kept"] == on_threads.stats["num_kept"]
+    # Another seed travels with the item: the same ranks sample it, `ar`'s own sample at that seed.
+    ranks = llm._ranks
+    reseeded = llm.generate(vpsd.VideoRequest(frames, "Describe the video."), dataclasses.replace(sampled, seed=6))[0]
+    assert llm._ranks is ranks and reseeded.token_ids != on_ranks.token_ids
+    with vpsd.LLM(CONFIG, method="ar") as ar_llm:
+        assert [o.token_ids for o in ar_llm.generate([vpsd.VideoRequest(frames, "Describe the video.", seed=s)
+                                                      for s in (5, 6)], sampled)] == \
+            [on_ranks.token_ids, reseeded.token_ids]
     llm.close()
     assert not _children() and threading.active_count() <= before
 
