@@ -1,9 +1,9 @@
 """`vpsd serve` end to end: one real server (a subprocess, uvicorn on 127.0.0.1, hippo at batch 4 on the embedded
 world pair) called by OpenAI's own client, held to `ar` through the Python API.
 
-- plain and streamed completions equal `ar`'s text token for token (greedy), for a video sent as a data: URL, as
-  a local path under --allowed-media-dir, and as frames (image_url PNGs, lmms-eval's form); streamed chunks join
-  to the plain text; stop strings cut both at the same place;
+- plain and streamed completions equal `ar`'s text token for token (greedy, and sampled at a seed), for a video
+  sent as a data: URL, as a local path under --allowed-media-dir, and as frames (image_url PNGs, lmms-eval's
+  form); streamed chunks join to the plain text and come as rounds commit; stop strings cut both alike;
 - a burst of 8 requests from 4 threads: each answered once, each equal to its batch-1 `ar` output;
 - refusals are OpenAI error objects and the server goes on: 401 (key), 400 (unsupported fields, top_p, a missing
   video with the job's error kind, bad base64), 403 (a path outside the allowed folder), 404 (another model),
@@ -40,6 +40,7 @@ CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
 WORLD = ROOT / "examples" / "world"
 KEY = "test-key"
 MAX_TOKENS = 24
+SAMPLED = {"temperature": 1.5, "top_p": 0.95}
 STARTUP_S = 120
 
 
@@ -112,8 +113,11 @@ def ar():
     with vpsd.LLM(CONFIG, method="ar") as llm:
         plain = {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
         cut = llm.generate(requests[0], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, stop=["square"]))[0].text
+        sampled = {seed: llm.generate(requests[1], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=seed,
+                                                                       **SAMPLED))[0].text for seed in (1, 2)}
     assert "square" not in cut and plain[ITEMS[0]["id"]].startswith(cut) and cut != plain[ITEMS[0]["id"]]
-    return {**plain, "stopped": cut}
+    assert sampled[1] != sampled[2]  # the seed matters
+    return {**plain, "stopped": cut, **{f"sampled{seed}": text for seed, text in sampled.items()}}
 
 
 def _video_part(item: dict) -> dict:
@@ -172,6 +176,16 @@ def test_frames_and_a_local_path_equal_ar(client, ar):
         assert r.choices[0].message.content == ar[item["id"]]
 
 
+def test_sampled_at_a_seed_equals_ar_at_that_seed(client, ar):
+    """Position-keyed sampling: a seeded output is ar's own sample at that seed, whatever drafted it."""
+    item = ITEMS[1]
+    for seed in (1, 2):
+        assert _ask(client, item, seed=seed, **SAMPLED).choices[0].message.content == ar[f"sampled{seed}"]
+    text, _, _ = _streamed(client, _messages(item["prompt"], _video_part(item)), max_tokens=MAX_TOKENS, seed=2,
+                           **SAMPLED)
+    assert text == ar["sampled2"]
+
+
 def test_stop_strings_cut_plain_and_streamed_text_alike(client, ar):
     item = ITEMS[0]
     assert _ask(client, item, stop=["square"]).choices[0].message.content == ar["stopped"]
@@ -205,7 +219,7 @@ def test_refusals_are_openai_errors_and_the_server_goes_on(server, client, ar):
     assert _get(f"{server.base}/v1/models", key=None)[0] == 401
     status, body = _status(client, messages=msgs, n=2, logprobs=True)
     assert status == 400 and "n=2" in body["message"] and "logprobs=True" in body["message"]
-    status, body = _status(client, messages=msgs, top_p=0.5)
+    status, body = _status(client, messages=msgs, top_p=1.5)
     assert status == 400 and "top_p" in body["message"]
     assert _status(client, messages=msgs, model="gpt-4o")[0] == 404
     missing = {"type": "video_url", "video_url": {"url": str(WORLD / "videos" / "no-such.mp4")}}

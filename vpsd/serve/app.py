@@ -174,7 +174,7 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
             metrics.ttft.observe(job.first_token - job.enqueued)
         metrics.latency.observe(time.perf_counter() - arrived)
         metrics.queue_wait.observe(done.queue_s)
-        metrics.answered(usage.prompt_tokens, usage.completion_tokens, out.stats)
+        metrics.answered(usage.prompt_tokens, usage.completion_tokens, out.stats, done.batch_size)
 
     async def _stream(job: Job, deltas: "asyncio.Queue[str]", parsed, rid: str, include_usage: bool,
                       arrived: float) -> AsyncIterator[str]:
@@ -254,7 +254,7 @@ def _parse(body: bytes) -> ChatCompletionRequest:
 
 
 def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    """The request's decoding settings as the API's SamplingParams; its own checks answer 400 (top_p != 1, ...)."""
+    """The request's decoding settings as the API's SamplingParams; its own checks answer 400 (a top_p of 0...)."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "stop": stop, "seed": req.seed}
@@ -262,6 +262,10 @@ def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         kwargs["temperature"] = float(req.temperature)
     if req.top_p is not None:
         kwargs["top_p"] = float(req.top_p)
+    if req.top_k is not None:
+        kwargs["top_k"] = int(req.top_k)
+    if req.min_p is not None:
+        kwargs["min_p"] = float(req.min_p)
     params = SamplingParams(**kwargs)
     problems = params.check()
     if problems:

@@ -2,8 +2,9 @@
 
 Per request: how it ended, its tokens, its latency, its time to first token (the first content the client got:
 the whole text until streaming commits per round), its time in the queue, its MAT and the mean time of one
-decoding round (decode_s / rounds: a target verification round, or one `ar` step). Per engine call: how many
-requests it decoded together and how long it took. Gauges: the queue's depth and the requests decoding now.
+decoding round (decode_s / rounds: a target verification round, or one `ar` step), and how many requests were
+decoding together when its first token committed. Per `generate` call (serve/batcher.py): its duration. Gauges:
+the queue's depth and the requests decoding now.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class Metrics:
                              buckets=MAT_BUCKETS, registry=r)
         self.step = Histogram("vpsd_decode_step_seconds", "a request's mean decoding round (decode_s / rounds)",
                               buckets=STEP_BUCKETS, registry=r)
-        self.batch = Histogram("vpsd_engine_batch_size", "requests decoded by one engine call",
+        self.batch = Histogram("vpsd_engine_batch_size", "requests decoding together at a request's first token",
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.engine_call_s = Histogram("vpsd_engine_call_seconds", "one engine call's duration",
+        self.engine_call_s = Histogram("vpsd_engine_call_seconds", "one generate call's duration (ranks' methods)",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("vpsd_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("vpsd_requests_running", "requests in the engine call now", registry=r)
@@ -49,10 +50,10 @@ class Metrics:
         self.running.set(running)
 
     def engine_call(self, size: int, seconds: float) -> None:
-        self.batch.observe(size)
         self.engine_call_s.observe(seconds)
 
-    def answered(self, prompt_tokens: int, completion_tokens: int, stats: dict) -> None:
+    def answered(self, prompt_tokens: int, completion_tokens: int, stats: dict, batch_size: int) -> None:
+        self.batch.observe(batch_size)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         if stats.get("mean_accepted_tokens") is not None:

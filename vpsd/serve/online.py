@@ -4,9 +4,9 @@ process (`ar`, sd and the trees, a batch that drafts in process, `draft_on: thre
 One engine (launch/wiring.py `build_engine`, the API's and the job's) runs the scheduler's loop over an item
 source that is the queue: a request that arrives while others decode is read and prefilled ahead and joins the
 batch at the next free slot (engine/scheduler.py), up to `batch` in flight; with nothing in flight the source
-waits for the next arrival. Each request carries its own budget and stop strings. The engine's decoding settings
-(temperature, seed; whatever `LLM` maps from SamplingParams besides the budget and stops) are one per engine:
-a request that needs others waits until the requests in flight leave, and the engine is built again for it.
+waits for the next arrival. Each request carries its own budget, stop strings and seed. The engine's decoding
+settings (temperature and filters: what `LLM` maps from SamplingParams into the run's config) are one per
+engine: a request that needs others waits until the requests in flight leave, and the engine is built again.
 
 After every round (`Scheduler.on_round`) each streamed request's newly committed tokens are released as text
 (serve/stream_text.py: never past a stop string's cut), and a request whose client left gets an error set, so
@@ -42,7 +42,7 @@ IDLE_POLL_S = 0.5  # an idle engine looks at the queue's state this often (closi
 
 def engine_key(params: SamplingParams) -> SamplingParams:
     """What one engine's requests share: the sampling parameters less those each request carries itself."""
-    return dataclasses.replace(params, max_new_tokens=None, stop=())
+    return dataclasses.replace(params, max_new_tokens=None, stop=(), seed=None)
 
 
 class OnlineEngine:
@@ -84,8 +84,7 @@ class OnlineEngine:
             frames.close()
             self.queue.running = 0
             self.queue.observe()
-            if self.queue.observer is not None and events.count:
-                self.queue.observer.engine_call(events.count, time.perf_counter() - started)
+            log.info("serve_engine_done", requests=events.count, seconds=time.perf_counter() - started)
 
     def close(self, grace_s: float) -> bool:
         """Fails the queued jobs; the requests in flight finish within grace_s (True if they did)."""
@@ -134,11 +133,16 @@ class _Events:
         self.jobs: dict[str, _Item] = {}  # taken and not answered yet, by request id
         self.count = 0  # requests this engine took
 
+    def seed(self, job: Job) -> int:
+        """The request's seed, as the API's: its own (SamplingParams.seed), else the config's decoding.seed."""
+        return int(job.params.seed if job.params.seed is not None else self.cfg.decoding.seed)
+
     def taken(self, job: Job) -> _Item:
         r = job.request
         video = None if isinstance(r.video, np.ndarray) else Path(r.video)
         manifest = None if video is None else ManifestItem(
-            str(r.id), video, str(r.prompt), job.params.max_new_tokens, None, None, {}, 0, job.params.stop)
+            str(r.id), video, str(r.prompt), job.params.max_new_tokens, None, None, {}, 0, job.params.stop,
+            self.seed(job))
         stream = TextStream(self.target.text, job.params.stop) if job.on_text is not None else None
         item = _Item(job, manifest, stream)
         self.jobs[str(r.id)] = item
@@ -161,7 +165,7 @@ class _Events:
             loaded = self.reader.load_array(str(job.request.id), prompt, job.request.video, job.request.frame_times,
                                             budget)
             request = Request(str(job.request.id), prompt, budget, loaded.frames, loaded.times, loaded.video, None,
-                              job.params.stop)
+                              job.params.stop, seed=self.seed(job))
         self.frames.put(request.id, loaded.frames, loaded.times)  # a draft thread takes them from here
         return request
 

@@ -74,6 +74,8 @@ class ChatCompletionRequest(_Open):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # vLLM's extensions (the openai client's extra_body), as vpsd's SamplingParams
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
