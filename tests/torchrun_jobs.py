@@ -82,15 +82,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ar_reference(family: str, manifest) -> dict[str, list[int]]:
-    """Plain autoregressive decoding of the target, in this process, on the same frames."""
+def ar_reference(family: str, manifest, **sampling) -> dict[str, list[int]]:
+    """Plain autoregressive decoding of the target, in this process, on the same frames; `sampling`: decoding
+    settings (temperature, top_p, seed, ...), an item's own "seed" before the given one."""
     cfg = load_config(ROOT / "configs" / f"tiny_{family}.yaml")
     target, _ = tiny_pair(family)
     items, _ = load_manifest(manifest)
     out = {}
     for it in items:
         frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)
-        dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens, temperature=0.0)
+        dec = DecodingConfig(gamma=cfg.decoding.gamma, max_new_tokens=it.max_new_tokens,
+                             **{"temperature": 0.0, **sampling, **({"seed": it.seed} if it.seed is not None else {})})
         out[it.id] = decode_ar(target, frames, it.prompt, dec, times).token_ids
     return out
 

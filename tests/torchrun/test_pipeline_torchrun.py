@@ -103,14 +103,23 @@ def test_greedy_output_equals_ar(tmp_path_factory, family, method, extra):
         assert traces == ["rank0_target.jsonl", "rank1_draft.jsonl", "rank2_pruner.jsonl"]
 
 
-@pytest.mark.slow  # CI: test_api samples on child ranks (this entry, as ranks) and holds them to the threads' draws
-def test_sampling_runs_through_the_pipeline(tmp_path_factory):
-    manifest = world_manifest(str(tmp_path_factory.getbasetemp()))
+def test_a_sampled_job_is_ar_own_sample(tmp_path_factory):
+    """hippo through the three ranks at temperature 0.7, top-p 0.9, seed 5 (one item with a seed of its own): every
+    output is `ar`'s sample at its seed, token for token (position-keyed sampling: the draft rank proposes with
+    the target's noise, and what it drafted never changes what is committed)."""
+    base = world_manifest(str(tmp_path_factory.getbasetemp()))
+    lines = [json.loads(line) for line in base.read_text().splitlines()]
+    lines[1]["seed"] = 9
+    manifest = base.parent / "sampled.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path_factory.mktemp("sampling")
-    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, "pearl", "--temperature", "0.8", "--set", "draft=self")
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, "hippo", "--temperature", "0.7", "--set",
+                   "decoding.top_p=0.9", "--set", "decoding.seed=5", "--set", "draft=self")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for row in results(out).values():
-        assert row["error"] is None and 1 <= len(row["token_ids"]) <= 24
+    ar = ar_reference("qwen2_5_vl", manifest, temperature=0.7, top_p=0.9, seed=5)
+    rows = results(out)
+    assert {k: r["token_ids"] for k, r in rows.items()} == ar
+    assert len({tuple(t) for t in ar.values()}) == 2 and sum(r["stats"]["accepted_tokens"] for r in rows.values())
 
 
 FAULT_TIMEOUT_S = 5
