@@ -1,6 +1,6 @@
 """What a decode step dispatches, counted on CPU so that CI catches what would make a GPU step slow
 (vpsd/models/dispatch.py): no host read inside a step, a verify or a batched step of any family; one read of the
-chosen token ids a round (the draft: one a drafted token); and no more aten ops a step than transformers' own
+chosen token ids a round (the draft: one a drafted token), greedy or sampled; and no more aten ops a step than transformers' own
 generate() step on the same model and inputs (+10%).
 
 On a GPU a host read drains the device's queue (a captured step's one launch waits on it), and every aten op is a
@@ -46,10 +46,13 @@ def test_a_step_a_verify_and_a_batched_step_read_nothing_on_the_host(fam):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("size", [1, 2])
-def test_a_round_reads_the_chosen_ids_once(fam, size):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "top_k": 40}], ids=["greedy", "sampled"])
+def test_a_round_reads_the_chosen_ids_once(fam, size, sampling):
+    """Greedy or sampled (position-keyed: the noise is hashed on the logits' device, pipeline/sampling.py), a
+    round reads the host once for every row's token, and the draft once a drafted token."""
     target, draft = tiny_pair(fam)
     for drafter in (None, draft):  # ar; serial sd with the draft in this process
-        engine, _ = local_engine(target, drafter, DecodingConfig(gamma=4, max_new_tokens=40), None, size)
+        engine, _ = local_engine(target, drafter, DecodingConfig(gamma=4, max_new_tokens=40, **sampling), None, size)
         for r in requests(size, max_new=40):
             engine.prefill(r, True)
             engine.join(r)

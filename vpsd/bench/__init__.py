@@ -11,8 +11,9 @@ repeated, medians and the noise printed), never in a test; those that decode che
     vpsd bench signal_memory [--groups G --tokens-side S]             the signals' memory at a real depth
     vpsd bench cache      HIDDEN,LAYERS,HEADS,KV_HEADS,HEAD_DIM,FFN   vpsd's cache and attention against transformers'
     vpsd bench serve      --config C --method M [--requests N --clients C --batch B] [--job]   `vpsd serve` under load
+    vpsd bench sampling   --config C --manifest M [--temperatures 0.7,1.0]   position-keyed against rejection sampling
 
-The first two run real torchrun jobs (the launcher users run); `serve` a real server and its clients (and, with
+The first two (and `sampling`) run real torchrun jobs (the launcher users run); `serve` a real server and its clients (and, with
 --job, the batch job beside it); the others measure forwards in this process.
 Not here: scripts/load_memory.py (a load over torchrun ranks of its own) and scripts/api_vs_job.py (the Python API
 against the job), which measure a launch, not a forward.
@@ -26,7 +27,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("methods", "throughput", "steps", "forwards", "pruning", "trees", "signals", "signal_memory", "cache",
-               "serve")  # each a module of this package
+               "serve", "sampling")  # each a module of this package
 
 
 def main(argv: list[str] | None = None) -> int:
