@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=None, help="a running server's base URL (.../v1); default: start one")
     p.add_argument("--api-key", default=os.environ.get("VPSD_API_KEY"))
     p.add_argument("--job", action="store_true", help="also run the batch job on the same requests")
-    p.add_argument("--nproc", type=int, default=3, help="the job's ranks (as vpsd bench throughput's)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="the job's ranks (default 1: one process, as the server where the method drafts in it; a "
+                        "parallel method at batch 1 needs its draft and pruner ranks: 3)")
     p.add_argument("--out", type=Path, default=None, help="the server's log and the job's run (default: a temp dir)")
     a = p.parse_args(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="vpsd-bench-serve-"))
