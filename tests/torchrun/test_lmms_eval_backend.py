@@ -17,6 +17,7 @@ The local task is examples/lmms_eval/vpsd_world.yaml: the eight clips of example
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ pytest.importorskip("lmms_eval", reason="lmms-eval is not installed here (script
 
 import vpsd  # noqa: E402
 from tests.torchrun_jobs import ROOT, results, run_launcher, torchrun_cmd  # noqa: E402
+from vpsd.integrations.lmms_eval.requests import request_seed  # noqa: E402
 
 CONFIG = "configs/world_qwen2_5_vl.yaml"
 MANIFEST = ROOT / "examples" / "world" / "manifest.jsonl"
@@ -91,13 +93,15 @@ def runs(tmp_path_factory, in_root) -> tuple[dict, dict, Path]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list]:
-    """vpsd.LLM's answers to the task's requests, greedy (all) and sampled (the first three), as the backend asks."""
+    """vpsd.LLM's answers to the task's requests, greedy (all), as the backend asks, and `ar`'s samples of the
+    first three, each at the seed the backend gives its request (its id's): what a sampled hippo must answer."""
     requests = [vpsd.VideoRequest(str(MANIFEST.parent / d["video"]), d["prompt"], id=f"{TASK}:test:{i}")
                 for i, d in enumerate(DOCS)]
     with vpsd.LLM(ROOT / CONFIG, method="hippo", batch=2) as llm:
         greedy = llm.generate(requests, vpsd.SamplingParams(max_new_tokens=64, stop=("\n\n",)))
-        sampled = llm.generate(requests[:3], vpsd.SamplingParams(max_new_tokens=64, temperature=SAMPLED,
-                                                                 stop=("\n\n",)))
+    with vpsd.LLM(ROOT / CONFIG, method="ar") as llm:
+        seeded = [dataclasses.replace(r, seed=request_seed(llm.config.decoding.seed, r.id)) for r in requests[:3]]
+        sampled = llm.generate(seeded, vpsd.SamplingParams(max_new_tokens=64, temperature=SAMPLED, stop=("\n\n",)))
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -122,7 +126,7 @@ def test_the_speed_files_lie_beside_the_results_hippo_against_ar(runs):
     assert hippo["settings"]["method"] == "hippo" and hippo["ranks"] == 1
 
 
-def test_sampled_batched_answers_are_vpsds_and_a_missing_video_fails_alone(reference, in_root, tmp_path):
+def test_sampled_batched_answers_are_ars_samples_and_a_missing_video_fails_alone(reference, in_root, tmp_path):
     from vpsd.integrations.lmms_eval.model import VpsdLmms
 
     # A second task over the first documents and one whose video is missing (the local task's YAML included).
