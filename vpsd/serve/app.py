@@ -183,7 +183,10 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
         def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
             c = ChatCompletionChunk(id=rid, created=made, model=settings.model_name, usage=usage,
                                     choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
-            return f"data: {c.model_dump_json()}\n\n"
+            body = c.model_dump()
+            for choice in body["choices"]:  # as OpenAI's chunks: a delta holds only what it carries
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         sent = ""
         try:

@@ -55,6 +55,7 @@ class OnlineEngine:
         self._thread.start()
 
     def _loop(self) -> None:
+        self._serve(engine_key(SamplingParams()))  # built before the first request: it waits for requests
         while self.queue.wait():
             head = self.queue.head()
             if head is not None:
