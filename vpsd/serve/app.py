@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from vpsd.api import Output, SamplingParams, VideoRequest
 from vpsd.models.prompt import tokenizer_lock
 from vpsd.serve.jobs import Done, Job, QueueFull, Runner, ServerClosing
-from vpsd.serve.media import MediaError, MediaLimits, parse_messages
+from vpsd.serve.media import MediaError, MediaLimits, ParsedRequest, parse_messages
 from vpsd.serve.metrics import Metrics
 from vpsd.serve.schema import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
                                ModelCard, ModelList, ResponseMessage, Usage, VpsdStats, error_body, unsupported)
@@ -64,71 +64,94 @@ class HTTPError(Exception):
         return JSONResponse(error_body(str(self), self.type, self.code, self.param), self.status, headers=self.headers)
 
 
-class ClientGone(Exception):
-    pass
-
-
 def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metrics) -> FastAPI:
     """llm: what the runner decodes with (its tokenizer counts prompt tokens)."""
-    queue = runner.queue
+    service = ChatService(llm, runner, settings, metrics)
     app = FastAPI(title="vpsd", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.closing = False
-    created = int(time.time())
+    app.state.service = service
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
         metrics.requests.labels(str(exc.status)).inc()
         return exc.response()
 
-    def check_key(request: Request) -> None:
-        if settings.api_key is None:
+    app.get("/health")(service.health)
+    app.get("/metrics")(service.prometheus)
+    app.get("/v1/models")(service.models)
+    app.post("/v1/chat/completions")(service.chat_completions)
+    return app
+
+
+class ChatService:
+    """The routes' work over the server's state: the queue, the settings, the metrics."""
+
+    def __init__(self, llm: Any, runner: Runner, settings: ServeSettings, metrics: Metrics) -> None:
+        self.llm, self.queue, self.settings, self.metrics = llm, runner.queue, settings, metrics
+        self.closing = False  # set on SIGTERM: /health says 503, new requests get 503
+        self.created = int(time.time())
+
+    def check_key(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise HTTPError(401, "a wrong or missing API key (Authorization: Bearer KEY)", "authentication_error",
                             "invalid_api_key")
 
-    @app.get("/health")
-    async def health() -> Response:
-        if app.state.closing:
+    async def health(self) -> Response:
+        if self.closing:
             return JSONResponse({"status": "shutting down"}, 503)
-        return JSONResponse({"status": "ok", "queue": queue.depth, "running": queue.running})
+        return JSONResponse({"status": "ok", "queue": self.queue.depth, "running": self.queue.running})
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.text(), media_type=metrics.content_type)
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.text(), media_type=self.metrics.content_type)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_key(request)
-        return JSONResponse(ModelList(data=[ModelCard(id=settings.model_name, created=created)]).model_dump())
+    async def models(self, request: Request) -> JSONResponse:
+        self.check_key(request)
+        cards = [ModelCard(id=self.settings.model_name, created=self.created)]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
-        check_key(request)
-        if app.state.closing:
+        self.check_key(request)
+        if self.closing:
             raise HTTPError(503, "the server is shutting down", "server_error", "shutting_down")
-        body = await _read_body(request, settings.max_body_bytes)
-        req = _parse(body)
-        if req.model not in (None, settings.model_name):
+        req = _parse(await _read_body(request, self.settings.max_body_bytes))
+        if req.model not in (None, self.settings.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here; this server serves "
-                                 f"{settings.model_name!r} (GET /v1/models)", "invalid_request_error",
+                                 f"{self.settings.model_name!r} (GET /v1/models)", "invalid_request_error",
                             "model_not_found", "model")
         params = _sampling_params(req)
         try:
-            parsed = await asyncio.to_thread(parse_messages, req, settings.limits, settings.scratch)
+            parsed = await asyncio.to_thread(parse_messages, req, self.settings.limits, self.settings.scratch)
         except MediaError as e:
             raise HTTPError(e.status, str(e), "invalid_request_error", e.code, "messages") from None
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        job = Job(VideoRequest(parsed.video, parsed.prompt, id=rid), params)
+        job = Job(VideoRequest(parsed.video, parsed.prompt, id=f"chatcmpl-{uuid.uuid4().hex}"), params)
         deltas: asyncio.Queue[str] = asyncio.Queue()
         if req.stream:
             loop = asyncio.get_running_loop()
             job.on_text = lambda text: loop.call_soon_threadsafe(deltas.put_nowait, text)
+        self._submit(job, parsed)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(job, deltas, parsed, include_usage, arrived),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            queue.submit(job)
+            done = await _wait(job, request)
+        finally:
+            parsed.cleanup()
+        out = _checked(done)
+        usage = self._usage(out, parsed.prompt, done)
+        answer = ChatCompletion(id=str(job.request.id), model=self.settings.model_name, usage=usage,
+                                choices=[Choice(message=ResponseMessage(content=out.text),
+                                                finish_reason=out.finish_reason)])
+        self._answered(job, out, usage, done, arrived)
+        return JSONResponse(answer.model_dump())
+
+    def _submit(self, job: Job, parsed: ParsedRequest) -> None:
+        try:
+            self.queue.submit(job)
         except QueueFull as e:
             parsed.cleanup()
             raise HTTPError(429, str(e), "rate_limit_error", "queue_full",
@@ -136,31 +159,14 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
         except ServerClosing as e:
             parsed.cleanup()
             raise HTTPError(503, str(e), "server_error", "shutting_down") from None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(job, deltas, parsed, rid, include_usage, arrived),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            done = await _wait(job, request)
-        finally:
-            parsed.cleanup()
-        out = _checked(done)
-        usage = _usage(out, parsed.prompt, done)
-        body_out = ChatCompletion(id=rid, model=settings.model_name, usage=usage,
-                                  choices=[Choice(message=ResponseMessage(content=out.text),
-                                                  finish_reason=out.finish_reason)])
-        _answered(job, out, usage, done, arrived)
-        return JSONResponse(body_out.model_dump())
 
-    # ---- helpers over the app's state ------------------------------------------------------------
-
-    def _usage(out: Output, prompt: str, done: Done) -> Usage:
-        with tokenizer_lock(llm.tokenizer):
-            text_tokens = len(llm.tokenizer.encode(prompt, add_special_tokens=False, split_special_tokens=True))
+    def _usage(self, out: Output, prompt: str, done: Done) -> Usage:
+        tokenizer = self.llm.tokenizer
+        with tokenizer_lock(tokenizer):
+            text_tokens = len(tokenizer.encode(prompt, add_special_tokens=False, split_special_tokens=True))
         prompt_tokens = text_tokens + int(out.num_video_tokens or 0)
         s = out.stats
-        stats = VpsdStats(method=settings.method, mean_accepted_tokens=s.get("mean_accepted_tokens"),
+        stats = VpsdStats(method=self.settings.method, mean_accepted_tokens=s.get("mean_accepted_tokens"),
                           acceptance_rate=s.get("acceptance_rate"), rounds=s.get("rounds"),
                           num_video_tokens=out.num_video_tokens, num_kept=s.get("num_kept"),
                           prefill_s=s.get("prefill_s"), decode_s=s.get("decode_s"), queue_s=done.queue_s,
@@ -168,29 +174,29 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=len(out.token_ids),
                      total_tokens=prompt_tokens + len(out.token_ids), vpsd=stats)
 
-    def _answered(job: Job, out: Output, usage: Usage, done: Done, arrived: float) -> None:
-        metrics.requests.labels("200").inc()
+    def _answered(self, job: Job, out: Output, usage: Usage, done: Done, arrived: float) -> None:
+        m = self.metrics
+        m.requests.labels("200").inc()
         if job.first_token is not None:  # the engine's first committed token (its whole call's end for batcher.py)
-            metrics.ttft.observe(job.first_token - job.enqueued)
-        metrics.latency.observe(time.perf_counter() - arrived)
-        metrics.queue_wait.observe(done.queue_s)
-        metrics.answered(usage.prompt_tokens, usage.completion_tokens, out.stats, done.batch_size)
+            m.ttft.observe(job.first_token - job.enqueued)
+        m.latency.observe(time.perf_counter() - arrived)
+        m.queue_wait.observe(done.queue_s)
+        m.answered(usage.prompt_tokens, usage.completion_tokens, out.stats, done.batch_size)
 
-    async def _stream(job: Job, deltas: "asyncio.Queue[str]", parsed, rid: str, include_usage: bool,
+    def _chunk(self, job: Job, made: int, delta: Delta, finish: str | None = None, usage: Usage | None = None,
+               choices: bool = True) -> str:
+        c = ChatCompletionChunk(id=str(job.request.id), created=made, model=self.settings.model_name,
+                                usage=usage, choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
+        body = c.model_dump()
+        for choice in body["choices"]:  # as OpenAI's chunks: a delta holds only what it carries
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def _stream(self, job: Job, deltas: "asyncio.Queue[str]", parsed: ParsedRequest, include_usage: bool,
                       arrived: float) -> AsyncIterator[str]:
-        made = int(time.time())
-
-        def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
-            c = ChatCompletionChunk(id=rid, created=made, model=settings.model_name, usage=usage,
-                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
-            body = c.model_dump()
-            for choice in body["choices"]:  # as OpenAI's chunks: a delta holds only what it carries
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        sent = ""
+        sent, made = "", int(time.time())
         try:
-            yield chunk(Delta(role="assistant", content=""))
+            yield self._chunk(job, made, Delta(role="assistant", content=""))
             waiting = asyncio.wrap_future(job.future)
             while not waiting.done() or not deltas.empty():
                 getting = asyncio.ensure_future(deltas.get())
@@ -199,31 +205,29 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
                     getting.cancel()
                     continue
                 sent += getting.result()
-                yield chunk(Delta(content=getting.result()))
+                yield self._chunk(job, made, Delta(content=getting.result()))
             try:
                 done = _resolved(waiting)
                 out = _checked(done)
             except HTTPError as e:  # the status line is sent already: the error goes as an event, as OpenAI's does
                 yield f"data: {json.dumps(error_body(str(e), e.type, e.code))}\n\n"
                 yield "data: [DONE]\n\n"
-                metrics.requests.labels(str(e.status)).inc()
+                self.metrics.requests.labels(str(e.status)).inc()
                 return
             if out.text.startswith(sent) and len(out.text) > len(sent):  # what was not streamed as it committed
-                yield chunk(Delta(content=out.text[len(sent):]))
-            usage = _usage(out, parsed.prompt, done)
-            yield chunk(Delta(), out.finish_reason)
+                yield self._chunk(job, made, Delta(content=out.text[len(sent):]))
+            usage = self._usage(out, parsed.prompt, done)
+            yield self._chunk(job, made, Delta(), out.finish_reason)
             if include_usage:
-                yield chunk(Delta(), usage=usage, choices=False)
+                yield self._chunk(job, made, Delta(), usage=usage, choices=False)
             yield "data: [DONE]\n\n"
-            _answered(job, out, usage, done, arrived)
+            self._answered(job, out, usage, done, arrived)
         except asyncio.CancelledError:  # the client went away: dropped from the queue, or stopped in the engine
             job.abandon()
-            metrics.requests.labels("499").inc()
+            self.metrics.requests.labels("499").inc()
             raise
         finally:
             parsed.cleanup()
-
-    return app
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

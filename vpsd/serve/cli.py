@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -72,60 +73,73 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        import uvicorn
-
-        from vpsd.serve.app import ServeSettings, create_app
+        import fastapi  # noqa: F401 - the serve extra, checked before any model loads
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as e:
         print(f"vpsd serve: {e.name} is not installed: pip install -e '.[serve]' (the serve extra)", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("VPSD_API_KEY") or None
-    if not _is_loopback(args.host) and api_key is None and not args.allow_insecure_host:
-        print(f"vpsd serve: refusing to listen on {args.host} without an API key: anyone who reaches it could use "
-              "the models and read what --allowed-media-dir holds. Give --api-key (or VPSD_API_KEY), or "
-              "--allow-insecure-host", file=sys.stderr)
+    problem = _refusal(args, api_key)
+    if problem is not None:
+        print(f"vpsd serve: {problem}", file=sys.stderr)
         return 2
-    if args.batch < 1 or args.max_queue < 1:
-        print("vpsd serve: --batch and --max-queue must be >= 1", file=sys.stderr)
-        return 2
-    if args.allowed_media_dir is not None and not args.allowed_media_dir.is_dir():
-        print(f"vpsd serve: --allowed-media-dir {args.allowed_media_dir} is not a folder", file=sys.stderr)
-        return 2
-
     import vpsd
     from vpsd.config import parse_overrides
-    from vpsd.serve.batcher import Batcher
-    from vpsd.serve.jobs import JobQueue
-    from vpsd.serve.media import MediaLimits
-    from vpsd.serve.metrics import Metrics
 
     try:
-        settings_overrides = parse_overrides(args.set)
         llm = vpsd.LLM(args.config, method=args.method, pruning=args.pruning, ratio=args.ratio, gamma=args.gamma,
-                       batch=args.batch, draft_on=args.draft_on, settings=settings_overrides,
+                       batch=args.batch, draft_on=args.draft_on, settings=parse_overrides(args.set),
                        trace_dir=args.trace_dir)
     except vpsd.ConfigError as e:
         print(f"vpsd serve: refused:\n{e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or Path(args.config).stem
     scratch = Path(tempfile.mkdtemp(prefix="vpsd-serve-"))
+    try:
+        _serve(args, llm, api_key, scratch)
+    finally:
+        llm.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def _refusal(args: argparse.Namespace, api_key: str | None) -> str | None:
+    if not _is_loopback(args.host) and api_key is None and not args.allow_insecure_host:
+        return (f"refusing to listen on {args.host} without an API key: anyone who reaches it could use the models "
+                "and read what --allowed-media-dir holds. Give --api-key (or VPSD_API_KEY), or --allow-insecure-host")
+    if args.batch < 1 or args.max_queue < 1:
+        return "--batch and --max-queue must be >= 1"
+    if args.allowed_media_dir is not None and not args.allowed_media_dir.is_dir():
+        return f"--allowed-media-dir {args.allowed_media_dir} is not a folder"
+    return None
+
+
+def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path) -> None:
+    """Serves until SIGTERM / Ctrl-C, then lets the requests in flight finish within the bound."""
+    import uvicorn
+
+    from vpsd.serve.app import ServeSettings, create_app
+    from vpsd.serve.batcher import Batcher
+    from vpsd.serve.jobs import JobQueue
+    from vpsd.serve.media import MediaLimits
+    from vpsd.serve.metrics import Metrics
+    from vpsd.serve.online import OnlineEngine
+
+    name = args.served_model_name or Path(args.config).stem
     settings = ServeSettings(model_name=name, method=args.method, api_key=api_key,
                              max_body_bytes=int(args.max_body_mib * 2**20),
                              limits=MediaLimits(int(args.max_video_mib * 2**20), args.max_frames,
-                                                args.allowed_media_dir),
-                             scratch=scratch)
+                                                args.allowed_media_dir), scratch=scratch)
     metrics = Metrics(name)
     queue = JobQueue(args.max_queue, args.batch, metrics)
-    if llm.served:  # a parallel method's roles on child ranks: calls of generate (serve/batcher.py)
-        runner = Batcher(llm, queue)
-    else:  # the engine in this process, fed from the queue (serve/online.py)
-        from vpsd.serve.online import OnlineEngine
-
-        runner = OnlineEngine(llm, queue)
+    # A parallel method's roles on child ranks: calls of generate; else the engine in this process, fed from the queue.
+    runner = Batcher(llm, queue) if llm.served else OnlineEngine(llm, queue)
     app = create_app(llm, runner, settings, metrics)
+    service = app.state.service
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # /health says 503 at once; new requests get 503
-            app.state.closing = True
+            service.closing = True
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -140,12 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.run()
     finally:
-        app.state.closing = True
-        ended = runner.close(grace_s=args.shutdown_timeout)
-        if not ended:
-            print("vpsd serve: the engine call in flight did not end in time; stopping it", file=sys.stderr)
-        llm.close()
-        import shutil
-
-        shutil.rmtree(scratch, ignore_errors=True)
-    return 0
+        service.closing = True
+        if not runner.close(grace_s=args.shutdown_timeout):
+            print("vpsd serve: the requests in flight did not end in time; stopping them", file=sys.stderr)
