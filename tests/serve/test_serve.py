@@ -106,15 +106,21 @@ def _frames() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def ar():
+def ar_llm():
+    with vpsd.LLM(CONFIG, method="ar") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def ar(ar_llm):
     """`ar` through the Python API, batch 1: the texts every server answer is held to (by key)."""
     requests = [vpsd.VideoRequest(str(WORLD / it["video"]), it["prompt"], id=it["id"]) for it in ITEMS]
     requests.append(vpsd.VideoRequest(_frames(), "Describe the video.", id="frames"))
-    with vpsd.LLM(CONFIG, method="ar") as llm:
-        plain = {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
-        cut = llm.generate(requests[0], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, stop=["square"]))[0].text
-        sampled = {seed: llm.generate(requests[1], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=seed,
-                                                                       **SAMPLED))[0].text for seed in (1, 2)}
+    llm = ar_llm
+    plain = {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
+    cut = llm.generate(requests[0], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, stop=["square"]))[0].text
+    sampled = {seed: llm.generate(requests[1], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=seed,
+                                                                   **SAMPLED))[0].text for seed in (1, 2)}
     assert "square" not in cut and plain[ITEMS[0]["id"]].startswith(cut) and cut != plain[ITEMS[0]["id"]]
     assert sampled[1] != sampled[2]  # the seed matters
     return {**plain, "stopped": cut, **{f"sampled{seed}": text for seed, text in sampled.items()}}
@@ -200,6 +206,31 @@ def test_a_burst_from_four_threads_is_answered_once_each_as_ar_answers(client, a
     assert len({r.id for _, r in answers}) == 8
     assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
     assert max(r.usage.vpsd["batch_size"] for _, r in answers) > 1  # they were decoded together
+
+
+def test_the_engine_stops_a_request_whose_client_left_and_serves_the_next(ar_llm, ar):
+    """In process (serve/online.py), over the API's own `ar` LLM: a streamed request abandoned at its first text
+    leaves the engine at its next round with the error that says so; the next request, at another temperature
+    (another engine), is still ar's own."""
+    from vpsd.serve.jobs import Job, JobQueue
+    from vpsd.serve.online import OnlineEngine
+
+    queue = JobQueue(max_queue=4, batch=2)
+    engine = OnlineEngine(ar_llm, queue)
+    item = ITEMS[1]
+    video = str(WORLD / item["video"])
+    try:
+        seen: list[str] = []
+        left = Job(vpsd.VideoRequest(video, item["prompt"], id="left"), vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))
+        left.on_text = lambda text: (seen.append(text), left.abandon())
+        queue.submit(left)
+        out = left.future.result(timeout=60).output
+        assert out.finish_reason == "error" and "cancelled" in out.error and len(seen) == 1
+        nxt = queue.submit(Job(vpsd.VideoRequest(video, item["prompt"], id="next"),
+                               vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=2, **SAMPLED)))
+        assert nxt.future.result(timeout=60).output.text == ar["sampled2"]
+    finally:
+        assert engine.close(30)
 
 
 def _status(client, **kw) -> tuple[int, dict]:
