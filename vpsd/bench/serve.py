@@ -7,10 +7,12 @@ Starts `vpsd serve --config C --method M --batch B` on a free loopback port (or 
 sends one warm-up request, then N streamed chat completions (the manifest's items in turn, each video as a
 data: URL, each item's own max_new_tokens) from C client threads with OpenAI's client, and prints: every request
 answered exactly once, each item's outputs identical across its repeats, latency and time to first token (p50,
-p99; the first content chunk), completion tokens/s and items/hour over the load's wall time, and the server's
-mean batch. With --job, the batch job (`vpsd.launch.entry` under torchrun, --batch B, the same method)
-decodes the same N requests as a manifest, and its items/hour (over its item loop: models loaded, as the
-server's load is) and its outputs are set beside the server's. Never in a test: it measures.
+p99; the first content chunk), completion tokens/s and items/hour over the load's wall time, the mean batch a
+request decoded in, and the server's resident memory (itself and its child ranks) before and after the load.
+With --job, the batch job (`vpsd.launch.entry` under torchrun, --batch B, the same method) decodes the same N
+requests as a manifest, and its items/hour (over its item loop: models loaded, as the server's load is), its
+median read + preprocess + prefill per item (what a first token costs it) and its outputs are set beside the
+server's. Never in a test: it measures.
 """
 
 from __future__ import annotations
@@ -117,12 +119,14 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-def _load(a: argparse.Namespace, url: str, items: list[dict]) -> tuple[list[Answer], float]:
+def _load(a: argparse.Namespace, url: str, items: list[dict], pid: int | None) -> tuple[list[Answer], float]:
     import openai
 
     client = openai.OpenAI(base_url=url, api_key=a.api_key or "none", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     _ask(client, model, items[0])  # warm-up: not counted
+    if pid is not None:
+        a.rss_before = _rss_mib(pid)
     todo = [items[n % len(items)] for n in range(a.requests)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(a.clients) as pool:
@@ -130,8 +134,24 @@ def _load(a: argparse.Namespace, url: str, items: list[dict]) -> tuple[list[Answ
     return answers, time.perf_counter() - t0
 
 
-def _job(a: argparse.Namespace, items: list[dict], out: Path) -> tuple[float, dict[str, str]]:
-    """The batch job on the load's requests: its items/hour over its item loop, and its texts by item."""
+def _rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants (the server and its child ranks), from /proc."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmRSS:")))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total / 1024
+
+
+def _job(a: argparse.Namespace, items: list[dict], out: Path) -> tuple[float, float, dict[str, str]]:
+    """The batch job on the load's requests: its items/hour over its item loop, its median first-token cost (read,
+    preprocess and prefill of an item), and its texts by item."""
     manifest = out / "load.jsonl"
     lines = []
     for n in range(a.requests):
@@ -150,11 +170,14 @@ def _job(a: argparse.Namespace, items: list[dict], out: Path) -> tuple[float, di
         raise SystemExit(f"vpsd bench serve: the job exited {code} (see {run_dir}/launch.log)")
     run = json.loads((run_dir / "summary.json").read_text())["run"]
     texts: dict[str, str] = {}
+    first: list[float] = []
     for line in (run_dir / "results.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row.get("error") is None and row.get("method") == a.method:
             texts.setdefault(str(row["id"]).split("#")[0], row["text"])
-    return 3600 * run["items"] / run["loop_s"], texts
+            st = row["stats"]
+            first.append(sum(float(st.get(k) or 0.0) for k in ("video_read_s", "preprocess_s", "prefill_s")))
+    return 3600 * run["items"] / run["loop_s"], statistics.median(first), texts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         proc, url = _start_server(a, out / "server.log")
     try:
-        answers, wall = _load(a, url, items)
+        answers, wall = _load(a, url, items, proc.pid if proc is not None else None)
+        rss_after = _rss_mib(proc.pid) if proc is not None else None
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -202,12 +226,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{_pct(ttft, 0.5):.3f} s  p99 {_pct(ttft, 0.99):.3f} s")
     print(f"  {tokens / wall:.1f} completion tokens/s, {iph:.0f} items/hour over {wall:.1f} s; mean batch at first "
           f"token {statistics.mean([x.batch_size or 1 for x in answers]):.2f}")
+    if rss_after is not None:
+        print(f"  server memory (with its ranks) {a.rss_before:.0f} MiB after the warm-up, {rss_after:.0f} MiB after "
+              f"the load")
     same = True
     if a.job:
-        job_iph, job_texts = _job(a, items, out)
+        job_iph, job_first, job_texts = _job(a, items, out)
         same = all(by_item[i] == {t} for i, t in job_texts.items() if i in by_item)
         print(f"  batch job at --batch {a.batch}: {job_iph:.0f} items/hour (item loop); server / job = "
               f"{iph / job_iph:.2f}; outputs identical to the job's: {same}")
+        print(f"  the job's read + preprocess + prefill of an item, median {job_first:.3f} s; the server's time to "
+              f"first token p50 / that = {_pct(ttft, 0.5) / job_first:.2f}")
     print(f"  (server log and job run in {out})")
     return 0 if ok and consistent and same else 1
 
