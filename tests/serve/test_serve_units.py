@@ -153,3 +153,28 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_is_dropped(gated_serv
     assert {p: a.choices[0].message.content for p, a in answers.items()} == {
         p: f"answer to {p}" for p in ("first", "second", "third")}
     assert sorted(llm.seen) == ["first", "second", "third"]  # each decoded once; "leaves" never
+
+
+def test_a_body_that_is_not_a_request_is_a_400_in_openai_s_shape(gated_server):
+    import json
+    import urllib.error
+    import urllib.request
+
+    _, _, base, _ = gated_server
+    for body in (b"not json", b'{"messages": []}', b'{"messages": [{"role": "user", "content": 3}]}'):
+        req = urllib.request.Request(f"{base}/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400
+        error = json.loads(e.value.read())["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith("invalid request")
+
+
+def test_a_non_loopback_host_without_a_key_is_refused_before_any_model_loads(monkeypatch, capsys):
+    from vpsd.serve.cli import _is_loopback, main
+
+    monkeypatch.delenv("VPSD_API_KEY", raising=False)
+    assert main(["--config", "no/such/config.yaml", "--host", "0.0.0.0"]) == 2
+    assert "without an API key" in capsys.readouterr().err
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.5") and not _is_loopback("example.org")
