@@ -203,7 +203,7 @@ class _Events:
             if job.first_token is None and request.committed:
                 job.first_token, job.batch_size = now, len(engine.requests)
             if item.stream is not None and (delta := item.stream.update(request.machine.output())):
-                job.on_text(delta)
+                _emit(job, delta)
 
     def _answer(self, item: _Item, out: Output) -> None:
         job = item.job
@@ -218,7 +218,7 @@ class _Events:
             return
         if item.stream is not None and not job.gone and out.finish_reason != "error" and (
                 rest := item.stream.finish(out.text)):
-            job.on_text(rest)
+            _emit(job, rest)
         job.future.set_result(Done(out, (job.started or job.enqueued) - job.enqueued, job.batch_size))
 
     def fail_all(self, error: BaseException) -> None:
@@ -227,6 +227,14 @@ class _Events:
             if not item.job.future.done():
                 item.job.future.set_exception(error)
         self.queue.running = 0
+
+
+def _emit(job: Job, text: str) -> None:
+    """A streamed job's text to its handler; a handler whose event loop has closed (the server stopped) is gone."""
+    try:
+        job.on_text(text)
+    except RuntimeError:
+        job.gone = True
 
 
 def _failed(item_id: str, error: Exception) -> Output:
