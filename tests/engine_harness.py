@@ -13,7 +13,7 @@ from vpsd.decoders.ar import decode_ar
 from vpsd.decoders.sd import decode_sd
 from vpsd.engine.engine import Engine
 from vpsd.engine.keep import keep_policy_for
-from vpsd.engine.local_drafter import LocalDrafter
+from vpsd.engine.drafters.local import LocalDrafter
 from vpsd.engine.request import Request
 from vpsd.engine.scheduler import Scheduler
 from vpsd.models.base import VideoLMAdapter
@@ -23,7 +23,7 @@ from vpsd.pipeline.result import DecodeResult
 from vpsd.roles.draft import DraftWorker
 from vpsd.roles.link import Idle, MemoryHub
 from vpsd.roles.pruner import PrunerWorker
-from vpsd.roles.target import RemoteDrafter
+from vpsd.engine.drafters.remote import RemoteDrafter
 
 PROMPTS = ["Describe the video.", "What happens in this video? Answer in detail.", "Which colours?"]
 

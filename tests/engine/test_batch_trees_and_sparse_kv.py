@@ -1,6 +1,6 @@
 """Draft trees (sd-tree, specvlm) and Sparse-to-Dense's sparse KV (std) in the one engine, at any batch size.
 
-Each is a drafter of the engine (engine/tree_drafter.py, engine/sparse_kv_drafter.py): one commit rule, one round,
+Each is a drafter of the engine (engine/drafters/tree.py, engine/drafters/sparse_kv.py): one commit rule, one round,
 every request in flight drafting in one forward per depth or token and verified in the round's one target
 forward (a tree mask per row). Checked against the reference decoders (decoders/tree_sd.py, decoders/std.py: the
 oracle, one item at a time) at batch 1 and 3: the same tokens, the same accepted tokens in every round, the same

@@ -1,5 +1,5 @@
-"""Parallel speculative decoding over a batch, in one process: the engine with its remote drafter (roles/target.py)
-and the draft and pruner workers (roles/draft.py, roles/pruner.py) speak their msgpack protocol over an
+"""Parallel speculative decoding over a batch, in one process: the engine with its remote drafter (engine/drafters/
+remote.py) and the draft and pruner workers (roles/draft.py, roles/pruner.py) speak their msgpack protocol over an
 in-memory link, and a seeded scheduler interleaves them at random: messages delayed, verdicts arriving while
 the draft is several chunks ahead, items joining mid-batch. Whatever the interleaving, every item's output is
 its batch-1 `ar` output (greedy, fp32; the margin-aware checker judges any difference), for pearl, hippo and

@@ -1,7 +1,7 @@
 """The engine: one target, up to N requests in flight, any drafter (or none), one round at a time.
 
 Every method that drafts a chain runs here, at any batch size, with its draft in this process or on its own
-rank (`Drafter`, engine/drafter.py); `ar` is the same engine with no drafter. A request is prefilled (on any
+rank (`Drafter`, engine/drafters/protocol.py); `ar` is the same engine with no drafter. A request is prefilled (on any
 thread), joins the target's `BatchedCache` (its first token drawn from the prefill's logits, as its batch-1
 decoder draws it), and from then on every round is
 
@@ -33,7 +33,7 @@ import torch
 
 from vpsd.activity import doing
 from vpsd.config import DecodingConfig, RunConfig
-from vpsd.engine.drafter import Drafter, Proposal
+from vpsd.engine.drafters.protocol import Drafter, Proposal
 from vpsd.engine.report import EngineReport
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
@@ -55,12 +55,12 @@ def window_for(dec: DecodingConfig, drafter: Drafter | None, size: int) -> Windo
     signals): Eq. 6 live under gamma auto, else the fixed window. In turns: by goodput under auto at a batch (a
     tree's rounds priced as the tree's rows), else fixed; at batch 1 always the baselines' window, as each
     method's reference decoder drafts (gamma auto: SERIAL_AUTO_GAMMA)."""
-    pipelined = drafter is not None and drafter.streams_signals
+    pipelined = drafter is not None and drafter.overlaps_verify
     if pipelined and dec.auto_gamma:
         return ParallelWindow(dec.gamma_start, dec.gamma_min, dec.gamma_max)
     if pipelined:
         return ParallelWindow(int(dec.gamma), 1, max(int(dec.gamma), dec.gamma_max), fixed=True)
-    tree = getattr(drafter, "tree", None)
+    tree = drafter.tree if drafter is not None else None
     return SerialWindow(dec.serial_gamma(), dec.gamma_min, dec.gamma_max, fixed=size == 1 or not dec.auto_gamma,
                         tree=None if tree is None else (tree.depth, tree.num_nodes))
 

@@ -1,6 +1,6 @@
 """An item's start on both sides, in the target's process: the target's full prefill with the signals the pruning
 strategy reads, the kept video tokens, and the draft's prefill on them (each at its original position). The local
-drafter's (engine/local_drafter.py, engine/tree_drafter.py) and the reference decoders' (decoders/sd.py) one
+drafter's (engine/drafters/local.py, engine/drafters/tree.py) and the reference decoders' (decoders/sd.py) one
 definition of what the draft sees."""
 
 from __future__ import annotations

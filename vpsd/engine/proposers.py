@@ -1,7 +1,7 @@
 """What drafts, whatever the place it runs in: the draft model fed the kept video, or TABED's ensemble of views.
 
 A proposer holds the draft's side of every item it drafts for, by item id, and answers four questions the
-drivers ask (engine/local_drafter.py in the target's process, roles/draft.py on the draft rank):
+drivers ask (engine/drafters/local.py in the target's process, roles/draft.py on the draft rank):
 
     admit(item, emb, keep, gamma)       prefill the item's draft (pruned input, or TABED's views)
     ready(item)                         whether it holds logits for the item's next position
@@ -63,7 +63,7 @@ class ModelProposer:
         return len(feeds), watch.stop()
 
     def feed_tree(self, feeds: dict[str, list[int]], trees: dict[str, TreeFeed]) -> tuple[dict[str, torch.Tensor], Stopwatch]:
-        """One forward of every row's next tree nodes (engine/tree_drafter.py); returns each row's logits, one
+        """One forward of every row's next tree nodes (engine/drafters/tree.py); returns each row's logits, one
         per node, and the stopwatch."""
         watch = Stopwatch(self.draft.device)
         logits = self.batch.step(feeds, trees)

@@ -1,7 +1,7 @@
 """A parallel method's draft and pruner on threads of the target's process (`draft_on: thread`).
 
 The same roles as on their own ranks (roles/draft.py `draft_role`, roles/pruner.py `pruner_role`) and the same
-drafter on the target's side (roles/target.py `RemoteDrafter`), over an in-process carrier (roles/thread_link.py)
+drafter on the target's side (engine/drafters/remote.py `RemoteDrafter`), over an in-process carrier (roles/thread_link.py)
 instead of ZeroMQ and torch.distributed: the draft drafts while the target verifies, as between ranks. Why: on one
 GPU, ranks of their own are processes whose kernels the GPU time-slices (and NCCL refuses two ranks on one GPU,
 so their tensors go through host memory); threads of one process share the GPU through streams, each role's
@@ -28,7 +28,7 @@ from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.methods import Method
 from vpsd.roles.draft import FrameSource, draft_role
 from vpsd.roles.pruner import pruner_role
-from vpsd.roles.target import RemoteDrafter
+from vpsd.engine.drafters.remote import RemoteDrafter
 from vpsd.roles.thread_link import ThreadHub
 from vpsd.tracing import get_logger
 

@@ -22,17 +22,17 @@ import numpy as np
 
 from vpsd.config import RunConfig
 from vpsd.engine.engine import Engine
-from vpsd.engine.local_drafter import LocalDrafter
+from vpsd.engine.drafters.local import LocalDrafter
 from vpsd.engine.scheduler import Scheduler
-from vpsd.engine.sparse_kv_drafter import SparseKVDrafter
-from vpsd.engine.tree_drafter import TreeDrafter
+from vpsd.engine.drafters.sparse_kv import SparseKVDrafter
+from vpsd.engine.drafters.tree import TreeDrafter
 from vpsd.launch.in_process import RoleThreads
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_draft
 from vpsd.pipeline.ensemble import verdicts_carry_target_probs
 from vpsd.pipeline.methods import DraftPlace, Method
 from vpsd.roles.link import Link
-from vpsd.roles.target import RemoteDrafter
+from vpsd.engine.drafters.remote import RemoteDrafter
 from vpsd.video.prefetch import FramePrefetcher
 
 

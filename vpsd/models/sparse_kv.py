@@ -7,7 +7,7 @@ then gathered from the target's own prefill cache: all non-video entries plus ea
 entries. Cached keys already carry their rotary phase, so a gathered entry keeps its position; decoded
 tokens continue from the full sequence's positions (position_offset), and every head keeps K entries so
 the cache stays rectangular. Drafting runs the target's weights on that sparse cache; verification
-runs them on the dense one. Used by the engine's drafter (engine/sparse_kv_drafter.py) and the reference
+runs them on the dense one. Used by the engine's drafter (engine/drafters/sparse_kv.py) and the reference
 decoder (decoders/std.py).
 
 K = the pruning ratio's budget of prunable video tokens (layout.budget): `--ratio 0.9` keeps 10% per

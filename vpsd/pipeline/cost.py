@@ -184,7 +184,7 @@ class SerialWindow:
     fixed: bool = False
     cost: CostModel = field(default_factory=lambda: CostModel(0.9))
     budget: ExploreBudget = field(default_factory=ExploreBudget)
-    # A static draft tree's (depth, nodes) (engine/tree_drafter.py): a round drafts the whole tree or nothing, in
+    # A static draft tree's (depth, nodes) (engine/drafters/tree.py): a round drafts the whole tree or nothing, in
     # `depth` draft forwards, and verifies nodes + 1 rows a drafted item, not a chain's gamma + 1. None: a chain.
     tree: tuple[int, int] | None = None
 

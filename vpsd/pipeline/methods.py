@@ -18,9 +18,9 @@ class DraftPlace(str, Enum):
     """Where a method's draft runs (`Method.draft_place` says which, the one place that decides it)."""
 
     NONE = "none"  # `ar`: the engine alone
-    REMOTE = "remote"  # its own rank beside the target, with the pruner's (roles/target.py)
+    REMOTE = "remote"  # its own rank beside the target, with the pruner's (engine/drafters/remote.py)
     THREADS = "threads"  # the same draft and pruner roles on threads of the target's process (launch/in_process.py)
-    LOCAL = "local"  # in the target's process, taking turns with it (engine/local_drafter.py and its kin)
+    LOCAL = "local"  # in the target's process, taking turns with it (engine/drafters/local.py and its kin)
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class Method:
         NONE         `ar`;
         REMOTE       a parallel method at batch 1, or over a batch when it is pipelined (`batching.pipelined`);
         THREADS      where it would be REMOTE but the run says `draft_on: thread`;
-        LOCAL        a serial method (a chain, engine/local_drafter.py; a tree, engine/tree_drafter.py;
-                     Sparse-to-Dense's sparse KV, engine/sparse_kv_drafter.py), or a parallel one over a batch
+        LOCAL        a serial method (a chain, engine/drafters/local.py; a tree, engine/drafters/tree.py;
+                     Sparse-to-Dense's sparse KV, engine/drafters/sparse_kv.py), or a parallel one over a batch
                      that is not pipelined;
         raises ValueError where the method cannot run at that batch."""
         if not self.uses_draft:

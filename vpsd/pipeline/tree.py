@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from vpsd.pipeline.sampling import ItemSampler, on_generator
+from vpsd.pipeline.verification import residual
 
 Path = tuple[int, ...]
 
@@ -254,13 +255,6 @@ def verify_tree_greedy(tree: DraftTree, node_tokens: list[int], target_logits: t
             return TreeVerification(path, int(best[node]), tree.depth)
         path.append(nxt)
         node = nxt
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(p - q, 0)); all-zero only when p == q, where rejection has probability 0 (float noise: p)."""
-    r = torch.clamp(p - q, min=0.0)
-    total = float(r.sum())
-    return r / total if total > 0 else p
 
 
 def verify_tree_sampling(

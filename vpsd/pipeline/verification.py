@@ -37,6 +37,14 @@ class Verification:
         return list(draft_token_ids[: self.num_accepted]) + [self.next_token]
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)), what a rejection resamples from; all-zero only when p == q, where a rejection has
+    probability 0 (float noise: p)."""
+    r = torch.clamp(p - q, min=0.0)
+    total = float(r.sum())
+    return r / total if total > 0 else p
+
+
 def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor,
                   target_ids: list[int] | None = None) -> Verification:
     """target_logits (k+1, V): row i scores the token at draft position i (row k: bonus). `target_ids`: their
@@ -77,10 +85,7 @@ def verify_sampling(
         # r < p/q, written without the division so q == 0 (a token the draft cannot emit) is safe.
         if r * q < p:
             continue
-        residual = torch.clamp(target_probs[i] - draft_probs[i].to(target_probs.device), min=0.0)
-        total = float(residual.sum())
-        # total == 0 only when p == q, where a rejection has probability 0; guard for float noise.
-        dist = residual / total if total > 0 else target_probs[i]
+        dist = residual(target_probs[i], draft_probs[i].to(target_probs.device))
         token = int(torch.multinomial(on_generator(dist, generator), 1, generator=generator))
         return Verification(num_accepted=i, next_token=token, num_drafted=k)
     token = int(torch.multinomial(on_generator(target_probs[k], generator), 1, generator=generator))

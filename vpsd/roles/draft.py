@@ -34,6 +34,7 @@ import torch
 
 from vpsd.activity import doing
 from vpsd.config import RunConfig
+from vpsd.engine.drafters.chain import feed_rows, lacking
 from vpsd.engine.proposers import ModelProposer, TabedProposer
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.timing import Stopwatch
@@ -212,20 +213,16 @@ class DraftWorker:
                 row.machine.record_proposal(token)
                 proposed += 1
             self._send_ready(item_id, row)
-        feed = {}
-        for item_id, row in self.rows.items():
-            length, pending = row.cursor.sync(row.machine.sequence)
-            if not pending or row.stopped():  # a finished row's last proposal is never fed (as sd.draft_chunk)
-                continue
-            self.proposer.rollback(item_id, length)
-            feed[item_id] = pending
+        # A finished row's last proposal is never fed (as sd.draft_chunk).
+        sequences = {item_id: row.machine.sequence for item_id, row in self.rows.items() if not row.stopped()}
+        cursors = {item_id: self.rows[item_id].cursor for item_id in sequences}
+        feed = lacking(self.proposer, cursors, sequences)
         if not feed:
             return proposed > 0
         rows = sum(len(t) for t in feed.values())
+        # on a GPU the span times the launch; the watch the forward
         with doing("draft", next(iter(feed)), rows), span("draft_step", items=list(feed), rows=rows):
-            _, self._watch = self.proposer.feed(feed)  # on a GPU the span times the launch; the watch the forward
-        for item_id, pending in feed.items():
-            self.rows[item_id].cursor.feed(pending)
+            self._watch = feed_rows(self.proposer, cursors, feed)
         self.steps += 1
         return True
 

@@ -1,7 +1,7 @@
 """What a role's worker sees of the transport: messages and tensors to and from the other roles, by role name.
 
-A worker (roles/target.py, roles/draft.py, roles/pruner.py) never touches a socket or a process
-group: it sends and receives through a `Link`, and a driver loop feeds it the messages. Two carriers:
+A worker (the target's RemoteDrafter, engine/drafters/remote.py; roles/draft.py, roles/pruner.py) never touches a
+socket or a process group: it sends and receives through a `Link`, and a driver loop feeds it the messages. Two carriers:
 
 - `RankLink`, the job's: ZeroMQ control messages and torch.distributed tensors, through the rank's
   RoleContext, with its liveness rules (a silent peer ends the wait in a RoleFailure naming it).

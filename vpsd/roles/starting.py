@@ -1,4 +1,4 @@
-"""How the target starts an item with its draft on its own rank (roles/target.py), on the engine's thread or ahead:
+"""How the target starts an item with its draft on its own rank (engine/drafters/remote.py), on the engine's thread or ahead:
 the JobStart the draft and the pruner are told, and the full prefill that streams the pruner its signals."""
 
 from __future__ import annotations

@@ -17,12 +17,14 @@ import torch
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.engine.keep import keep_policy_for
 from vpsd.engine.pair_prefill import prefill_pair
-from vpsd.engine.drafter import Proposal
+from vpsd.engine.drafters.chain import feed_missing
+from vpsd.engine.drafters.protocol import Proposal
 from vpsd.engine.proposers import ModelProposer
 from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.kv import CacheCursor
 from vpsd.pipeline.messages import VerifyResult
+from vpsd.pipeline.tree import DraftTree
 from vpsd.pipeline.sampling import ItemSampler
 from vpsd.pipeline.seeds import draft_sampler
 from vpsd.models.timing import Stopwatch
@@ -39,7 +41,8 @@ def record_draft_steps(watches: list[Stopwatch], items: list[str]) -> tuple[int,
 
 
 class LocalDrafter:
-    streams_signals = False
+    overlaps_verify = False
+    tree: DraftTree | None = None
 
     def __init__(self, target: VideoLMAdapter, draft: VideoLMAdapter, decoding: DecodingConfig,
                  pruning: PruningConfig, parallel_signals: bool = False) -> None:
@@ -84,31 +87,23 @@ class LocalDrafter:
         active = {r.id: r for r in requests if windows[r.id] > 0}
         if not active:
             return {}
-        feed = {}
-        for item, r in active.items():
-            length, feed[item] = self.cursors[item].sync(r.committed)
-            self.proposer.rollback(item, length)
         tokens: dict[str, list[int]] = {item: [] for item in active}
         probs: dict[str, list[torch.Tensor]] = {item: [] for item in active}
-        watches = []
+        drafting, watches = list(active), []  # the rows still short of their window
         with span("draft", items=list(active), gamma=gamma):
-            while feed:
-                _, watch = self.proposer.feed(feed)
-                watches.append(watch)
-                for item, pending in feed.items():
-                    self.cursors[item].feed(pending)
-                feed = {}
-                for item in active:
-                    if len(tokens[item]) >= windows[item]:
-                        continue
+            while drafting:
+                # One forward: the committed tokens a row's cache lacks (the first step), then its last proposal.
+                # A row whose window is full leaves first: its last proposal is never fed (sd.draft_chunk).
+                watch = feed_missing(self.proposer, self.cursors,
+                                     {item: active[item].committed + tokens[item] for item in drafting})
+                watches += [watch] if watch is not None else []
+                for item in drafting:
                     pos = len(active[item].committed) + len(tokens[item])  # its output position
                     token, q = self.proposer.propose(item, pos, self.samplers[item])
                     tokens[item].append(token)
-                    if q is not None:
-                        probs[item].append(q)
-                    if len(tokens[item]) < windows[item]:  # the last proposal is never fed (sd.draft_chunk)
-                        feed[item] = [token]
-        self._step = record_draft_steps(watches, list(active))
+                    probs[item] += [q] if q is not None else []
+                drafting = [item for item in drafting if len(tokens[item]) < windows[item]]
+        self._step = record_draft_steps(watches, list(active)) if watches else None
         return {item: Proposal(tokens[item], torch.stack(probs[item]) if probs[item] else None,
                                len(r.committed), gamma) for item, r in active.items()}
 

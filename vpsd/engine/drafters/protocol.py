@@ -4,9 +4,9 @@ The engine (engine/engine.py) owns the target: its prefill, its batch, the verif
 A `Drafter` owns everything on the draft's side of an item and answers, each round, with the windows it
 has for the requests in flight (`proposals`). The engine never knows which place it has:
 
-- `LocalDrafter` (engine/local_drafter.py): the draft model in this process. Draft and target take turns:
+- `LocalDrafter` (engine/drafters/local.py): the draft model in this process. Draft and target take turns:
   asked for windows, it drafts them now, every row in one batched forward per token.
-- `RemoteDrafter` (roles/target.py): the draft rank and the pruner rank over the link. They draft
+- `RemoteDrafter` (engine/drafters/remote.py): the draft rank and the pruner rank over the link. They draft
   while the target verifies; asked for windows, it hands over the chunks that have arrived and can be
   verified now (the item's `TargetMachine` drops stale ones), possibly none for some requests.
 
@@ -43,14 +43,19 @@ class Proposal:
     a tree's nodes (`tree`; token_ids are its nodes 1..N, verified together in one forward, pipeline/tree.py)."""
 
     token_ids: list[int]
-    q: torch.Tensor | None  # (k, V) the draft's distributions, when sampling a chain
+    q: torch.Tensor | None  # (k, V) the draft's distributions, when the rejection rule samples a chain
     start: int
     gamma: int  # the window it was drafted under (a tree: its depth)
     tree: DraftedTree | None = None
 
 
 class Drafter(Protocol):
-    streams_signals: bool  # the target's prefill sends its pruning signals from inside (synchronous prefill)
+    # What the engine's pacing reads (engine.window_for): whether the draft drafts while the target verifies (its
+    # own rank or thread: the parallel window, Eq. 6 / Theorem 6; the target's prefill streams the pruner its
+    # signals from inside) or takes turns with it (the serial window), and the static tree a round drafts (None:
+    # a chain), whose rounds the serial window prices as the tree's rows.
+    overlaps_verify: bool
+    tree: DraftTree | None
 
     def start(self, request: Request, gamma: int) -> None:
         """A request is about to be prefilled on the engine's thread: tell the draft's side now (and the window

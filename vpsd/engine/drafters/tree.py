@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.engine.drafter import DraftedTree, Proposal
-from vpsd.engine.local_drafter import LocalDrafter, record_draft_steps
+from vpsd.engine.drafters.protocol import DraftedTree, Proposal
+from vpsd.engine.drafters.chain import feed_missing
+from vpsd.engine.drafters.local import LocalDrafter, record_draft_steps
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.batch import TreeFeed
@@ -67,7 +68,7 @@ class TreeDrafter(LocalDrafter):
             return {}
         self.grown = {}  # every tree of the last round was verified (or its request left)
         with span("draft", items=list(active), gamma=self.tree.depth):
-            watches = [self._roots(active, trees)]
+            watches = [w for w in [self._roots(active, trees)] if w is not None]
             for depth in range(1, self.tree.depth + 1):
                 feeds, shapes = self._expand(depth)
                 if not feeds:
@@ -78,19 +79,15 @@ class TreeDrafter(LocalDrafter):
                     grown = self.grown[item]
                     new = grown.fed[len(grown.fed) - len(feeds[item]):]
                     grown.logits.update(zip(new, rows))
-        self._step = record_draft_steps(watches, list(active))
+        self._step = record_draft_steps(watches, list(active)) if watches else None
         return {item: Proposal(self.grown[item].drafted.tokens[1:], None, len(r.committed), self.tree.depth,
                                tree=self.grown[item].drafted) for item, r in active.items()}
 
     def _roots(self, active: dict[str, Request], trees: dict[str, DraftTree | None]):
         """Every row in line with its committed tokens, in one forward whose last row scores its root."""
-        feed = {}
+        # (the rollback also drops what is left of an unverified tree)
+        watch = feed_missing(self.proposer, self.cursors, {item: r.committed for item, r in active.items()})
         for item, r in active.items():
-            length, feed[item] = self.cursors[item].sync(r.committed)
-            self.proposer.rollback(item, length)  # also drops what is left of an unverified tree
-        _, watch = self.proposer.feed(feed)
-        for item, r in active.items():
-            self.cursors[item].feed(feed[item])
             tree = trees[item]
             grown = _Growing(DraftedTree(tree, [r.committed[-1]] + [0] * tree.num_nodes),
                              root_index=self.cursors[item].length - 1, pos=len(r.committed))

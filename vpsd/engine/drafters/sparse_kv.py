@@ -1,6 +1,6 @@
 """Sparse-to-Dense (`std`) in the engine: the target drafts for itself from a sparse copy of its own cache.
 
-The drafter is the chain drafter of engine/local_drafter.py whose draft model is the target's own weights: each
+The drafter is the chain drafter of engine/drafters/local.py whose draft model is the target's own weights: each
 request's draft row is the sparse cache its prefill chose (models/sparse_kv.py: per layer and KV head, the
 non-video entries and the K video entries the text attended to most), a row of a second batched cache over the
 target, so every request in flight drafts in one forward per token, at any batch size. The target's prefill is
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from vpsd.config import DecodingConfig, PruningConfig
-from vpsd.engine.local_drafter import LocalDrafter
+from vpsd.engine.drafters.local import LocalDrafter
 from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.sparse_kv import kept_video_per_head, sparse_state, std_cache_indices, std_prefill
