@@ -177,10 +177,11 @@ def test_killed_job_rerun_equals_uninterrupted_run(tmp_path_factory, six, uninte
 def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_path_factory, six, uninterrupted,
                                                                           pipelined):
     """Continuous batching (3 items in flight; the parallel method's draft on the target's rank, or pipelined on
-    its own): killed with items in flight, rerun, every id exactly once and every output the batch-1 pipeline's."""
+    its own): killed with items in flight, rerun, every id exactly once and every output the batch-1 pipeline's.
+    ./torchrun.sh names the rank that died, by role, rank, node and signal, in the job's one line."""
     out = tmp_path_factory.mktemp("killed_batched")
     mode = ["--set", f"batching.pipelined={str(pipelined).lower()}"]
-    proc = subprocess.Popen(torchrun_cmd(3) + job_args(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode), cwd=ROOT,
+    proc = subprocess.Popen(launcher_cmd(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
     try:
         wait_for_results(proc, out, 1, 180)
@@ -191,9 +192,13 @@ def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode == 1, stderr[-3000:]
     assert "most recent call first" in stderr and "serve_draft" in stderr, stderr[-3000:]  # its threads' stacks
     assert 1 <= len(results(out)) < 6, "the kill came too late to test anything"
+    assert [line for line in stderr.splitlines() if line.startswith("vpsd:")] == [
+        f"vpsd: target (rank 0, node 0) was killed by SIGKILL; {len(results(out))} results kept in {out}; rerun the "
+        f"same command to do the rest"], stderr[-3000:]
+    assert "ChildFailedError" not in stderr
     rerun = run_job(CONFIG, six, out, METHOD, "--quiet", "--batch", "3", *mode)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert_same_results(out, uninterrupted)

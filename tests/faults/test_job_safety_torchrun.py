@@ -3,8 +3,9 @@
 - A process without the job's secret sends the ranks forged Shutdowns and random bytes under the ranks'
   identities while a second job is started on the same --out: the first job ends as if alone (exit 0, outputs
   equal to `ar`, one line per item) and the second stops at launch naming the first.
-- A SIGKILLed torchrun agent takes its ranks with it: nothing in --out changes after a second, and
-  ./torchrun.sh says what happened.
+- However a job is stopped (Ctrl-C, a rank killed, SIGTERM or SIGKILL to ./torchrun.sh's process, SIGHUP,
+  SIGTERM to its group), every process of it ends within a bound, nothing in --out changes after, one line says
+  what happened, and the same command resumes: every item once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +26,8 @@ import pytest
 import zmq
 
 from tests.torchrun_jobs import ar_reference
-from tests.torchrun_jobs import ROOT, job_args, launcher_cmd, results, torchrun_cmd, world_manifest
+from tests.torchrun_jobs import (ROOT, job_args, job_env, launcher_cmd, results, torchrun_cmd, wait_for_results,
+                                 world_manifest)
 from vpsd.launch.entry import main
 from vpsd.launch.lifetime import LOCK_FILE
 from vpsd.launch.manifest import load_manifest
@@ -128,12 +131,19 @@ def test_strangers_change_nothing_and_a_second_job_on_the_same_out_refuses(tmp_p
     assert (out / "results.jsonl").read_text().splitlines() == lines
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        kids += [int(k) for k in text]
-    return kids
+def _job_processes(out: Path) -> list[int]:
+    """Every live process of a job on `out` (its launcher and ranks all carry --out in their command line), but
+    this test's own."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if str(out).encode() + b"\0" in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -147,64 +157,117 @@ def _snapshot(out: Path) -> dict[str, int]:
     return {str(p.relative_to(out)): p.stat().st_size for p in out.rglob("*") if p.is_file()}
 
 
-def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path_factory):
-    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=6)
-    out = tmp_path_factory.mktemp("orphans")
-    launcher = subprocess.Popen(launcher_cmd(CONFIG, manifest, out, "pearl", "--quiet"), cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+def _rank_pid(out: Path, role: str) -> int:
+    """The pid of the running job's `role` rank: the last role_started event of its trace (a resumed job appends)."""
+    pids = [json.loads(line)["pid"] for path in (out / "traces").glob(f"rank*_{role}.jsonl")
+            for line in path.read_text().splitlines() if '"role_started"' in line]
+    return pids[-1]
+
+
+def _stop_midway(cmd: list[str], out: Path, stop) -> tuple[int, str, int]:
+    """Launch `cmd`, wait for one more result than --out holds, `stop(launcher)`; then every process of the job
+    is gone within a bound and nothing writes in --out any more. The launcher's exit status, its stderr and how
+    many results were kept."""
+    before = len(results(out))
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # a group of its own, as a terminal's job
     try:
-        deadline = time.monotonic() + 120
-        while not results(out):  # at least one item done: the ranks are writing
-            assert time.monotonic() < deadline and launcher.poll() is None, "no item finished"
+        wait_for_results(launcher, out, before + 1, 120)
+        stop(launcher)
+        _, stderr = launcher.communicate(timeout=STOP_BOUND_S)
+        deadline = time.monotonic() + STOP_BOUND_S
+        while _job_processes(out):
+            assert time.monotonic() < deadline, f"still running after the stop: {_job_processes(out)}\n{stderr[-3000:]}"
             time.sleep(0.1)
-        (agent,) = _children(launcher.pid)  # ./torchrun.sh -> torchrun's agent -> the ranks
-        ranks = _children(agent)
-        assert len(ranks) == 3
-        os.kill(agent, signal.SIGKILL)
-        _, stderr = launcher.communicate(timeout=30)
-        time.sleep(1.0)
-        assert not [r for r in ranks if _alive(r)], "ranks outlived their launcher"
-        before = _snapshot(out)
-        time.sleep(1.0)
-        assert _snapshot(out) == before  # nothing writes any more
     finally:
         if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGKILL
-    assert "torchrun was killed by signal KILL" in stderr and "rerun the same command" in stderr
+            os.killpg(launcher.pid, signal.SIGKILL)
+    snapshot = _snapshot(out)
+    time.sleep(1.0)
+    assert _snapshot(out) == snapshot, "something still writes in --out"
+    kept = results(out)
+    assert before < len(kept) and all(r["error"] is None for r in kept.values())
+    return launcher.returncode, stderr, len(kept)
 
 
-def test_ctrl_c_says_one_line_keeps_what_finished_and_the_same_command_resumes(tmp_path_factory):
-    """Ctrl-C reaches the launcher's whole process group. Each rank printed a KeyboardInterrupt traceback and the
-    launcher exited 1; now the target rank says once what is kept, every rank leaves at once, the launcher exits
-    130 (as a shell does for SIGINT), and the same command finishes the rest, every id once."""
-    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=6)
-    out = tmp_path_factory.mktemp("ctrl-c")
+def _said(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("vpsd:")]
+
+
+STOP_BOUND_S = 30  # torchrun's agent kills a rank SHUTDOWN_S (5 s) after the stop signal; the rest is start-up slack
+
+
+def test_however_the_job_is_stopped_it_all_stops_says_what_is_kept_and_the_same_command_resumes(tmp_path_factory):
+    """One job on a 10-item manifest, stopped midway the ways users and supervisors stop jobs, then run to its end by
+    the same command: every id exactly once, the kept lines untouched.
+
+    - Ctrl-C (SIGINT to the launcher's group): each rank printed a KeyboardInterrupt traceback and the launcher
+      exited 1; now one line says what is kept and the launcher exits 130, as a shell does.
+    - SIGTERM to the launcher's pid alone (`Popen.terminate()`, a supervisor): the launcher exited 143 at once and
+      silently while torchrun and every rank went on, re-parented to init, writing results. A second job on the
+      same --out meanwhile is refused at once, exit 2, with the one line and no torchrun failure block.
+    - SIGKILL to the launcher's pid: nothing can run in it; the ranks die with it.
+    (A rank that dies: test_batch_torchrun's killed pipelined batch; SIGHUP and SIGTERM to the group: below.)"""
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=10)
+    out = tmp_path_factory.mktemp("stopped")
     cmd = launcher_cmd(CONFIG, manifest, out, "pearl", "--quiet")
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not results(out):  # at least one item done
-            assert time.monotonic() < deadline and launcher.poll() is None, "no item finished"
-            time.sleep(0.1)
-        (agent,) = _children(launcher.pid)
-        ranks = _children(agent)
-        os.killpg(launcher.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 130, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith("vpsd:")]
-    assert said == [f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to do the rest"]
+
+    code, stderr, kept = _stop_midway(cmd, out, lambda launcher: os.killpg(launcher.pid, signal.SIGINT))
+    assert code == 130, stderr[-3000:]
+    assert _said(stderr) == [f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to "
+                             f"do the rest"]
     assert "[rank" not in stderr and "KeyboardInterrupt" not in stderr
-    assert not [r for r in ranks if _alive(r)]
-    kept = results(out)  # whole lines, each a finished item
-    assert 1 <= len(kept) < 6 and all(r["error"] is None for r in kept.values())
-    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    first = results(out)
+
+    def terminate_and_start_another(launcher: subprocess.Popen) -> None:
+        t0 = time.monotonic()
+        second = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and time.monotonic() - t0 < 5, second.stderr[-3000:]
+        assert _said(second.stderr) == [line for line in second.stderr.splitlines() if line.strip()]
+        assert len(_said(second.stderr)) == 1 and f"{out} is in use by another job (pid " in second.stderr
+        launcher.terminate()
+
+    code, stderr, kept = _stop_midway(cmd, out, terminate_and_start_another)
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert _said(stderr) == [f"vpsd: stopped by SIGTERM: the items finished are kept in {out}; rerun the same "
+                             f"command to do the rest"]
+
+    code, stderr, kept = _stop_midway(cmd, out, lambda launcher: launcher.kill())
+    assert code == -signal.SIGKILL and kept < 10, "the kill came too late to test anything"
+
+    rerun = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in lines) == sorted(it.id for it in load_manifest(manifest)[0])
-    assert all(lines[i] == kept[lines[i]["id"]] for i in range(len(kept)))  # the kept lines, untouched, first
+    assert lines[:len(first)] == list(first.values())  # the kept lines, untouched, first
+
+
+@pytest.mark.slow  # the same launcher code as SIGTERM to its pid, and a rank's death as in test_batch_torchrun
+def test_sighup_a_dead_draft_and_sigterm_to_the_group_stop_the_job_the_same_way(tmp_path_factory):
+    """A closed terminal (SIGHUP to the launcher); the draft rank SIGKILLed, named with the target's item (it was
+    "target (rank 0) stopped by torchrun ...: another rank failed"); SLURM's SIGTERM to every process of the step,
+    before its SIGKILL. Then the same command finishes the rest, every id once."""
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=10)
+    out = tmp_path_factory.mktemp("hangup")
+    cmd = launcher_cmd(CONFIG, manifest, out, "pearl", "--quiet")
+    code, stderr, _ = _stop_midway(cmd, out, lambda launcher: os.kill(launcher.pid, signal.SIGHUP))
+    assert code == 128 + signal.SIGHUP, stderr[-3000:]
+    assert _said(stderr) == [f"vpsd: stopped by SIGHUP: the items finished are kept in {out}; rerun the same "
+                             f"command to do the rest"]
+
+    code, stderr, kept = _stop_midway(cmd, out, lambda launcher: os.kill(_rank_pid(out, "draft"), signal.SIGKILL))
+    assert code == 1, stderr[-3000:]
+    (line,) = _said(stderr)
+    assert re.fullmatch(rf"vpsd: draft \(rank 1, node 0\) was killed by SIGKILL while the target was on item "
+                        rf"world-\d+; {kept} results kept in {re.escape(str(out))}; rerun the same command to do the "
+                        rf"rest", line), line
+    assert "ChildFailedError" not in stderr
+
+    code, stderr, _ = _stop_midway(cmd, out, lambda launcher: os.killpg(launcher.pid, signal.SIGTERM))
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert _said(stderr) == [f"vpsd: stopped by SIGTERM: the items finished are kept in {out}; rerun the same "
+                             f"command to do the rest"]
+    rerun = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(ids) == sorted(it.id for it in load_manifest(manifest)[0])

@@ -105,15 +105,12 @@ def _shard(text: str) -> Shard:
 
 
 # Set by ./torchrun.sh for a single-node job: a path where a rank that refuses to start leaves a mark, then
-# exits 0, so that torchrun does not print its failure block (a traceback-sized "ChildFailedError" report)
-# under vpsd's own lines; the launcher sees the mark and exits 2 itself. Only for refusals every rank reaches
-# on its own (on one node they read the same files): a rank exiting 0 while its peers go on would leave them
-# waiting for it. Started any other way, a refusing rank exits 2.
+# exits 0, so that its peers do not start for nothing; the launcher (vpsd/launch/launcher.py) sees the mark and
+# exits 2 itself. Only for refusals every rank reaches on its own (on one node they read the same files): a rank
+# exiting 0 while its peers go on would leave them waiting for it. Started any other way, a refusing rank exits 2.
+# (The target's refusal of a busy --out marks it too, and exits 2 so that torchrun stops the others: entry.py.)
 REFUSAL_MARK = "VPSD_REFUSAL_MARK"
 INTERRUPTED = 130  # the shells' status for a command ended by SIGINT (128 + 2)
-# Set by ./torchrun.sh for a single-node job: the target rank marks it on Ctrl-C, and the launcher exits 130
-# (torchrun itself exits 1 after a SIGINT, whatever its ranks did).
-INTERRUPT_MARK = "VPSD_INTERRUPT_MARK"
 # Set by the Python API for the ranks it starts (launch/served.py): the job's coordinator is the API's process,
 # which hands them the items of each generate call, so pipeline 0's target starts none of its own.
 SERVED = "VPSD_SERVED"

@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from vpsd.activity import ACTIVITY, START, doing
 from vpsd.config import ConfigError, RunConfig
-from vpsd.launch.arguments import INTERRUPT_MARK, INTERRUPTED, REFUSAL_MARK, SERVED, parse_args, refuse  # noqa: F401
+from vpsd.launch.arguments import INTERRUPTED, REFUSAL_MARK, SERVED, parse_args, refuse  # noqa: F401
 from vpsd.launch.coordinator import Coordinator
 from vpsd.launch.job_identity import JobMismatch, check_resume
 from vpsd.launch.layout import FOLLOWER, SOLO, Layout, Pipeline, pinned_cores, plan
 from vpsd.launch.lifetime import OutDirBusy, die_with_parent, end_silent_peer, lock_out_dir
 from vpsd.launch.preflight import affinity_problems, path_problems
+from vpsd.launch.rank_records import launch_dir, note, record_rank
 from vpsd.launch.say import say
 from vpsd.launch.settings import run_config
 from vpsd.pipeline.methods import DraftPlace, Method, get_method
@@ -41,6 +42,9 @@ from vpsd.transport.auth import MissingSecret, job_secret
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.startup import RanksMissing
 from vpsd.transport.tensors import TensorChannel, init_distributed
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a job (vpsd/launch/launcher.py)
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([f"method {method.name}: {e}"])
     rank = int(os.environ.get("RANK", "0"))
     is_leader = rank == layout.leader.target  # holds --out's lock and runs the job's coordinator
-    signal.signal(signal.SIGINT, lambda signum, frame: interrupted(is_leader, out))
+    on_stop_signals(layout, rank, is_leader, out)
     secret = preflight(args, cfg, method, out, is_leader, layout)
     if isinstance(secret, int):
         return secret  # refused
@@ -162,14 +166,26 @@ def run_follower(cfg: RunConfig, group, leader: int) -> None:
     get_logger().info("follower_done", leader=leader, forwards=forwards)
 
 
+def on_stop_signals(layout: Layout, rank: int, is_leader: bool, out: Path) -> None:
+    """Under ./torchrun.sh, whose launcher says once what stopped the job (launch/launcher.py): this rank's record
+    for it, and SIGINT, SIGTERM, SIGHUP end the rank at once, silently. Under torchrun started by hand: Ctrl-C
+    said by the leader (`interrupted`)."""
+    if launch_dir() is None:
+        signal.signal(signal.SIGINT, lambda signum, frame: interrupted(is_leader, out))
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+    placed = layout.of_rank(rank)
+    record_rank(placed[1] if placed is not None else "spare", rank, placed[0].index if placed is not None else None)
+
+
 def interrupted(is_target: bool, out: Path) -> None:
-    """Ctrl-C reaches every rank (the terminal's process group, and torchrun forwards it): one line from the
-    target rank, not a KeyboardInterrupt traceback from each. Results are whole lines (vpsd/storage.py), so
-    leaving at once keeps every finished item, and the same command resumes."""
+    """Ctrl-C under torchrun started by hand (./torchrun.sh's launcher says it itself): it reaches every rank (the
+    terminal's process group, and torchrun forwards it): one line from the target rank, not a KeyboardInterrupt
+    traceback from each. Results are whole lines (vpsd/storage.py), so leaving at once keeps every finished
+    item, and the same command resumes."""
     if is_target:
         say(f"interrupted: the items finished are kept in {out}; rerun the same command to do the rest")
-        if os.environ.get(INTERRUPT_MARK):
-            Path(os.environ[INTERRUPT_MARK]).touch()
     os._exit(INTERRUPTED)
 
 
@@ -194,7 +210,10 @@ def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Pat
             lock_out_dir(out)  # the results writer holds --out for its whole life: one job per directory
         check_resume(out, method.name, cfg)  # every rank, before any of them loads a model
     except OutDirBusy as e:
-        # Only the target rank tried the lock: it reports, and exits 2 so that torchrun stops the others.
+        # Only the target rank tried the lock: it reports, and exits 2 so that torchrun stops the others; the mark
+        # tells ./torchrun.sh's launcher that this was a refusal (exit 2, no failure line of its own).
+        if os.environ.get(REFUSAL_MARK):
+            Path(os.environ[REFUSAL_MARK]).touch()
         return refuse([str(e)], reporter=True, every_rank=False)
     except OSError as e:  # --out could not be made (what path_problems cannot see: a read-only mount, root's /proc)
         return refuse([f"--out {out}: {e.strerror or e}"], reporter=True, every_rank=False)
@@ -229,7 +248,15 @@ def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method:
         say(msg)
         os._exit(1)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    def on_stop(signum, frame):  # under ./torchrun.sh: its launcher names who failed, or says the job was stopped
+        note(rank, item=ctx.item_id)  # the launcher's line says what the target was on
+        os._exit(128 + signum)
+
+    if launch_dir() is not None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, on_stop)
+    else:
+        signal.signal(signal.SIGTERM, on_sigterm)
     return ctx
 
 
@@ -280,10 +307,14 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
         silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
         msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
         get_logger().error("role_failed", error=msg)
-        say(msg)
+        if launch_dir() is not None:  # ./torchrun.sh's launcher says it, unless a peer died: then it names that one
+            note(rank, item=ctx.item_id, said=msg)
+        else:
+            say(msg)
         if silent is not None:
             try:  # a stopped rank would hold torchrun 30 s past this report
-                end_silent_peer(ctx.ctrl.peer_record(silent))
+                if end_silent_peer(ctx.ctrl.peer_record(silent)):
+                    note(silent, ended_by=f"{role} (rank {rank})")
             except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
                 pass
         os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger

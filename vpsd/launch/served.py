@@ -224,7 +224,7 @@ def _child_environment() -> dict[str, str]:
     launch: lmms-eval under torchrun or `accelerate launch`). Such a caller's ranks get its GPU alone, so that
     their placement (transport/placement.py, by local rank) stays on the GPU the caller was given."""
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "VPSD_REFUSAL_MARK", "VPSD_INTERRUPT_MARK")
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "VPSD_REFUSAL_MARK", "VPSD_LAUNCH_DIR")
     env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
     # One intra-op thread a rank unless the caller says otherwise, as torchrun sets for several ranks a node: three
     # ranks each with a thread a core oversubscribe the cores (measured: the embedded pair's hippo decoded an item
