@@ -9,8 +9,6 @@ Every component reads only its own section.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from vpsd.checked import ConfigError, checked_section, fits, nearest, type_name
 from vpsd.models.spec import ModelSpec
 from vpsd.pipeline.ensemble import TabedConfig
 from vpsd.pipeline.sampling import SamplingRule
@@ -251,66 +250,6 @@ TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_ti
              "profile_rounds")
 
 
-class ConfigError(ValueError):
-    """Settings that cannot run; `problems` holds one line per problem."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-def nearest(key: str, known: typing.Iterable[str]) -> str:
-    """' (did you mean X?)' for the closest known key, or ''."""
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _section(cls, data: dict | None, name: str | None = None):
-    data = dict(data or {})
-    name = name or cls.__name__
-    names = [f.name for f in dataclasses.fields(cls)]
-    problems = [f"unknown key {name}.{k}{nearest(k, names)}" for k in data if k not in names]
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        if key in names and not _fits(value, hints[key]):
-            problems.append(f"{name}.{key} must be {_type_name(hints[key])}, got {value!r}")
-    if problems:
-        raise ConfigError(problems)
-    try:
-        return cls(**data)
-    except (ValueError, TypeError) as e:
-        raise ConfigError([f"{name}: {e}"]) from None
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a YAML value fits a field's annotation (only the simple types settings use are checked)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (dict, list, tuple):
-        return isinstance(value, origin)
-    return True  # Any and the like
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    origin = typing.get_origin(hint)
-    return getattr(origin or hint, "__name__", str(hint))
-
-
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     data = dict(data)
     missing = [k for k in ("family", "target") if k not in data]
@@ -326,7 +265,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     built, problems = {}, []
     for name, (cls, section) in sections.items():  # every section's problems, not just the first one's
         try:
-            built[name] = _section(cls, section, name)
+            built[name] = checked_section(cls, section, name)
         except ConfigError as e:
             problems += e.problems
     tabed = data.pop("tabed", None)
@@ -339,10 +278,10 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     for key in TOP_LEVEL:
         if key in data:
             value = data.pop(key)
-            if _fits(value, hints[key]):
+            if fits(value, hints[key]):
                 top[key] = value
             else:
-                problems.append(f"{key} must be {_type_name(hints[key])}, got {value!r}")
+                problems.append(f"{key} must be {type_name(hints[key])}, got {value!r}")
     known = [*SECTIONS, "tabed", *TOP_LEVEL]
     problems += [f"unknown setting {k!r}{nearest(k, known)}" for k in data]  # read by nobody: say so
     if problems:

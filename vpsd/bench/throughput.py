@@ -49,6 +49,7 @@ from pathlib import Path
 from vpsd.pipeline.theory import serial_round_token_time
 from vpsd.pipeline.theory import parallel_sd_rollback_token_time
 from vpsd.bench.methods import BenchRun, run_one, write_report
+from vpsd.bench.tiling import tile_manifest
 from vpsd.reports.summary import read_rows
 
 
@@ -158,22 +159,6 @@ def _batch_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"need batch sizes >= 1, comma-separated (e.g. 1,2,4,8), got {text!r}")
     return sizes
-
-
-def tile_manifest(manifest: Path, times: int, out: Path) -> Path:
-    """The manifest `times` over (ids suffixed #k, video paths made absolute), written to OUT/manifest_xK.jsonl."""
-    if times <= 1:
-        return manifest
-    lines = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
-    rows = []
-    for k in range(times):
-        for item in lines:
-            video = Path(item["video"])
-            rows.append({**item, "id": f"{item['id']}#{k}",
-                         "video": str(video if video.is_absolute() else (manifest.parent / video).resolve())})
-    path = out / f"manifest_x{times}.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 # What a bench run scheduled, so that `--report-only` re-reads exactly those runs (given other flags it read

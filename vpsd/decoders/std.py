@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.pipeline.result import DecodeResult
