@@ -21,9 +21,11 @@ engine, scheduler, drafters and roles. Where the method runs:
   on a GPU each on its own CUDA stream), no child process at all.
 A list of requests runs through the engine's continuous batching when `batch > 1`.
 
-Bad input: a setting that cannot run raises `ConfigError` (one line a problem, the job's lines) when the `LLM` is
-made; a request whose video is missing, corrupt or too long, or whose settings are wrong, does not stop the
-others: its `Output` carries the error (`error`, `error_kind`), as a job's result row does. `VideoError` is the
+Bad input: a setting that cannot run (or a config file that is not there) raises `ConfigError` (one line a
+problem, the job's lines) when the `LLM` is made; a request whose video is missing, corrupt or too long, or that
+is malformed (a prompt or video of the wrong type, an empty prompt, chat messages without one user turn: kind
+`bad_request`, the items a job's manifest refuses), does not stop the others: its `Output` carries the error
+(`error`, `error_kind`), as a job's result row does. `VideoError` is the
 same typed exception the job writes rows from; a child rank that dies is `RanksFailed`, with what it said.
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import reprlib
 import shutil
 import tempfile
 import weakref
@@ -139,8 +142,11 @@ class LLM:
         except ValueError as e:
             raise ConfigError([str(e)]) from None
         overrides = {**({} if draft_on is None else {"draft_on": draft_on}), **(settings or {})}
-        self.config: RunConfig = run_config(config, method, pruning=pruning, ratio=ratio, gamma=gamma, batch=batch,
-                                            overrides=overrides, local_world=1)
+        try:
+            self.config: RunConfig = run_config(config, method, pruning=pruning, ratio=ratio, gamma=gamma,
+                                                batch=batch, overrides=overrides, local_world=1)
+        except FileNotFoundError as e:  # the job's refusal of it, word for word (launch/entry.py)
+            raise ConfigError([f"no such config file: {e.filename}"]) from None
         if trace_dir is not None:
             configure_tracing(Path(trace_dir), "api", 0)
         elif not structlog.is_configured():
@@ -175,12 +181,17 @@ class LLM:
         problems = params.check()
         if problems:
             raise ConfigError(problems)
-        todo = [self._item(r) for r in ([requests] if isinstance(requests, VideoRequest) else list(requests))]
-        if len({item.id for item in todo}) != len(todo):
+        items = [self._item(r) for r in ([requests] if isinstance(requests, VideoRequest) else list(requests))]
+        if len({item.id for item in items}) != len(items):
             raise ValueError("two requests of one generate call have the same id")
-        cfg = self._decoding_config(params)
-        outputs = self._on_ranks(todo, cfg, params) if self.served else self._in_process(todo, cfg, params)
-        return [outputs[item.id] for item in todo]
+        # A malformed request is its own Output (bad_request), as a bad manifest line is that item's problem: the
+        # good requests beside it still decode.
+        outputs = {item.id: _bad_request(item.id, item.problem) for item in items if item.problem is not None}
+        todo = [item for item in items if item.problem is None]
+        if todo:
+            cfg = self._decoding_config(params)
+            outputs.update(self._on_ranks(todo, cfg, params) if self.served else self._in_process(todo, cfg, params))
+        return [outputs[item.id] for item in items]
 
     def _in_process(self, todo: list[_Item], cfg: RunConfig, params: SamplingParams) -> dict[str, Output]:
         frames = SharedFrames()
@@ -248,9 +259,20 @@ class LLM:
                       row.stats.get("num_video_tokens"), int(row.stats.get("generated_tokens", len(row.token_ids))),
                       dict(row.stats))
 
-    def _item(self, r: VideoRequest) -> _Item:
+    def _item(self, r: Any) -> _Item:
+        """A request as the call's item; what makes it malformed in `problem` (then it is not decoded)."""
         self._count += 1
-        return _Item(r.id or f"request-{self._count}", r.video, r.prompt, r.frame_times, r.seed)
+        fallback = f"request-{self._count}"
+        if not isinstance(r, VideoRequest):
+            return _Item(fallback, None, "", None, problem=f"a request must be a vpsd.VideoRequest, got {_kind(r)}")
+        item_id, problem = fallback, None
+        if isinstance(r.id, int) and not isinstance(r.id, bool):
+            item_id = str(r.id)  # as a manifest's integer id
+        elif isinstance(r.id, str) and r.id.strip():
+            item_id = r.id
+        elif r.id is not None:
+            problem = f"id must be a non-empty string, got {r.id!r}"
+        return _Item(item_id, r.video, r.prompt, r.frame_times, r.seed, problem or _request_problem(r))
 
     def _decoding_config(self, params: SamplingParams) -> RunConfig:
         dec = dataclasses.replace(self.config.decoding, temperature=float(params.temperature), top_k=params.top_k,
@@ -318,12 +340,35 @@ class _Item:
     prompt: str | list[dict[str, Any]]
     frame_times: np.ndarray | None
     seed: int | None = None
+    problem: str | None = None  # why the request is malformed (its Output says it, kind bad_request)
+
+
+def _request_problem(r: VideoRequest) -> str | None:
+    """What makes a request malformed, in the words of a manifest's checks: the job and the API take the same
+    items (launch/manifest.py: a video path, a non-empty prompt, a seed >= 0)."""
+    video = r.video
+    if isinstance(video, str) and not video.strip():
+        return "video is empty: give a video file, a folder of frames, or the frames as an array"
+    if not isinstance(video, (str, Path, np.ndarray)):
+        return f"video must be a path (str or Path) or a (T, H, W, 3) uint8 array, got {_kind(video)}"
+    try:
+        text = _prompt_text(r.prompt)
+    except ValueError as e:
+        return str(e)
+    if not text.strip():
+        return "prompt is empty (a job refuses such an item too: vpsd check)"
+    if r.seed is not None and (isinstance(r.seed, bool) or not isinstance(r.seed, int) or r.seed < 0):
+        return f"seed must be an int >= 0, got {r.seed!r}"
+    return None
 
 
 def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
     """A prompt, or the text of chat messages' one user turn (ValueError for what a video prompt cannot hold)."""
     if isinstance(prompt, str):
         return prompt
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) for m in prompt):
+        raise ValueError(f"prompt must be a string or chat messages (a list of {{'role': ..., 'content': ...}} "
+                         f"dicts), got {_kind(prompt)}")
     turns = [m for m in prompt if m.get("role") == "user"]
     others = [m.get("role") for m in prompt if m.get("role") != "user"]
     if len(turns) != 1 or others:
@@ -332,7 +377,17 @@ def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
     content = turns[0].get("content")
     if isinstance(content, str):
         return content
-    return "\n".join(part["text"] for part in content or [] if part.get("type") == "text")
+    if not isinstance(content, (list, tuple)) or not all(isinstance(p, dict) for p in content):
+        raise ValueError(f"the user turn's content must be a string or a list of {{'type': ...}} parts, got "
+                         f"{_kind(content)}")
+    texts = [part.get("text") for part in content if part.get("type") == "text"]
+    if not all(isinstance(t, str) for t in texts):
+        raise ValueError("a text part of the user turn must hold its text as a string")
+    return "\n".join(texts)
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"{type(value).__name__} {reprlib.repr(value)}"
 
 
 class _Events:
@@ -379,6 +434,10 @@ def _sampling_key(cfg: RunConfig) -> tuple:
     """What child ranks hold of a call's sampling settings in their config: other values start them again."""
     dec = cfg.decoding
     return dec.temperature, dec.top_k, dec.top_p, dec.min_p
+
+
+def _bad_request(item_id: str, problem: str) -> Output:
+    return Output(item_id, "", [], "error", error=f"bad request: {problem}", error_kind="bad_request")
 
 
 def _failed(item_id: str, error: Exception) -> Output:

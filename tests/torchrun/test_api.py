@@ -74,23 +74,53 @@ def test_every_method_equals_ar_at_batch_1_and_2(items, ar, method, batch, draft
 BAD = [vpsd.VideoRequest("/no/such/video.mp4", "Describe the video.", id="missing"),
        vpsd.VideoRequest(np.zeros((4, 56, 56), np.uint8), "Describe the video.", id="not-frames"),
        vpsd.VideoRequest(ROOT / "README.md", [{"role": "system", "content": "x"}], id="no-user-turn")]
+# Malformed requests: each was a TypeError for the whole call (the good requests beside it got nothing), or
+# decoded where a job refuses the item (an empty prompt), or an error without a kind.
+MALFORMED = {"prompt-none": vpsd.VideoRequest("/v.mp4", None, id="prompt-none"),
+             "prompt-int": vpsd.VideoRequest("/v.mp4", 7, id="prompt-int"),
+             "video-none": vpsd.VideoRequest(None, "Describe the video.", id="video-none"),
+             "video-int": vpsd.VideoRequest(3, "Describe the video.", id="video-int"),
+             "prompt-empty": vpsd.VideoRequest("/v.mp4", "  ", id="prompt-empty"),
+             "no-user-turn": BAD[2],
+             "messages-not-dicts": vpsd.VideoRequest("/v.mp4", ["user", "hi"], id="messages-not-dicts"),
+             "seed-negative": vpsd.VideoRequest("/v.mp4", "Describe the video.", id="seed-negative", seed=-1)}
 
 
 def check_bad(outs: dict[str, vpsd.Output]) -> None:
     assert outs["missing"].finish_reason == "error" and outs["missing"].error_kind == "missing"
     assert outs["missing"].error == "VideoError: missing video /no/such/video.mp4: no such file or directory"
     assert outs["not-frames"].error_kind == "bad_request" and "(T, H, W, 3) uint8" in outs["not-frames"].error
-    assert "exactly one user turn" in outs["no-user-turn"].error
+    assert "exactly one user turn" in outs["no-user-turn"].error and outs["no-user-turn"].error_kind == "bad_request"
 
 
 def test_a_bad_request_fails_alone_with_the_jobs_error(items, ar):
     with vpsd.LLM(CONFIG, method="hippo", draft_on="thread") as llm:
-        outs = {o.id: o for o in llm.generate([items[0], *BAD, items[1]], vpsd.SamplingParams(max_new_tokens=24))}
+        outs = {o.id: o for o in llm.generate([items[0], *BAD, MALFORMED["prompt-none"], MALFORMED["video-none"],
+                                               items[1]], vpsd.SamplingParams(max_new_tokens=24))}
     assert outs[items[0].id].token_ids == ar[items[0].id] and outs[items[1].id].token_ids == ar[items[1].id]
     check_bad(outs)
+    assert outs["prompt-none"].error_kind == outs["video-none"].error_kind == "bad_request"
+
+
+def test_a_malformed_request_is_its_own_bad_request_output():
+    with vpsd.LLM(CONFIG, method="ar") as llm:  # nothing to decode: no model runs
+        outs = llm.generate(list(MALFORMED.values()) + ["clip.mp4"], vpsd.SamplingParams(max_new_tokens=4))
+    assert [o.id for o in outs] == [*MALFORMED, outs[-1].id] and outs[-1].id.startswith("request-")
+    assert all(o.finish_reason == "error" and o.error_kind == "bad_request" and o.token_ids == [] for o in outs)
+    said = {o.id: o.error for o in outs}
+    assert said["prompt-none"] == ("bad request: prompt must be a string or chat messages (a list of {'role': ..., "
+                                   "'content': ...} dicts), got None")
+    assert said["prompt-int"].endswith("got int 7")
+    assert said["video-none"] == ("bad request: video must be a path (str or Path) or a (T, H, W, 3) uint8 array, "
+                                  "got None")
+    assert said["prompt-empty"] == "bad request: prompt is empty (a job refuses such an item too: vpsd check)"
+    assert "exactly one user turn" in said["no-user-turn"] and "seed must be an int >= 0" in said["seed-negative"]
+    assert said[outs[-1].id] == "bad request: a request must be a vpsd.VideoRequest, got str 'clip.mp4'"
 
 
 def test_bad_settings_are_a_config_error_before_any_model_loads():
+    with pytest.raises(vpsd.ConfigError, match="no such config file: no/such/config.yaml"):
+        vpsd.LLM("no/such/config.yaml", method="ar")
     with pytest.raises(vpsd.ConfigError, match="unknown method 'hipo'"):
         vpsd.LLM(CONFIG, method="hipo")
     with pytest.raises(vpsd.ConfigError, match=r"unknown key decoding\.gama \(did you mean 'gamma'\?\)"):
