@@ -239,3 +239,27 @@ def test_an_item_travels_to_a_pipeline_as_it_was_read(tmp_path):
         assert back == item and back.extra == item.extra
         assert isinstance(back.prompt, ControlText) == isinstance(item.prompt, ControlText)
     assert isinstance(items[1].prompt, ControlText)
+
+
+def test_check_opens_every_video_as_a_job_would_and_names_the_kind(data_dir, capsys):
+    """A file of random bytes and a text file named .mp4 passed (`14 items ok, 4 problems`) and failed at run time
+    as `corrupt`; now `vpsd check` opens each video (container, video stream, first frame) and lists those that
+    fail with the kind a job's result row carries. `--fast` keeps the file-level check."""
+    v = data_dir / "videos"
+    media.write_random_bytes(v / "random.mp4")
+    (v / "text.mp4").write_text("not a video at all\n" * 20)
+    media.write_audio_only(v / "audio.wav")
+    (data_dir / "no_frames").mkdir()
+    videos = ["videos/a.mp4", "videos/random.mp4", "videos/text.mp4", "videos/audio.wav", "frames", "no_frames",
+              "videos/zero.mp4"]
+    manifest = write_lines(data_dir / "m.jsonl", [json.dumps({"id": i, "video": p, "prompt": "p"})
+                                                  for i, p in enumerate(videos)])
+    assert main([str(manifest)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "2 items ok, 5 problems"  # a.mp4 and the frame folder
+    said = {int(line.split(":")[1]): line for line in out[:-1]}
+    assert said[2].endswith("[corrupt]") and f"corrupt video {v / 'random.mp4'}: " in said[2]
+    assert said[3].endswith("[corrupt]") and said[4].endswith("[no_video_stream]")
+    assert said[6].endswith("[empty]") and said[7].endswith("file is empty: " + str(v / "zero.mp4"))
+    assert main([str(manifest), "--fast"]) == 1  # only zero.mp4: the files exist
+    assert capsys.readouterr().out.splitlines()[-1] == "6 items ok, 1 problems"

@@ -16,8 +16,9 @@ Format, one JSON object per line (blank lines and lines starting with `#` are sk
 `load_manifest` never raises for a bad line: each line either becomes an item or yields problems,
 all of them, with the line number, so one pass over a large manifest shows everything to fix. It
 raises `ManifestError` only when the manifest itself cannot be read. `check_manifest` prints those
-problems as `path:line: message` and returns an exit code (`python -m vpsd.launch.manifest FILE`).
-Files are only checked to exist and be non-empty; decoding them is the reader's job.
+problems as `path:line: message` and returns an exit code (`vpsd check FILE`): it also opens every video as a
+job's reader starts it (container, video stream, first frame) and lists those that fail with the job's error kind;
+`--fast` only checks that the files exist and are non-empty. Decoding a whole video is the reader's job.
 """
 
 from __future__ import annotations
@@ -296,14 +297,20 @@ class Shard:
         return [i for i in items if i.line in mine], [p for p in problems if p.line in mine]
 
 
-def check_manifest(path: str | os.PathLike[str], *, check_files: bool = True) -> int:
+def check_manifest(path: str | os.PathLike[str], *, check_files: bool = True, open_videos: bool = True) -> int:
     """Print every problem as `path:line: message` and a summary; 0 if the manifest is usable,
-    1 if it has problems or no items, 2 if it cannot be read."""
+    1 if it has problems or no items, 2 if it cannot be read. `open_videos`: each item's video is opened as a
+    job's reader starts it (vpsd.video.decode.open_video), and one that fails is a problem of its line, with the
+    kind a job's result row would carry; without it (`--fast`) files are only checked to exist and be non-empty."""
     try:
         items, problems = load_manifest(path, check_files=check_files)
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return UNREADABLE
+    if check_files and open_videos:
+        failed = video_problems(items)
+        items = [item for item in items if item.line not in {p.line for p in failed}]
+        problems = sorted([*problems, *failed], key=lambda p: p.line)
     for problem in problems:
         print(f"{path}:{problem.line}: {problem.message}")
     if not items and not problems:
@@ -312,12 +319,35 @@ def check_manifest(path: str | os.PathLike[str], *, check_files: bool = True) ->
     return OK if items and not problems else HAS_PROBLEMS
 
 
+def video_problems(items: list[ManifestItem], threads: int = 8) -> list[ManifestProblem]:
+    """The items whose video does not open, as problems `[kind] message` (kind: missing, empty, corrupt,
+    no_video_stream, as a job's results carry it). A few threads: opening is mostly waiting on the disk, and
+    PyAV decodes without the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vpsd.video.decode import open_video
+    from vpsd.video.errors import VideoError
+
+    def problem(item: ManifestItem) -> ManifestProblem | None:
+        try:
+            open_video(item.video)
+        except VideoError as e:
+            return ManifestProblem(item.line, f"{e} [{e.kind}]")
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items)))) as pool:
+        return [p for p in pool.map(problem, items) if p is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Check a vpsd JSONL manifest and list its problems.")
+    parser = argparse.ArgumentParser(description="Check a vpsd JSONL manifest and list its problems: every line, and "
+                                                 "every video opened as a job starts reading it (its first frame).")
     parser.add_argument("manifest", type=Path, help="the JSONL manifest")
+    parser.add_argument("--fast", action="store_true",
+                        help="only check that the videos exist and are not empty; do not open them")
     parser.add_argument("--no-check-files", action="store_true", help="do not check that the videos exist")
     args = parser.parse_args(argv)
-    return check_manifest(args.manifest, check_files=not args.no_check_files)
+    return check_manifest(args.manifest, check_files=not args.no_check_files, open_videos=not args.fast)
 
 
 if __name__ == "__main__":

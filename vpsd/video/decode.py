@@ -10,6 +10,8 @@ Contract:
   download is not silently read as a shorter video.
 - A frames file (`.npz`: `frames`, a (T, H, W, 3) uint8 array, and `times`, its (T,) seconds) is frames already
   decoded, read under the same rules; the Python API hands its in-memory frames to a rank this way.
+- `open_video` checks what a reader needs to start (a container, a video stream, its first frame), for
+  `vpsd check`.
 - Only the first video stream is read. Sampling by rate assumes a constant frame rate (the
   stream's average rate); timestamps are the decoded frames' own presentation times, counted from
   the first frame.
@@ -77,6 +79,39 @@ def read_video(
     if path.suffix == FRAMES_SUFFIX:
         return _read_frames_file(path, request)
     return _read_container(path, request)
+
+
+def open_video(path: str | os.PathLike[str]) -> None:
+    """What a reader needs to start, and no more (`vpsd check`): the file there, readable and not empty; a
+    container with a video stream and a frame rate whose first frame decodes (a folder: its first image; a
+    frames file: its arrays). VideoError, of the kind `read_video` would raise, else None. A fault later in the
+    stream shows only when the job decodes that far."""
+    path = Path(path)
+    if not path.exists():
+        raise VideoError("missing", path, "no such file or directory")
+    if not os.access(path, os.R_OK):
+        raise VideoError("missing", path, "not readable (permission denied)")
+    if path.is_dir():
+        files = frame_files(path)
+        if not files:
+            raise VideoError("empty", path, f"folder holds no frame images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        read_image(files[0])
+        return
+    if path.stat().st_size == 0:
+        raise VideoError("empty", path, "file is zero bytes")
+    if path.suffix == FRAMES_SUFFIX:
+        _read_frames_file(path, dict(num_frames=1, fps=None, max_frames=None, processor=None))
+        return
+    with _open(path) as container:
+        stream = container.streams.video[0]
+        if not (stream.average_rate or stream.guessed_rate or stream.base_rate):
+            raise VideoError("corrupt", path, "video stream has no frame rate")
+        try:
+            first = next(iter(container.decode(stream)), None)
+        except av.FFmpegError as err:
+            raise VideoError("corrupt", path, f"{describe_av_error(err)} (at frame 0)") from None
+        if first is None:
+            raise VideoError("empty", path, "video stream has no frames")
 
 
 def _check_request(path, *, num_frames, fps, max_frames, folder_fps) -> None:
