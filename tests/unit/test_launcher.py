@@ -4,12 +4,13 @@ tests/faults/test_job_safety_torchrun.py and test_batch_torchrun.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 
 from vpsd.launch import lifetime
-from vpsd.launch.launcher import failure_lines, main, out_dir
+from vpsd.launch.launcher import LAUNCH_DIR_PREFIX, failure_lines, main, out_dir, remove_orphaned_launch_dirs
 from vpsd.launch.rank_records import RankRecord
 
 
@@ -79,3 +80,15 @@ def test_the_launchers_command_line():
     assert out_dir(["--config", "c", "--out", "o"]) == out_dir(["--out=o"]) != None  # noqa: E711
     assert out_dir(["--config", "c"]) is None
     assert main(["--nnodes", "2"]) == 2  # no `run`: the usage line
+
+
+def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphaned = tmp_path / f"{LAUNCH_DIR_PREFIX}{gone.stdout.strip()}.abc"
+    alive = tmp_path / f"{LAUNCH_DIR_PREFIX}{os.getpid()}.def"
+    other = tmp_path / "vpsd-launch.notapid.x"
+    for d in (orphaned, alive, other):
+        (d / "torchrun").mkdir(parents=True)
+    remove_orphaned_launch_dirs()
+    assert not orphaned.exists() and alive.exists() and other.exists()

@@ -24,7 +24,8 @@ Contract:
 Why the agent runs in this process: it holds each rank's end as data (`ChildFailedError.failures`: global rank ->
 exit code, negative for a signal), where wrapping the `torchrun` command would mean parsing its log block, whose
 wording changes between torch versions. The roles behind the ranks come from the records the ranks leave in this
-launch's directory (launch/rank_records.py), which is removed at the end with torchrun's log directory.
+launch's directory (launch/rank_records.py), which is removed at the end with torchrun's log directory (after a
+SIGKILL, by the next launch).
 """
 
 from __future__ import annotations
@@ -76,13 +77,32 @@ def main(argv: list[str]) -> int:
     if single_node and out is not None and (busy := out_dir_holder(out)) is not None:
         say(busy)  # at once: no rank started for a directory another job holds (the rank's lock still decides)
         return 2
-    directory = Path(tempfile.mkdtemp(prefix="vpsd-launch."))
+    remove_orphaned_launch_dirs()
+    directory = Path(tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}."))
     try:
         return launch(torchrun_opts, job, out, single_node, directory)
     except Stopped as s:
         return stopped(s.signum, out)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+LAUNCH_DIR_PREFIX = "vpsd-launch."  # + the launcher's pid + "." + mkdtemp's suffix, in the temporary directory
+
+
+def remove_orphaned_launch_dirs() -> None:
+    """A SIGKILLed launcher cannot remove its directory: the next launch of this user removes those whose launcher
+    is gone, so that jobs leave nothing outside --out."""
+    for path in Path(tempfile.gettempdir()).glob(f"{LAUNCH_DIR_PREFIX}*.*"):
+        try:
+            pid = int(path.name[len(LAUNCH_DIR_PREFIX):].split(".")[0])
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, OSError):
+            continue  # not one of ours, or its launcher lives (a pid of another user: PermissionError)
 
 
 def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_node: bool, directory: Path) -> int:
