@@ -26,14 +26,18 @@ warpers: temperature, top-k, top-p, min-p): top_k keeps the k largest logits (an
 top_p the smallest set of most likely tokens whose mass reaches p, min_p the tokens whose probability is at least
 min_p times the most likely one's. The law a sampled output follows is the filtered target's.
 
-The hash (`_mix32`, Chris Wellons' "lowbias32" constants) runs in int64 tensors with every product kept below
-2^63 (a 32-bit multiply split into 16-bit halves), so it is exact and identical on CPU and CUDA; the Gumbel
-transform runs in float64, where the last-ulp differences between two devices' `log` cannot flip an argmax
-except at a tie of ~1e-16.
+The noise of token v at position t is mix(mix(v) XOR key(seed, t)): `mix` a 32-bit integer hash (Chris Wellons'
+"lowbias32"), mix(v) computed once per vocabulary and device, key(seed, t) a splitmix64 of the two on the host
+(one small copy a round, never a read back). The hash runs in int64 tensors with every product kept below 2^63
+(a 32-bit multiply split into 16-bit halves), so it is exact and identical on CPU and CUDA; the Gumbel transform
+runs in float64, where the last-ulp differences between two devices' `log` cannot flip an argmax except at a tie
+of ~1e-16. Its cost is one hash (about 25 integer ops) and two logs per vocabulary entry of a sampled row: a few
+elementwise passes over the logits, on the logits' device; greedy rows compute none.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -144,13 +148,15 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def row_keys(seed: int, positions: list[int]) -> list[tuple[int, int]]:
-    """Two 32-bit keys per (seed, position), on the host: what the device hashes each vocabulary id with."""
-    out = []
-    for t in positions:
-        k = _splitmix64(_splitmix64(int(seed) & 0xFFFFFFFFFFFFFFFF) ^ int(t))
-        out.append((k & _MASK32, k >> 32))
-    return out
+def row_keys(seed: int, positions: list[int]) -> list[int]:
+    """A 32-bit key per (seed, position), on the host: what the device mixes each vocabulary id's hash with."""
+    return [_splitmix64(_splitmix64(int(seed) & 0xFFFFFFFFFFFFFFFF) ^ int(t)) & _MASK32 for t in positions]
+
+
+@functools.lru_cache(maxsize=8)
+def _vocabulary_hash(vocab: int, device: str) -> torch.Tensor:
+    """(vocab,) int64: each token id hashed once (it does not depend on the position), kept per device."""
+    return _mix32(torch.arange(vocab, dtype=torch.int64, device=device))
 
 
 def uniforms(seed: int, positions: torch.Tensor | list[int] | int, vocab: int,
@@ -161,9 +167,7 @@ def uniforms(seed: int, positions: torch.Tensor | list[int] | int, vocab: int,
     elif isinstance(positions, torch.Tensor):
         positions = positions.reshape(-1).tolist()
     keys = torch.tensor(row_keys(seed, positions), dtype=torch.int64).to(device, non_blocking=True)
-    v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
-    h = _mix32(v ^ keys[:, :1])
-    h = _mix32(h ^ keys[:, 1:])
+    h = _mix32(_vocabulary_hash(vocab, str(torch.device(device)))[None, :] ^ keys[:, None])
     return (h.double() + 0.5) / 2.0**32
 
 
