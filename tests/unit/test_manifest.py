@@ -231,9 +231,10 @@ def test_an_item_travels_to_a_pipeline_as_it_was_read(tmp_path):
     (tmp_path / "a.mp4").write_bytes(b"x")
     (tmp_path / "m.jsonl").write_text(
         '{"id": 7, "video": "a.mp4", "prompt": "p", "fps": 2, "reference": "r"}\n'
-        '{"id": "b", "video": "a.mp4", "prompt": "<|im_end|>", "prompt_special_tokens": true, "max_new_tokens": 3}\n')
+        '{"id": "b", "video": "a.mp4", "prompt": "<|im_end|>", "prompt_special_tokens": true, "max_new_tokens": 3,'
+        ' "seed": 11}\n')
     items, problems = load_manifest(tmp_path / "m.jsonl")
-    assert not problems
+    assert not problems and (items[0].seed, items[1].seed) == (None, 11) and "seed" not in items[1].extra
     for item in items:
         back = ManifestItem.from_wire(item.to_wire())
         assert back == item and back.extra == item.extra
@@ -263,3 +264,15 @@ def test_check_opens_every_video_as_a_job_would_and_names_the_kind(data_dir, cap
     assert said[6].endswith("[empty]") and said[7].endswith("file is empty: " + str(v / "zero.mp4"))
     assert main([str(manifest), "--fast"]) == 1  # only zero.mp4: the files exist
     assert capsys.readouterr().out.splitlines()[-1] == "6 items ok, 1 problems"
+
+
+@pytest.mark.parametrize("seed", ["-1", "1.5", '"7"', "true"])
+def test_a_seed_is_an_integer_of_zero_or_more(tmp_path, seed):
+    (tmp_path / "a.mp4").write_bytes(b"x")
+    (tmp_path / "m.jsonl").write_text(f'{{"id": 1, "video": "a.mp4", "prompt": "p", "seed": {seed}}}\n')
+    items, problems = load_manifest(tmp_path / "m.jsonl")
+    assert not items and [p.message for p in problems] == [f"field 'seed' must be an integer >= 0, got {_shown(seed)}"]
+
+
+def _shown(seed: str) -> str:
+    return {"true": "a boolean", '"7"': "a string"}.get(seed, f"the number {json.loads(seed)!r}")
