@@ -40,7 +40,7 @@ CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
 WORLD = ROOT / "examples" / "world"
 KEY = "test-key"
 MAX_TOKENS = 24
-SAMPLED = {"temperature": 1.5, "top_p": 0.95}
+SAMPLED = {"temperature": 3.0, "top_p": 0.9}  # hot: this confident pair samples its greedy caption below ~2
 STARTUP_S = 120
 
 
@@ -190,6 +190,20 @@ def test_sampled_at_a_seed_equals_ar_at_that_seed(client, ar):
     text, _, _ = _streamed(client, _messages(item["prompt"], _video_part(item)), max_tokens=MAX_TOKENS, seed=2,
                            **SAMPLED)
     assert text == ar["sampled2"]
+
+
+def test_lmms_eval_s_video_url_with_media_io_kwargs_equals_ar(client, ar):
+    """lmms-eval's openai backend with pass_video_url sends a file:// URL and vLLM's media_io_kwargs (its frame
+    count): the item's own sampling, as a manifest line's num_frames (8 is the config's: ar's answer)."""
+    item = ITEMS[0]
+    url = (WORLD / item["video"]).as_uri()
+    r = client.chat.completions.create(model="world_qwen2_5_vl", max_tokens=MAX_TOKENS, messages=_messages(
+        item["prompt"], {"type": "video_url", "video_url": {"url": url}}),
+        extra_body={"media_io_kwargs": {"video": {"num_frames": 8}}})
+    assert r.choices[0].message.content == ar[item["id"]]
+    status, body = _status(client, messages=_messages(item["prompt"], _video_part(item)),
+                           extra_body={"media_io_kwargs": {"video": {"num_frames": 0}}})
+    assert status == 400 and "num_frames" in body["message"]
 
 
 def test_stop_strings_cut_plain_and_streamed_text_alike(client, ar):

@@ -40,8 +40,10 @@ from vpsd.serve.media import MediaError, MediaLimits, ParsedRequest, parse_messa
 from vpsd.serve.metrics import Metrics
 from vpsd.serve.schema import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
                                ModelCard, ModelList, ResponseMessage, Usage, VpsdStats, error_body, unsupported)
+from vpsd.tracing import get_logger
 
 DISCONNECT_POLL_S = 0.25
+log = get_logger()
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,12 @@ def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metri
         metrics.requests.labels(str(exc.status)).inc()
         return exc.response()
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:  # still OpenAI's shape, and the server goes on
+        metrics.requests.labels("500").inc()
+        log.error("serve_internal_error", error=f"{type(exc).__name__}: {exc}")
+        return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
     app.get("/health")(service.health)
     app.get("/metrics")(service.prometheus)
     app.get("/v1/models")(service.models)
@@ -87,6 +95,7 @@ class ChatService:
 
     def __init__(self, llm: Any, runner: Runner, settings: ServeSettings, metrics: Metrics) -> None:
         self.llm, self.queue, self.settings, self.metrics = llm, runner.queue, settings, metrics
+        self.samples_per_request = runner.samples_per_request
         self.closing = False  # set on SIGTERM: /health says 503, new requests get 503
         self.created = int(time.time())
 
@@ -128,6 +137,7 @@ class ChatService:
         except MediaError as e:
             raise HTTPError(e.status, str(e), "invalid_request_error", e.code, "messages") from None
         job = Job(VideoRequest(parsed.video, parsed.prompt, id=f"chatcmpl-{uuid.uuid4().hex}"), params)
+        job.num_frames, job.fps = self._sampling(req)
         deltas: asyncio.Queue[str] = asyncio.Queue()
         if req.stream:
             loop = asyncio.get_running_loop()
@@ -148,6 +158,19 @@ class ChatService:
                                                 finish_reason=out.finish_reason)])
         self._answered(job, out, usage, done, arrived)
         return JSONResponse(answer.model_dump())
+
+    def _sampling(self, req: ChatCompletionRequest) -> tuple[int | None, float | None]:
+        """A video_url's frame sampling (media_io_kwargs.video), where the runner honours it per request."""
+        video = req.media_io_kwargs.video if req.media_io_kwargs is not None else None
+        if video is None or (video.num_frames is None and video.fps is None):
+            return None, None
+        cfg = self.llm.config.video
+        if not self.samples_per_request and (video.num_frames, video.fps) != (cfg.num_frames, cfg.fps):
+            raise HTTPError(400, f"media_io_kwargs.video {video.model_dump(exclude_none=True)}: a method on child "
+                                 f"ranks samples every video by the config (num_frames {cfg.num_frames}, fps "
+                                 f"{cfg.fps}); serve it with --batch > 1 or --draft-on thread to choose per request",
+                            code="unsupported_parameter", param="media_io_kwargs")
+        return video.num_frames, video.fps
 
     def _submit(self, job: Job, parsed: ParsedRequest) -> None:
         try:

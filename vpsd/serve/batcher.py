@@ -21,6 +21,7 @@ log = get_logger()
 
 class Batcher:
     streams = False
+    samples_per_request = False  # generate samples every request's video by the config
 
     def __init__(self, llm, queue: JobQueue) -> None:
         self.llm, self.queue = llm, queue

@@ -43,6 +43,8 @@ class Job:
     request: VideoRequest
     params: SamplingParams
     on_text: Callable[[str], None] | None = None  # a streamed job's text deltas, as they commit (engine thread)
+    num_frames: int | None = None  # how its video file is sampled (media_io_kwargs); None: the config's
+    fps: float | None = None
     future: "Future[Done]" = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when its decoding began (perf_counter)
@@ -177,5 +179,6 @@ class Runner(Protocol):
 
     queue: JobQueue
     streams: bool  # whether on_text is called as tokens commit (else once, with the whole text, at the end)
+    samples_per_request: bool  # whether a job's num_frames / fps are honoured (else only the config's run)
 
     def close(self, grace_s: float) -> bool: ...

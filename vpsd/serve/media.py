@@ -131,6 +131,8 @@ def _frames(urls: list[str], limits: MediaLimits) -> np.ndarray:
         try:
             with Image.open(io.BytesIO(payload)) as image:
                 frames.append(np.asarray(image.convert("RGB"), dtype=np.uint8))
+        except Image.DecompressionBombError as e:
+            raise MediaError(413, f"frame {n}: {e}", "video_too_large") from None
         except (UnidentifiedImageError, OSError, ValueError) as e:
             raise MediaError(400, f"frame {n}: not a readable image ({e})", "corrupt") from None
     shapes = {f.shape for f in frames}

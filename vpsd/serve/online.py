@@ -47,6 +47,7 @@ def engine_key(params: SamplingParams) -> SamplingParams:
 
 class OnlineEngine:
     streams = True
+    samples_per_request = True  # a request's num_frames / fps go with its item, as a manifest line's do
 
     def __init__(self, llm, queue: JobQueue) -> None:
         """llm: a `vpsd.LLM` whose method decodes in this process (`llm.served` False)."""
@@ -63,29 +64,35 @@ class OnlineEngine:
 
     def _serve(self, key: SamplingParams) -> None:
         """One engine for the requests of `key`, until none is queued or in flight."""
-        # The API's own mapping of SamplingParams to the run's decoding config, and its draft, loaded once and kept.
-        cfg = self.llm._decoding_config(key)
         frames = SharedFrames()
-        events = _Events(self.llm.target, cfg, frames, self.queue)
-        source = _QueueSource(self.queue, key, events)
+        events = None
         started = time.perf_counter()
         wired = None
         try:
+            # The API's own mapping of SamplingParams to the run's decoding config, and its draft, loaded once.
+            cfg = self.llm._decoding_config(key)
+            events = _Events(self.llm.target, cfg, frames, self.queue)
             wired = build_engine(cfg, self.llm.method, self.llm.target, draft=self.llm._load_draft(cfg), videos=frames,
                                  timeout_s=cfg.timeout_s, job_id="serve")
             wired.ready(cfg.startup_timeout_s)
             wired.scheduler.on_round = lambda: events.after_round(wired.engine)
-            wired.scheduler.run(source, events)
+            wired.scheduler.run(_QueueSource(self.queue, key, events), events)
         except BaseException as e:  # noqa: BLE001 - the requests it held get it (503); the next builds it again
-            log.warning("serve_engine_failed", error=f"{type(e).__name__}: {e}", requests=len(events.jobs))
-            events.fail_all(e)
+            log.warning("serve_engine_failed", error=f"{type(e).__name__}: {e}")
+            if events is not None and events.count:
+                events.fail_all(e)
+            else:  # it never ran: the request that asked for it gets the error (no retry loop on a broken build)
+                head = self.queue.pop_head(lambda j: engine_key(j.params) == key)
+                if head is not None and head.start():
+                    head.future.set_exception(e)
         finally:
             if wired is not None:
                 wired.stop()
             frames.close()
             self.queue.running = 0
             self.queue.observe()
-            log.info("serve_engine_done", requests=events.count, seconds=time.perf_counter() - started)
+            log.info("serve_engine_done", requests=events.count if events else 0,
+                     seconds=time.perf_counter() - started)
 
     def close(self, grace_s: float) -> bool:
         """Fails the queued jobs; the requests in flight finish within grace_s (True if they did)."""
@@ -142,8 +149,8 @@ class _Events:
         r = job.request
         video = None if isinstance(r.video, np.ndarray) else Path(r.video)
         manifest = None if video is None else ManifestItem(
-            str(r.id), video, str(r.prompt), job.params.max_new_tokens, None, None, {}, 0, job.params.stop,
-            self.seed(job))
+            str(r.id), video, str(r.prompt), job.params.max_new_tokens, job.num_frames, job.fps, {}, 0,
+            job.params.stop, self.seed(job))
         stream = TextStream(self.target.text, job.params.stop) if job.on_text is not None else None
         item = _Item(job, manifest, stream)
         self.jobs[str(r.id)] = item

@@ -67,6 +67,18 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+class VideoIOKwargs(_Open):
+    """How to sample a video_url's frames (vLLM's `media_io_kwargs.video`, which lmms-eval's openai backend sends
+    with pass_video_url): None, the config's video.num_frames / fps."""
+
+    num_frames: int | None = Field(default=None, ge=1)
+    fps: float | None = Field(default=None, gt=0)
+
+
+class MediaIOKwargs(_Open):
+    video: VideoIOKwargs | None = None
+
+
 class ChatCompletionRequest(_Open):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
@@ -80,6 +92,7 @@ class ChatCompletionRequest(_Open):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    media_io_kwargs: MediaIOKwargs | None = None
 
 
 def unsupported(request: ChatCompletionRequest) -> list[str]:
