@@ -222,13 +222,15 @@ def test_a_burst_from_four_threads_is_answered_once_each_as_ar_answers(client, a
     assert max(r.usage.vpsd["batch_size"] for _, r in answers) > 1  # they were decoded together
 
 
-def test_the_engine_stops_a_request_whose_client_left_and_serves_the_next(ar_llm, ar):
+def test_the_engine_stops_a_request_whose_client_left_and_serves_the_next(ar_llm, ar, monkeypatch):
     """In process (serve/online.py), over the API's own `ar` LLM: a streamed request abandoned at its first text
     leaves the engine at its next round with the error that says so; the next request, at another temperature
-    (another engine), is still ar's own."""
+    (another engine), is still ar's own, and so is the one after, on an engine renewed after one request."""
+    from vpsd.serve import online
     from vpsd.serve.jobs import Job, JobQueue
     from vpsd.serve.online import OnlineEngine
 
+    monkeypatch.setattr(online, "RENEW_AFTER_REQUESTS", 1)
     queue = JobQueue(max_queue=4, batch=2)
     engine = OnlineEngine(ar_llm, queue)
     item = ITEMS[1]
@@ -243,6 +245,9 @@ def test_the_engine_stops_a_request_whose_client_left_and_serves_the_next(ar_llm
         nxt = queue.submit(Job(vpsd.VideoRequest(video, item["prompt"], id="next"),
                                vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=2, **SAMPLED)))
         assert nxt.future.result(timeout=60).output.text == ar["sampled2"]
+        again = queue.submit(Job(vpsd.VideoRequest(video, item["prompt"], id="again"),
+                                 vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=1, **SAMPLED)))
+        assert again.future.result(timeout=60).output.text == ar["sampled1"]
     finally:
         assert engine.close(30)
 

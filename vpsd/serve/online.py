@@ -38,6 +38,9 @@ from vpsd.video.errors import VideoError
 log = get_logger()
 CANCELLED = "cancelled: the client closed the request"
 IDLE_POLL_S = 0.5  # an idle engine looks at the queue's state this often (closing, another engine's requests)
+# An engine's report keeps a few numbers a round for the job's summary; a server's engine would keep them for ever.
+# Built again after this many requests (those in flight finish first), its memory stays bounded.
+RENEW_AFTER_REQUESTS = 5000
 
 
 def engine_key(params: SamplingParams) -> SamplingParams:
@@ -110,13 +113,16 @@ class _Item:
 
 class _QueueSource:
     """The scheduler's ItemSource (engine/prefill_ahead.py) over the queue: the next request of this engine's key.
-    With nothing in flight it waits for one; it ends (no more) when the server closes, or when the queue's next
-    request needs another engine, so that the requests in flight finish and the engine is built again."""
+    With nothing in flight it waits for one; it ends (no more) when the server closes, when the queue's next
+    request needs another engine, or after RENEW_AFTER_REQUESTS, so that the requests in flight finish and the
+    engine is built again."""
 
     def __init__(self, queue: JobQueue, key: SamplingParams, events: "_Events") -> None:
         self.queue, self.key, self.events = queue, key, events
 
     def take(self, needed: bool) -> tuple[_Item | None, bool]:
+        if self.events.count >= RENEW_AFTER_REQUESTS:
+            return None, False  # this engine's last: the next is built once these leave
         while True:
             job = self.queue.pop_head(lambda j: engine_key(j.params) == self.key)
             if job is not None:
