@@ -126,7 +126,8 @@ class ChatService:
         self.check_key(request)
         if self.closing:
             raise HTTPError(503, "the server is shutting down", "server_error", "shutting_down")
-        req = _parse(await _read_body(request, self.settings.max_body_bytes))
+        body = await _read_body(request, self.settings.max_body_bytes)
+        req = await asyncio.to_thread(_parse, body)  # a body of many MiB of base64 parses off the event loop
         if req.model not in (None, self.settings.model_name):
             raise HTTPError(404, f"model {req.model!r} is not served here; this server serves "
                                  f"{self.settings.model_name!r} (GET /v1/models)", "invalid_request_error",
