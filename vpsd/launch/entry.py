@@ -304,20 +304,16 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
 
             run_pruner(ctx)
     except (RoleFailure, PeerTimeout) as e:
-        silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
-        msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
-        get_logger().error("role_failed", error=msg)
-        if launch_dir() is not None:  # ./torchrun.sh's launcher says it, unless a peer died: then it names that one
-            note(rank, item=ctx.item_id, said=msg)
-        else:
-            say(msg)
-        if silent is not None:
-            try:  # a stopped rank would hold torchrun 30 s past this report
-                if end_silent_peer(ctx.ctrl.peer_record(silent)):
-                    note(silent, ended_by=f"{role} (rank {rank})")
-            except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
-                pass
-        os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
+        peer_failed(ctx, e)
+    except RuntimeError as e:
+        # A peer that died mid-transfer (gloo: "Connection closed by peer"): under ./torchrun.sh its launcher names
+        # the dead rank and how it died, so this rank's traceback would only bury that line.
+        if launch_dir() is None or not any(words in str(e) for words in PEER_GONE):
+            raise
+        get_logger().error("role_failed", error=str(e))
+        note(rank, item=ctx.item_id, said=f"{role} (rank {rank}): a peer's connection closed while on item "
+                                          f"{ctx.item_id or '-'} ({str(e).splitlines()[0][:200]})")
+        os._exit(2)
     except OSError as e:
         if e.errno not in FULL:
             raise
@@ -325,6 +321,29 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
         msg = str(e) if isinstance(e, DiskFull) else f"no space left on the device of {out}: {e}"
         say(f"{role} (rank {rank}): {msg}")
         os._exit(2)
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # torch.distributed's words (gloo)
+
+
+def peer_failed(ctx: RoleContext, e: RoleFailure | PeerTimeout) -> None:
+    """A peer silent, stuck or gone: said in one line (by ./torchrun.sh's launcher, from this rank's record, unless
+    a peer died: then it names that one), the silent peer killed when on this host; the rank ends."""
+    role, rank = ctx.role, ctx.rank
+    silent = e.silent_rank if isinstance(e, RoleFailure) else e.rank
+    msg = str(e) if isinstance(e, RoleFailure) else f"{role} (rank {rank}) {e} while on item {ctx.item_id or '-'}"
+    get_logger().error("role_failed", error=msg)
+    if launch_dir() is not None:
+        note(rank, item=ctx.item_id, said=msg)
+    else:
+        say(msg)
+    if silent is not None:
+        try:  # a stopped rank would hold torchrun 30 s past this report
+            if end_silent_peer(ctx.ctrl.peer_record(silent)):
+                note(silent, ended_by=f"{role} (rank {rank})")
+        except Exception:  # noqa: BLE001 - the report above is what matters; never mask it
+            pass
+    os._exit(2)  # a peer is gone: do not wait for it in a collective or a socket linger
 
 
 def exit_now(code: int) -> None:
