@@ -243,17 +243,23 @@ def test_however_the_job_is_stopped_it_all_stops_says_what_is_kept_and_the_same_
 
 
 @pytest.mark.slow  # the same launcher code as SIGTERM to its pid, and a rank's death as in test_batch_torchrun
-def test_sighup_a_dead_draft_and_sigterm_to_the_group_stop_the_job_the_same_way(tmp_path_factory):
-    """A closed terminal (SIGHUP to the launcher); the draft rank SIGKILLed, named with the target's item (it was
-    "target (rank 0) stopped by torchrun ...: another rank failed"); SLURM's SIGTERM to every process of the step,
-    before its SIGKILL. Then the same command finishes the rest, every id once."""
-    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=10)
+def test_sighup_sigint_a_dead_draft_and_sigterm_to_the_group_stop_the_job_the_same_way(tmp_path_factory):
+    """A closed terminal (SIGHUP to the launcher); SIGINT to the launcher's pid alone (it was ignored: the job ran
+    to its end); the draft rank SIGKILLed, named with the target's item (it was "target (rank 0) stopped by
+    torchrun ...: another rank failed"); SLURM's SIGTERM to every process of the step, before its SIGKILL. Then
+    the same command finishes the rest, every id once."""
+    manifest = world_manifest(str(tmp_path_factory.getbasetemp()), count=12)
     out = tmp_path_factory.mktemp("hangup")
     cmd = launcher_cmd(CONFIG, manifest, out, "pearl", "--quiet")
     code, stderr, _ = _stop_midway(cmd, out, lambda launcher: os.kill(launcher.pid, signal.SIGHUP))
     assert code == 128 + signal.SIGHUP, stderr[-3000:]
     assert _said(stderr) == [f"vpsd: stopped by SIGHUP: the items finished are kept in {out}; rerun the same "
                              f"command to do the rest"]
+
+    code, stderr, _ = _stop_midway(cmd, out, lambda launcher: os.kill(launcher.pid, signal.SIGINT))
+    assert code == 130, stderr[-3000:]
+    assert _said(stderr) == [f"vpsd: interrupted: the items finished are kept in {out}; rerun the same command to "
+                             f"do the rest"]
 
     code, stderr, kept = _stop_midway(cmd, out, lambda launcher: os.kill(_rank_pid(out, "draft"), signal.SIGKILL))
     assert code == 1, stderr[-3000:]
