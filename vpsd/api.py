@@ -121,7 +121,8 @@ class Output:
     # wall_s, tokens_per_s, num_kept, ...
     stats: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
-    error_kind: str | None = None  # a VideoError's kind ("missing", "corrupt", "too_long", ...)
+    # A VideoError's kind ("missing", "corrupt", "too_long", ...), or "bad_request" for a malformed request.
+    error_kind: str | None = None
 
 
 class LLM:

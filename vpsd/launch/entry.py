@@ -212,14 +212,20 @@ def preflight(args: argparse.Namespace, cfg: RunConfig, method: Method, out: Pat
     except OutDirBusy as e:
         # Only the target rank tried the lock: it reports, and exits 2 so that torchrun stops the others; the mark
         # tells ./torchrun.sh's launcher that this was a refusal (exit 2, no failure line of its own).
-        if os.environ.get(REFUSAL_MARK):
-            Path(os.environ[REFUSAL_MARK]).touch()
-        return refuse([str(e)], reporter=True, every_rank=False)
+        return refuse_alone(str(e))
     except OSError as e:  # --out could not be made (what path_problems cannot see: a read-only mount, root's /proc)
-        return refuse([f"--out {out}: {e.strerror or e}"], reporter=True, every_rank=False)
+        return refuse_alone(f"--out {out}: {e.strerror or e}")
     except (JobMismatch, MissingSecret, ValueError) as e:
         return refuse([str(e)])
     return secret
+
+
+def refuse_alone(problem: str) -> int:
+    """A refusal the target rank alone reaches (--out): said, the launcher's mark left (it then exits 2 with no
+    line of its own), and exit 2, so that torchrun stops the ranks that wait for this one."""
+    if os.environ.get(REFUSAL_MARK):
+        Path(os.environ[REFUSAL_MARK]).touch()
+    return refuse([problem], reporter=True, every_rank=False)
 
 
 def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method: Method, secret: str,
