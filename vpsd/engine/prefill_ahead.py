@@ -22,6 +22,7 @@ from typing import Any, Callable, Generic, Iterable, Protocol, TypeVar
 
 import torch
 
+from vpsd.models.thread_invariance import bitwise_across_threads
 from vpsd.video.errors import VideoError
 
 T = TypeVar("T")
@@ -102,8 +103,10 @@ class PrefillAhead(Generic[T]):
         """At the manifest's tail the prefill thread's core idles while the last items decode (9-20% of a 32-item
         job's wall at B = 8-16 on the scaled default). Once drained, the calling (decode) thread takes those cores
         and one intra-op thread each, so its forwards run on both (the scaled target's forward at B = 8 runs
-        1.3-1.6x faster on two cores here; the results are bitwise those of one thread,
-        tests/engine/test_batch_units.py). Returns the intra-op threads now, once; else None. Call it only where the
+        1.3-1.6x faster on two cores on the AMD machine vpsd was built on), but only where this machine's kernels
+        compute the same bits on that many threads as on one (models/thread_invariance.py: measured once a
+        process; on an Intel Xeon they did not, and the cores stay the prefill thread's). Returns the intra-op
+        threads now, once; else None. Call it only where the
         prefill cores are otherwise idle (the draft runs in this process), not where a draft rank works on them.
         Only pinned cores are lent (`cpus`, from the config's cpu_affinity: the job was given them): unpinned, the
         extra intra-op thread competes with whatever else the machine runs, and two OpenMP threads on one free core
@@ -112,10 +115,13 @@ class PrefillAhead(Generic[T]):
             return None
         mine = os.sched_getaffinity(0)
         threads = torch.get_num_threads()
-        self.lent = (mine, threads)
+        self.lent = (mine, threads)  # asked once, lent or not
         cores = mine | set(self.cpus)
+        more = threads + len(cores) - len(mine)
+        if more == threads or not bitwise_across_threads(more):
+            return None  # outputs would move by float noise: not worth a tail's speed
         os.sched_setaffinity(0, cores)  # this thread; the intra-op threads it starts now inherit it
-        torch.set_num_threads(threads + len(cores) - len(mine))
+        torch.set_num_threads(more)
         return torch.get_num_threads()
 
     def top_up(self, in_flight: int) -> None:
