@@ -11,17 +11,23 @@ The local task is examples/lmms_eval/vpsd_world.yaml: the eight clips of example
 - With an engine batch of 2 and lmms-eval's `--gen_kwargs` turning sampling on, the answers are what `vpsd.LLM`
   samples for the same requests (the ids and seed the backend gives them); a document whose video is missing is
   answered empty and scored wrong while the others are answered; the loglikelihood form is refused, saying why.
+- lmms-eval's own OpenAI backend (`--model openai`, the video as a file:// URL) against `vpsd serve` (hippo,
+  batch 8): the task scores as `--model vpsd` does, with the same answers.
 - With --slow: the answers are the torchrun job's, token for token, and a data-parallel run (two ranks, under
   torchrun and under `accelerate launch`) answers and times every document once, as one process does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -177,3 +183,52 @@ def test_data_parallel_ranks_answer_as_one_process(runs, tmp_path, launcher):
     assert dp["answers"] == runs[1]["answers"]
     assert dp["speed"]["ranks"] == 2 and sorted(r["id"] for r in dp["speed"]["rows"]) == sorted(
         r["id"] for r in runs[1]["speed"]["rows"])
+
+
+@contextlib.contextmanager
+def served(port: int, log: Path):
+    """`vpsd serve` (hippo, batch 8) on 127.0.0.1:port, the world's videos allowed, until the block ends."""
+    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", CONFIG, "--method", "hippo", "--batch", "8",
+           "--port", str(port), "--allowed-media-dir", str(MANIFEST.parent / "videos")]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"vpsd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"vpsd serve did not start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.25)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_lmms_evals_openai_backend_against_vpsd_serve_scores_as_model_vpsd(runs, tmp_path):
+    """What a harness does with an OpenAI-compatible server: lmms-eval's `--model openai` (its chat form, the video
+    as a file:// URL with 8 frames, as vLLM takes it) runs the task against `vpsd serve`."""
+    ar, hippo, _ = runs
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with served(port, tmp_path / "serve.log"):
+        cmd = [sys.executable, "-m", "lmms_eval", "--model", "openai", "--model_args",
+               f"model_version=world_qwen2_5_vl,base_url=http://127.0.0.1:{port}/v1,api_key=none,pass_video_url=True,"
+               "max_frames_num=8,num_concurrent=8", "--tasks", TASK, "--include_path", "examples/lmms_eval",
+               "--output_path", str(tmp_path / "out"), "--log_samples"]
+        env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "OPENAI_API_KEY": "none"}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Error during evaluation" not in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    out = tmp_path / "out"
+    samples = next(out.rglob(f"*_samples_{TASK}.jsonl"))
+    scores = json.loads(next(out.rglob("*_results.json")).read_text())["results"][TASK]
+    answers = {s["doc_id"]: s["filtered_resps"] for s in map(json.loads, samples.read_text().splitlines())}
+    assert answers == ar["answers"] == hippo["answers"]
+    assert {m: scores[m] for m in METRICS} == {m: ar["scores"][m] for m in METRICS}
