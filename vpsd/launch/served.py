@@ -3,10 +3,13 @@
 `ServedRanks` starts one pipeline's ranks (target, draft, pruner; a split target's followers) the way torchrun
 starts a job's: the same entry (launch/entry.py), roles, transport and control plane, each child with torchrun's
 environment over a rendezvous store this process hosts. This process then plays the job's coordinator for them
-(launch/coordinator.py's protocol, over the control plane as its identity, rank `world`): each `run(items)` grants
-the items as the pipeline's target asks for them (`WorkRequest` / `WorkGrant`) and returns each item's result line
-(`ItemResult`) as it finishes. Between calls the target's request waits here, unanswered, with the models loaded;
-`close()` ends the pipeline as a job's end does (no more items, its run reported, `Shutdown`).
+(launch/coordinator.py's protocol, over the control plane as its identity, rank `world`): `submit(item)` queues an
+item beside those in flight, granted as the pipeline's target asks for work (`WorkRequest` / `WorkGrant`: at once
+to a target that waits with nothing decoding, else at its next request, when its batch has a free slot), and
+`poll(timeout_s)` answers the target meanwhile and returns each item's result line (`ItemResult`) as it finishes;
+`run(items)` is both, for the API's `generate` calls. A target with nothing decoding and nothing submitted waits
+here, unanswered, with the models loaded; one that asks with items decoding is told "not now" and asks again after
+its next round. `close()` ends the pipeline as a job's end does (no more items, its run reported, `Shutdown`).
 
 Why child processes and not threads: each role gets its own interpreter (no GIL shared between the draft's and the
 target's eager steps) and its own CUDA context, as in a job; and this process needs no torch.distributed group of
@@ -27,9 +30,10 @@ import secrets
 import subprocess
 import sys
 import time
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -65,7 +69,9 @@ class ServedRanks:
         self.children: list[tuple[int, subprocess.Popen, Path]] = []
         self.ctrl: ControlChannel | None = None
         self._asked: list[int] = []  # targets waiting for an item (WorkRequest with needed), unanswered
-        self._done: dict[str, ResultRow] = {}
+        self._pending: deque[ManifestItem] = deque()  # submitted, not granted yet
+        self._granted: set[str] = set()  # granted to the pipeline, no result yet
+        self._done: dict[str, ResultRow] = {}  # finished, not taken by poll or run yet
         self._closed = False
         try:  # an interrupt (or a failure) while they start stops what has started
             # This process hosts the store (on a free port); every child is a client of it, as a rank is of
@@ -149,34 +155,86 @@ class ServedRanks:
     def _await_request(self, limit_s: float) -> None:
         while not self._asked:
             src, msg = self._recv(limit_s)
-            self._answer(src, msg, [])
+            self._answer(src, msg)
 
-    def _answer(self, src: int, msg: object, queue: list[ManifestItem]) -> None:
+    def _answer(self, src: int, msg: object) -> None:
         if isinstance(msg, WorkRequest):
-            if queue:  # needed or read ahead: the pipeline takes the call's items as it has room
-                self.ctrl.send(src, WorkGrant(queue.pop(0).to_wire(), more=True))
-            elif msg.needed:
-                self._asked.append(src)  # answered with the next call's first item, or at close
-            else:
-                self.ctrl.send(src, WorkGrant(None, more=True))  # not now
+            if self._pending:  # needed or read ahead: the pipeline takes the items as it has room
+                self._grant(src)
+            elif msg.needed and not self._granted:
+                self._asked.append(src)  # nothing decoding: answered with the next item submitted, or at close
+            else:  # not now: a read-ahead, or a slot free beside items decoding (it asks again after a round)
+                self.ctrl.send(src, WorkGrant(None, more=True))
         elif isinstance(msg, ItemResult):
             row = ResultRow.from_json(msg.row)
+            self._granted.discard(row.id)
             self._done[row.id] = row
         elif isinstance(msg, PipelineDone):
             self.ctrl.send(src, Shutdown("the API closed its ranks"))
             self._asked.append(-1)  # marks the pipeline's end for close()
 
-    def run(self, items: Iterable[ManifestItem]) -> dict[str, ResultRow]:
-        """Each item's result line, by id, once all of them have finished (KeyboardInterrupt: the ranks are
-        stopped, as a job's are by Ctrl-C)."""
-        queue = list(items)
-        wanted = {item.id for item in queue}
+    def _grant(self, src: int) -> None:
+        item = self._pending.popleft()
+        self._granted.add(item.id)
+        self.ctrl.send(src, WorkGrant(item.to_wire(), more=True))
+
+    @property
+    def in_flight(self) -> int:
+        """Items submitted whose result has not been taken yet (queued here, decoding, or finished)."""
+        return len(self._pending) + len(self._granted) + len(self._done)
+
+    def submit(self, item: ManifestItem) -> None:
+        """Queues an item for the pipeline, beside those in flight: a waiting pipeline gets it at once, a busy
+        one when it asks (at its next round with a free slot, or when its batch frees one). Its id must be new
+        among the items in flight."""
+        if self._closed or self.ctrl is None:
+            raise RanksFailed("the ranks are stopped")
+        self._pending.append(item)
         try:
-            while self._asked and queue:
-                self.ctrl.send(self._asked.pop(0), WorkGrant(queue.pop(0).to_wire(), more=True))
-            while not wanted <= self._done.keys():
-                src, msg = self._recv(None)
-                self._answer(src, msg, queue)
+            while self._pending and self._asked and self._asked[0] != -1:
+                self._grant(self._asked.pop(0))
+        except BaseException:
+            self.kill()
+            raise
+
+    def poll(self, timeout_s: float | None) -> list[ResultRow]:
+        """The rows finished so far, waiting up to `timeout_s` (None: no bound) for one while answering the
+        pipeline's requests from the submitted items; RanksFailed when a child exited (the ranks are then
+        stopped, as on any exception: an interrupt stops them as a job's Ctrl-C does)."""
+        try:
+            self._pump(timeout_s, lambda: bool(self._done))
+        except BaseException:
+            self.kill()
+            raise
+        rows, self._done = list(self._done.values()), {}
+        return rows
+
+    def _pump(self, timeout_s: float | None, enough: Callable[[], bool]) -> None:
+        """Answers the pipeline's messages until `enough()` or `timeout_s` passes, the children watched."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not enough():
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                self.check()  # a busy channel never times out: look at the children once a bounded pump ends
+                return
+            try:
+                src, msg = self.ctrl.recv(timeout_s=wait)
+            except PeerTimeout:
+                src, msg = None, None
+            if msg is None:
+                self.check()  # outside the except: a RanksFailed is not "during handling of" a poll's timeout
+                continue
+            self._answer(src, msg)
+
+    def run(self, items: Iterable[ManifestItem]) -> dict[str, ResultRow]:
+        """Each item's result line, by id, once all of them have finished (submit, then pump until they are
+        done; rows of other items submitted meanwhile stay for `poll`)."""
+        items = list(items)
+        wanted = {item.id for item in items}
+        for item in items:
+            self.submit(item)
+        try:
+            self._pump(None, lambda: wanted <= self._done.keys())
         except BaseException:  # an interrupt, or a rank gone (already stopped): nothing is left running
             self.kill()
             raise
@@ -203,7 +261,7 @@ class ServedRanks:
                 if isinstance(msg, WorkRequest):
                     self.ctrl.send(src, WorkGrant(None, more=False))
                 else:
-                    self._answer(src, msg, [])
+                    self._answer(src, msg)
             for _, proc, _ in self.children:
                 try:
                     proc.wait(max(0.1, deadline - time.monotonic()))
