@@ -16,7 +16,8 @@ engine, scheduler, drafters and roles. Where the method runs:
   job's entry, roles, transport and control plane, and stopped by `close()`, at interpreter exit, when the caller
   dies, and on a KeyboardInterrupt in `generate` (the next call starts them again). The caller plays the job's
   coordinator: each call's requests go to the pipeline as it has room, and each result comes back as the job's
-  result line. Their traces go to `trace_dir`;
+  result line. Their traces go to `trace_dir`. A server feeds them one request at a time instead (`submit`, then
+  `results` as they finish; `joins` says whether a request's sampling settings fit the ranks in flight);
 - with `draft_on="thread"`: the draft and pruner roles on threads of the caller's process (launch/in_process.py;
   on a GPU each on its own CUDA stream), no child process at all.
 A list of requests runs through the engine's continuous batching when `batch > 1`.
@@ -160,6 +161,8 @@ class LLM:
         self._draft = None  # loaded with the first engine that needs it, then kept
         self._ranks: ServedRanks | None = None
         self._ranks_for: tuple | None = None  # the sampling settings they run (_sampling_key)
+        self._submitted: dict[str, tuple[str, Path | None]] = {}  # in flight on the ranks: wire id -> (id, frames)
+        self._ready: list[Output] = []  # submitted requests answered without the ranks (malformed, unreadable)
         self._scratch = Path(trace_dir) if trace_dir is not None else Path(tempfile.mkdtemp(prefix="vpsd-llm-"))
         self._own_scratch = trace_dir is None
         _open.add(self)
@@ -210,9 +213,7 @@ class LLM:
     def _on_ranks(self, todo: list[_Item], cfg: RunConfig, params: SamplingParams) -> dict[str, Output]:
         """The requests through the child ranks (launch/served.py). Their config holds the decoding's temperature
         and filters, so a call with others starts them again; max_new_tokens and the seed go with each item."""
-        if self._ranks is None or self._ranks_for != _sampling_key(cfg):
-            self._stop_ranks()
-            self._start_ranks(cfg)
+        self._ranks_for_call(cfg)
         outputs: dict[str, Output] = {}
         items, ids = [], {}
         self._calls += 1
@@ -229,15 +230,99 @@ class LLM:
         try:
             rows = self._ranks.run(items)
         except BaseException:
-            self._ranks = None  # stopped by run (interrupted, or a rank died): the next call starts them again
+            self._lose_ranks()  # stopped by run (interrupted, or a rank died): the next call starts them again
             raise
         finally:
-            shutil.rmtree(self._scratch / "frames", ignore_errors=True)
+            for item in items:  # the call's frames files (a submitted request's go with its result)
+                if item.video.parent == self._scratch / "frames":
+                    item.video.unlink(missing_ok=True)
         for wire_id, row in rows.items():
             outputs[ids[wire_id]] = self._row_output(ids[wire_id], row)
         return outputs
 
-    def _manifest_item(self, item: _Item, wire_id: str, params: SamplingParams, n: int) -> ManifestItem:
+    def _ranks_for_call(self, cfg: RunConfig) -> None:
+        """Ranks that run `cfg`'s sampling settings: started again for others, once no request is in flight."""
+        if self._ranks is not None and self._ranks_for == _sampling_key(cfg):
+            return
+        if self._submitted:
+            raise RuntimeError("requests with other sampling settings (temperature, top_k, top_p, min_p) are in "
+                               "flight on the ranks: take their results first (LLM.joins says when)")
+        self._stop_ranks()
+        self._start_ranks(cfg)
+
+    # ---- one request at a time on child ranks (vpsd serve's runner) ----------------------------------
+
+    def joins(self, params: SamplingParams) -> bool:
+        """Whether a request with `params` can be submitted now, beside those in flight: the ranks run one
+        temperature and filters (their config), so another setting waits until the requests in flight leave."""
+        return not self._submitted or self._ranks_for == _sampling_key(self._decoding_config(params))
+
+    @property
+    def in_flight(self) -> int:
+        """Submitted requests whose Output `results` has not returned yet."""
+        return len(self._submitted) + len(self._ready)
+
+    def submit(self, request: VideoRequest, params: SamplingParams | None = None) -> str:
+        """Queues one request on the child ranks (`served` methods), beside those decoding there: it joins the
+        ranks' batch as a slot frees; its Output comes from `results` when it finishes. Returns its id (new among
+        those in flight: ValueError otherwise). Settings that `joins` refuses raise RuntimeError; with nothing
+        in flight they start the ranks again for them."""
+        if not self.served or self._closed:
+            raise RuntimeError("submit needs an open LLM whose method runs on child ranks (LLM.served)")
+        params = params or SamplingParams()
+        if problems := params.check():
+            raise ConfigError(problems)
+        item = self._item(request)
+        if any(item.id == known for known, _ in self._submitted.values()):
+            raise ValueError(f"a request with id {item.id!r} is in flight")
+        if item.problem is not None:
+            self._ready.append(_bad_request(item.id, item.problem))
+            return item.id
+        self._ranks_for_call(self._decoding_config(params))
+        self._calls += 1
+        wire_id = f"{item.id}#{self._calls}"
+        try:
+            manifest = self._manifest_item(item, wire_id, params, f"s{self._calls}")
+        except (VideoError, ValueError) as e:
+            self._ready.append(_failed(item.id, e))
+            return item.id
+        self._submitted[wire_id] = (item.id, manifest.video if isinstance(item.video, np.ndarray) else None)
+        try:
+            self._ranks.submit(manifest)
+        except BaseException:
+            self._lose_ranks()
+            raise
+        return item.id
+
+    def results(self, timeout_s: float | None = None) -> list[Output]:
+        """The Outputs of submitted requests that have finished, waiting up to `timeout_s` (None: until one does)
+        while the ranks decode; [] when none did. RanksFailed when a child rank died: the requests in flight are
+        lost with it, and the next submit starts the ranks again."""
+        ready, self._ready = self._ready, []
+        if ready or self._ranks is None or not self._submitted:
+            return ready
+        try:
+            rows = self._ranks.poll(timeout_s)
+        except BaseException:
+            self._lose_ranks()
+            raise
+        outputs = []
+        for row in rows:
+            item_id, frames = self._submitted.pop(row.id)
+            if frames is not None:
+                frames.unlink(missing_ok=True)
+            outputs.append(self._row_output(item_id, row))
+        return outputs
+
+    def _lose_ranks(self) -> None:
+        """The ranks stopped under their requests (a rank died, an interrupt): those are gone."""
+        self._ranks = None
+        for _, frames in self._submitted.values():
+            if frames is not None:
+                frames.unlink(missing_ok=True)
+        self._submitted = {}
+
+    def _manifest_item(self, item: _Item, wire_id: str, params: SamplingParams, n: int | str) -> ManifestItem:
         """A request as a job's item: a file or folder by its path; frames in memory written as a frames file
         (video/decode.py) that the ranks read back whole."""
         prompt = _prompt_text(item.prompt)
