@@ -1,6 +1,8 @@
-"""`vpsd serve` with a parallel method on the API's child ranks (pearl at batch 1: one request a generate call,
-serve/batcher.py), --slow: a burst is answered once each as `ar` answers it, plain and streamed; a rank
-that dies fails the call in flight or the next with 503, and the request after it is served again on new ranks."""
+"""`vpsd serve` with a parallel method on the API's child ranks (pearl at batch 1, and a pipelined batch of 2:
+requests submitted to the ranks' batch as they arrive, serve/on_ranks.py), --slow: a burst is answered once each as `ar` answers it,
+plain and streamed; a short request sent while a long one decodes joins it on the ranks and is answered first; a
+rank that dies fails the requests in flight or the next with 503, and the request after it is served again on new
+ranks."""
 
 from __future__ import annotations
 
@@ -17,11 +19,16 @@ from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _ask, 
 from tests.torchrun_jobs import ROOT, job_env
 
 openai = pytest.importorskip("openai")
+LONG_TOKENS = 256
+# A hot sample at this seed runs 132 tokens on the first item (greedy captions end at ~32), several times the short
+# request's read, prefill and one token: the order below is not a race.
+HOT = {"temperature": 3.0, "top_p": 0.9, "seed": 2}
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+# The default for a parallel method (one request decoding on the ranks), and a pipelined batch of two on them.
+@pytest.fixture(scope="module", params=[1, 2], ids=["batch1", "pipelined-batch2"])
+def served(request, tmp_path_factory):
     import socket
     import sys
 
@@ -30,7 +37,8 @@ def served(tmp_path_factory):
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve_ranks") / "server.log"
     cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", str(CONFIG), "--method", "pearl",
-           "--port", str(port), "--api-key", KEY]
+           "--port", str(port), "--api-key", KEY, "--batch", str(request.param)]
+    cmd += ["--set", "batching.pipelined=true"] if request.param > 1 else []
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(), cwd=ROOT)
     deadline = time.monotonic() + 180
@@ -43,7 +51,7 @@ def served(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.25)
-    proc.base, proc.log = f"http://127.0.0.1:{port}", log
+    proc.base, proc.log, proc.batch = f"http://127.0.0.1:{port}", log, request.param
     yield proc
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()
@@ -58,7 +66,11 @@ def client(served):
 def ar():
     requests = [vpsd.VideoRequest(str(WORLD / it["video"]), it["prompt"], id=it["id"]) for it in ITEMS]
     with vpsd.LLM(CONFIG, method="ar") as llm:
-        return {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
+        plain = {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
+        long = llm.generate(requests[0], vpsd.SamplingParams(max_new_tokens=LONG_TOKENS, **HOT))[0]
+        short = llm.generate(requests[1], vpsd.SamplingParams(max_new_tokens=1, **HOT))[0].text
+    assert len(long.token_ids) >= 100, "the long request must be long for the order to be tested"
+    return {**plain, "long": long.text, "short": short}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -78,13 +90,38 @@ def test_a_burst_on_child_ranks_is_answered_once_each_as_ar(client, served, ar):
     assert text == ar[ITEMS[0]["id"]]
 
 
+def test_a_request_sent_while_another_decodes_joins_the_ranks_batch_and_is_answered_first(client, served, ar):
+    import json
+
+    if served.batch == 1:
+        pytest.skip("the ranks' batch holds one request: a second waits for it")
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(_ask_timed, client, ITEMS[0], LONG_TOKENS)  # the ranks start again for HOT's settings
+        deadline = time.monotonic() + 60
+        while json.loads(_get(f"{served.base}/health")[1])["running"] == 0:  # "long" is on the ranks
+            assert time.monotonic() < deadline and not long.done()
+            time.sleep(0.02)
+        short = pool.submit(_ask_timed, client, ITEMS[1], 1)
+        (long_r, long_end), (short_r, short_end) = long.result(), short.result()
+    assert long_r.choices[0].message.content == ar["long"] and short_r.choices[0].message.content == ar["short"]
+    assert short_r.usage.vpsd["batch_size"] == 2  # it joined the ranks beside "long", not after it
+    assert short_end < long_end, "the short request waited for the long one"
+
+
+def _ask_timed(client, item: dict, max_tokens: int):
+    r = client.chat.completions.create(model="world_qwen2_5_vl", messages=_messages(item["prompt"], _video_part(item)),
+                                       max_tokens=max_tokens, **HOT)
+    return r, time.monotonic()
+
+
 def test_a_rank_that_dies_fails_its_call_with_503_and_the_next_request_is_served(client, served, ar):
+    _ask(client, ITEMS[0])  # the ranks run greedy settings again (a test before may have left them sampling)
     ranks = _descendants(served.pid)
     assert ranks, "no child ranks"
     os.kill(ranks[-1], signal.SIGKILL)
     item = ITEMS[0]
     statuses = []
-    for _ in range(3):  # the call that meets the dead rank answers 503; one after it starts the ranks again
+    for _ in range(3):  # the request that meets the dead rank answers 503; one after it starts the ranks again
         try:
             r = _ask(client, item)
         except openai.APIStatusError as e:

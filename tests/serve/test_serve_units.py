@@ -1,8 +1,10 @@
 """The server's parts without a model: a streamed text never passes a stop string's cut and joins to the final
 text; the queue refuses when full (429 with Retry-After), drops a request whose client left, and fails the queued
-ones at shutdown (503). The HTTP cases run the real app (FastAPI on uvicorn, 127.0.0.1) in a thread, with the
-dynamic batcher over a stand-in for `LLM.generate` that waits on a gate, so that the queue's states are held
-while the test looks at them (the model's outputs are test_serve.py's business)."""
+ones at shutdown (503); a request that arrives while another is in flight on child ranks is submitted at once
+and answered as soon as it finishes, before the earlier one. The HTTP cases run the real app (FastAPI on uvicorn,
+127.0.0.1) in a thread, with the child ranks' runner (serve/on_ranks.py) over a stand-in for the `LLM`'s
+submit / results that holds each request until its gate opens, so that the queue's states are held while the
+test looks at them (the model's outputs are test_serve.py's and test_serve_ranks.py's business)."""
 
 from __future__ import annotations
 
@@ -66,35 +68,62 @@ class _Words:
         return list(range(len(text.split())))
 
 
-class GatedGenerate:
-    """A stand-in for LLM.generate that answers each request with its prompt once the gate opens."""
+class GatedRanks:
+    """A stand-in for an `LLM` on child ranks (joins / submit / results): a submitted request is answered with its
+    prompt once its own gate opens (`release`) or the common one (`gate`)."""
 
     tokenizer = _Words()
 
     def __init__(self) -> None:
         self.gate = threading.Event()
-        self.seen: list[str] = []
-        self.calls = 0
+        self.released: set[str] = set()
+        self.seen: list[str] = []  # prompts submitted, in order
+        self.calls = 0  # submits
+        self.most_in_flight = 0
+        self.in_flight: dict[str, VideoRequest] = {}
 
-    def generate(self, requests, params):
+    def joins(self, params) -> bool:
+        return True
+
+    def submit(self, request, params) -> str:
         self.calls += 1
-        assert self.gate.wait(30)
-        self.seen += [r.prompt for r in requests]
+        self.seen.append(request.prompt)
+        self.in_flight[request.id] = request
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+        return request.id
+
+    def results(self, timeout_s: float) -> list[Output]:
+        end = time.monotonic() + timeout_s
+        while not (done := [r for r in self.in_flight.values() if self.gate.is_set() or r.prompt in self.released]):
+            if time.monotonic() >= end:
+                return []
+            time.sleep(0.005)
+        for r in done:
+            del self.in_flight[r.id]
         return [Output(r.id, f"answer to {r.prompt}", [1, 2], "stop", 4, 2,
-                       {"mean_accepted_tokens": 2.0, "rounds": 1, "decode_s": 0.01}) for r in requests]
+                       {"mean_accepted_tokens": 2.0, "rounds": 1, "decode_s": 0.01}) for r in done]
 
 
 @pytest.fixture()
 def gated_server(tmp_path):
+    yield from _gated_server(tmp_path, batch=1)
+
+
+@pytest.fixture()
+def gated_server_of_two(tmp_path):
+    yield from _gated_server(tmp_path, batch=2)
+
+
+def _gated_server(tmp_path, batch: int):
     from vpsd.serve.app import ServeSettings, create_app
-    from vpsd.serve.batcher import Batcher
     from vpsd.serve.media import MediaLimits
     from vpsd.serve.metrics import Metrics
+    from vpsd.serve.on_ranks import RanksRunner
 
-    llm = GatedGenerate()
+    llm = GatedRanks()
     metrics = Metrics("m")
-    queue = JobQueue(max_queue=2, batch=1, observer=metrics)
-    runner = Batcher(llm, queue)
+    queue = JobQueue(max_queue=2, batch=batch, observer=metrics)
+    runner = RanksRunner(llm, queue)
     videos = tmp_path / "videos"
     videos.mkdir()
     (videos / "clip.mp4").write_bytes(b"not decoded by the stand-in")
@@ -135,7 +164,7 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_is_dropped(gated_serv
 
     first = threading.Thread(target=ask, args=("first",))
     first.start()
-    _until(lambda: llm.calls == 1)  # the engine holds "first" at the gate
+    _until(lambda: llm.calls == 1)  # the ranks hold "first" at the gate
     with pytest.raises(openai.APITimeoutError):
         _ask(base, clip, "leaves", timeout=0.5)  # queued, then its client gives up
     _until(lambda: queue.depth == 0)  # dropped from the queue
@@ -153,6 +182,28 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_is_dropped(gated_serv
     assert {p: a.choices[0].message.content for p, a in answers.items()} == {
         p: f"answer to {p}" for p in ("first", "second", "third")}
     assert sorted(llm.seen) == ["first", "second", "third"]  # each decoded once; "leaves" never
+
+
+def test_a_request_sent_while_another_decodes_on_the_ranks_joins_it_and_is_answered_first(gated_server_of_two):
+    llm, queue, base, clip = gated_server_of_two
+    answered: list[str] = []
+
+    def ask(prompt: str) -> None:
+        answered.append(_ask(base, clip, prompt).choices[0].message.content)
+
+    long = threading.Thread(target=ask, args=("long",))
+    long.start()
+    _until(lambda: llm.calls == 1)
+    short = threading.Thread(target=ask, args=("short",))
+    short.start()
+    _until(lambda: llm.calls == 2 and queue.running == 2)  # submitted while "long" is in flight, not after it
+    assert llm.most_in_flight == 2
+    llm.released.add("short")
+    short.join(30)
+    assert answered == ["answer to short"] and long.is_alive()
+    llm.released.add("long")
+    long.join(30)
+    assert answered == ["answer to short", "answer to long"]
 
 
 def test_a_body_that_is_not_a_request_is_a_400_in_openai_s_shape(gated_server):

@@ -6,7 +6,7 @@
     media.py    a request's messages as one prompt and one video, within the limits
     jobs.py     the bounded queue of requests between the handlers and the one engine thread
     online.py   continuous batching fed from the queue, text streamed per round (methods decoding in process)
-    batcher.py  dynamic batching over `LLM.generate` calls (a parallel method's roles on child ranks)
+    on_ranks.py requests submitted to a parallel method's child ranks as they arrive, each answered as it ends
     stream_text.py  a streamed request's text as it commits, never past a stop string's cut
     metrics.py  Prometheus metrics
 

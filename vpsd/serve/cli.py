@@ -46,7 +46,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ratio", type=float, default=None, help="share of the video tokens pruned from the draft's input")
     p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto", help="draft tokens per chunk")
     p.add_argument("--batch", type=int, default=1, metavar="N",
-                   help="requests decoded together, at most (one engine call; continuous batching inside it)")
+                   help="requests decoding together, at most (the engine's or the child ranks' batch; others queue)")
     p.add_argument("--draft-on", choices=("rank", "thread"), default=None,
                    help="where a parallel method's draft and pruner run (default: child ranks)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
@@ -119,10 +119,10 @@ def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path) ->
     import uvicorn
 
     from vpsd.serve.app import ServeSettings, create_app
-    from vpsd.serve.batcher import Batcher
     from vpsd.serve.jobs import JobQueue
     from vpsd.serve.media import MediaLimits
     from vpsd.serve.metrics import Metrics
+    from vpsd.serve.on_ranks import RanksRunner
     from vpsd.serve.online import OnlineEngine
 
     name = args.served_model_name or Path(args.config).stem
@@ -132,8 +132,9 @@ def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path) ->
                                                 args.allowed_media_dir), scratch=scratch)
     metrics = Metrics(name)
     queue = JobQueue(args.max_queue, args.batch, metrics)
-    # A parallel method's roles on child ranks: calls of generate; else the engine in this process, fed from the queue.
-    runner = Batcher(llm, queue) if llm.served else OnlineEngine(llm, queue)
+    # A parallel method's roles on child ranks: requests submitted to their batch as they arrive; else the engine in
+    # this process, fed from the queue.
+    runner = RanksRunner(llm, queue) if llm.served else OnlineEngine(llm, queue)
     app = create_app(llm, runner, settings, metrics)
     service = app.state.service
 
@@ -148,7 +149,7 @@ def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path) ->
     # instead of killing the process by the default handler (143) or a KeyboardInterrupt.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    how = "child ranks, dynamic batching" if llm.served else "in process, continuous batching"
+    how = "child ranks, continuous batching" if llm.served else "in process, continuous batching"
     print(f"vpsd serve: {name} ({args.method}, batch {args.batch}, {how}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     try:

@@ -1,6 +1,6 @@
 """The server's requests between the HTTP handlers and the one engine thread: `Job`s in a bounded `JobQueue`.
 
-A handler `submit`s a job and awaits its future; the engine thread (serve/batcher.py or serve/online.py) takes
+A handler `submit`s a job and awaits its future; the engine thread (serve/on_ranks.py or serve/online.py) takes
 jobs off the queue, reports a streamed job's text as it commits (`Job.on_text`, called on the engine thread) and
 resolves each future once, with a `Done` or an exception. A client that leaves cancels its job's future: a
 queued job is then skipped, one in flight is stopped where the runner can (`Job.cancelled`). A full queue refuses
@@ -71,8 +71,6 @@ class Job:
 
 class Observer(Protocol):
     def queue(self, depth: int, running: int) -> None: ...
-
-    def engine_call(self, size: int, seconds: float) -> None: ...
 
 
 class JobQueue:
@@ -174,8 +172,8 @@ class JobQueue:
 
 
 class Runner(Protocol):
-    """What owns the LLM on the engine thread: serve/batcher.py (calls of `generate`) or serve/online.py (the
-    engine's continuous batching fed from the queue)."""
+    """What owns the LLM on the engine thread: serve/on_ranks.py (requests submitted to a parallel method's child
+    ranks) or serve/online.py (the engine's continuous batching fed from the queue)."""
 
     queue: JobQueue
     streams: bool  # whether on_text is called as tokens commit (else once, with the whole text, at the end)

@@ -3,8 +3,8 @@
 Per request: how it ended, its tokens, its latency, its time to first token (the first content the client got:
 the whole text until streaming commits per round), its time in the queue, its MAT and the mean time of one
 decoding round (decode_s / rounds: a target verification round, or one `ar` step), and how many requests were
-decoding together when its first token committed. Per `generate` call (serve/batcher.py): its duration. Gauges:
-the queue's depth and the requests decoding now.
+decoding together when its first token committed (on child ranks: at most, over its decoding). Gauges: the
+queue's depth and the requests decoding now.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("vpsd_time_to_first_token_seconds", "from the request's arrival to its first content",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("vpsd_queue_wait_seconds", "from arrival to the start of its engine call",
+        self.queue_wait = Histogram("vpsd_queue_wait_seconds", "from arrival to the start of its decoding",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.mat = Histogram("vpsd_mean_accepted_tokens", "a request's tokens committed per verification round (MAT)",
                              buckets=MAT_BUCKETS, registry=r)
@@ -39,18 +39,13 @@ class Metrics:
                               buckets=STEP_BUCKETS, registry=r)
         self.batch = Histogram("vpsd_engine_batch_size", "requests decoding together at a request's first token",
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.engine_call_s = Histogram("vpsd_engine_call_seconds", "one generate call's duration (ranks' methods)",
-                                       buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("vpsd_queue_depth", "requests waiting for the engine", registry=r)
-        self.running = Gauge("vpsd_requests_running", "requests in the engine call now", registry=r)
+        self.running = Gauge("vpsd_requests_running", "requests decoding now", registry=r)
 
-    # BatchObserver (serve/batcher.py)
+    # Observer (serve/jobs.py)
     def queue(self, depth: int, running: int) -> None:
         self.queue_depth.set(depth)
         self.running.set(running)
-
-    def engine_call(self, size: int, seconds: float) -> None:
-        self.engine_call_s.observe(seconds)
 
     def answered(self, prompt_tokens: int, completion_tokens: int, stats: dict, batch_size: int) -> None:
         self.batch.observe(batch_size)

@@ -1,0 +1,103 @@
+"""Requests fed one at a time to a parallel method's child ranks: the runner where the roles run on the API's ranks.
+
+The engine thread submits each queued request the moment it arrives (`LLM.submit`), up to `batch` in flight (the
+ranks' batch: their target takes an item as a slot frees, launch/served.py), and answers each as its result comes
+(`LLM.results`), whatever the order they were submitted in. The ranks run one temperature and filters (their
+config): a request with others waits until those in flight leave, and the API starts the ranks again for it
+(`LLM.joins`). The ranks do not report a request's tokens per round: a streamed request gets its whole text when it
+finishes. A request whose client left while queued is dropped; one in flight on the ranks finishes and its answer
+is discarded. A rank that dies (`RanksFailed`) fails the requests in flight (503), and the next request starts the
+ranks again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from vpsd.config import ConfigError
+from vpsd.serve.jobs import Done, Job, JobQueue
+from vpsd.tracing import get_logger
+
+log = get_logger()
+ARRIVAL_POLL_S = 0.02  # with requests in flight, how long a wait for results lets a new arrival wait to be submitted
+IDLE_POLL_S = 0.5  # with none in flight, how often the thread looks whether the server closes
+
+
+class RanksRunner:
+    streams = False
+    samples_per_request = False  # the ranks sample every request's video by the config
+
+    def __init__(self, llm, queue: JobQueue) -> None:
+        """llm: a `vpsd.LLM` whose method runs on child ranks (`llm.served`)."""
+        self.llm, self.queue = llm, queue
+        self._jobs: dict[str, Job] = {}  # submitted and not answered yet, by request id
+        self._thread = threading.Thread(target=self._loop, name="vpsd-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._submit_arrivals()
+            if self._jobs:
+                self._collect(ARRIVAL_POLL_S)
+            elif self.queue.closing:
+                return
+            else:
+                self.queue.wait(IDLE_POLL_S)
+
+    def _submit_arrivals(self) -> None:
+        """The queued requests that can join the ranks now, oldest first, while the ranks' batch has room."""
+        q = self.queue
+        while len(self._jobs) < q.batch:
+            job = q.pop_head(lambda j: self.llm.joins(j.params))
+            if job is None:
+                return
+            if not job.start():
+                continue  # its client left while it was queued
+            try:
+                request_id = self.llm.submit(job.request, job.params)
+            except (ConfigError, ValueError) as e:  # this request's own problem: the ranks go on
+                job.future.set_exception(e)
+                continue
+            except BaseException as e:  # noqa: BLE001 - the ranks are gone: every request on them gets it (503)
+                self._fail_all(e, [job])
+                continue
+            self._jobs[request_id] = job
+            for other in self._jobs.values():  # requests decoding together, at most, over each one's time
+                other.batch_size = max(other.batch_size, len(self._jobs))
+            self._observe()
+
+    def _collect(self, timeout_s: float) -> None:
+        try:
+            outputs = self.llm.results(timeout_s)
+        except BaseException as e:  # noqa: BLE001 - a rank died: its requests get it; the next starts new ranks
+            self._fail_all(e, [])
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            job = self._jobs.pop(out.id)
+            job.first_token = now  # the ranks report a request once, whole
+            self.queue.served(now - (job.started or job.enqueued))
+            if not job.future.done():
+                job.future.set_result(Done(out, (job.started or job.enqueued) - job.enqueued, job.batch_size))
+        if outputs:
+            self._observe()
+
+    def _fail_all(self, error: BaseException, jobs: list[Job]) -> None:
+        failed = jobs + list(self._jobs.values())
+        log.warning("serve_ranks_failed", error=f"{type(error).__name__}: {error}", requests=len(failed))
+        self._jobs = {}
+        for job in failed:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self._observe()
+
+    def _observe(self) -> None:
+        self.queue.running = len(self._jobs)
+        self.queue.observe()
+
+    def close(self, grace_s: float) -> bool:
+        """Fails the queued jobs; the requests in flight finish within grace_s (True if they did)."""
+        self.queue.close()
+        self._thread.join(grace_s)
+        return not self._thread.is_alive()
