@@ -116,6 +116,22 @@ def run_one(run: BenchRun, config: str, manifest: str, out: Path, torchrun: list
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
+def run_schedule(schedule: list[tuple[BenchRun, int]], config: str, manifest: str, out: Path, torchrun: list[str],
+                 extra: list[str]) -> tuple[dict[str, list[Path]], dict[str, int]]:
+    """Each (row, repeat) of `schedule` as a job, in order, a line printed as each ends; returns every row's run
+    directories (its repeats in order) and its worst exit code, by label."""
+    dirs: dict[str, list[Path]] = {}
+    codes: dict[str, int] = {}
+    for i, (run, rep) in enumerate(schedule, 1):
+        t = time.time()
+        path = run_dir(out, run, rep)
+        code = run_one(run, config, manifest, path, torchrun, extra)
+        codes[run.label] = max(codes.get(run.label, 0), code)
+        dirs.setdefault(run.label, []).append(path)
+        print(f"[{i}/{len(schedule)}] {path.name:<24} exit {code}  ({time.time() - t:.0f} s)", flush=True)
+    return dirs, codes
+
+
 def run_dir(out: Path, run: BenchRun, repeat: int = 0) -> Path:
     """OUT/LABEL for a row's first run, OUT/LABEL_2, _3, ... for its repeats."""
     return out / (run.label.replace("+", "_") + (f"_{repeat + 1}" if repeat else ""))
@@ -288,15 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     # Rounds: ar, every row; ar, every row; ...; ar. Each row's repeats are spread over the whole bench, and
     # ar brackets them, so drift (thermal, a neighbour's load) lands on the baseline as much as on the rows.
     schedule = [(run, rep) for rep in range(a.repeats) for run in [ar] + rows_to_run] + [(ar, a.repeats)]
-    codes: dict[str, int] = {}
-    dirs: dict[str, list[Path]] = {}
-    for i, (run, rep) in enumerate(schedule, 1):
-        t = time.time()
-        path = run_dir(a.out, run, rep)
-        code = run_one(run, a.config, a.manifest, path, torchrun, extra)
-        codes[run.label] = max(codes.get(run.label, 0), code)
-        dirs.setdefault(run.label, []).append(path)
-        print(f"[{i}/{len(schedule)}] {path.name:<24} exit {code}  ({time.time() - t:.0f} s)", flush=True)
+    dirs, codes = run_schedule(schedule, a.config, a.manifest, a.out, torchrun, extra)
     base = Baseline(dirs["ar"])
     rows = [measure(run, dirs[run.label], base, codes[run.label]) for run in runs]
     write_outputs(a, rows, base, [d.name for d in dirs["ar"]])

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vpsd.bench.methods import BenchRun, Baseline, run_dir, run_one, write_report
+from vpsd.bench.methods import BenchRun, Baseline, run_schedule, write_report
 from vpsd.reports.summary import summarize
 
 
@@ -100,16 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"--set={kv}" for kv in a.set]
     a.out.mkdir(parents=True, exist_ok=True)
     schedule = [(run, rep) for rep in range(a.repeats) for t in temps for run in runs_for(a.method, t)]
-    dirs: dict[str, list[Path]] = {}
-    codes: dict[str, int] = {}
     t0 = time.time()
-    for i, (run, rep) in enumerate(schedule, 1):
-        t = time.time()
-        path = run_dir(a.out, run, rep)
-        code = run_one(run, a.config, a.manifest, path, torchrun, extra)
-        codes[run.label] = max(codes.get(run.label, 0), code)
-        dirs.setdefault(run.label, []).append(path)
-        print(f"[{i}/{len(schedule)}] {path.name:<24} exit {code}  ({time.time() - t:.0f} s)", flush=True)
+    dirs, codes = run_schedule(schedule, a.config, a.manifest, a.out, torchrun, extra)
     rows, noise = [], {}
     for temp in temps:
         ar, *methods = runs_for(a.method, temp)
