@@ -185,9 +185,13 @@ def test_a_killed_batched_job_resumes_to_the_uninterrupted_batch1_results(tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
     try:
         wait_for_results(proc, out, 1, 180)
-        os.kill(role_pids(out)["draft"], signal.SIGUSR1)  # a user's look at a rank that seems stalled
+        pids = role_pids(out)
+        # Frozen first, so the kill lands with items in flight however fast the machine decodes the rest (on a fast
+        # one the job could finish in the half second the stacks are given, and the kill found no target).
+        os.kill(pids["target"], signal.SIGSTOP)
+        os.kill(pids["draft"], signal.SIGUSR1)  # a user's look at a rank that seems stalled
         time.sleep(0.5)
-        os.kill(role_pids(out)["target"], signal.SIGKILL)
+        os.kill(pids["target"], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
