@@ -16,23 +16,19 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import vpsd
 from tests.torchrun_jobs import ROOT, job_env
+from vpsd.bench.server_process import ServerFailed, start_server
 
 openai = pytest.importorskip("openai")
 
@@ -42,12 +38,6 @@ KEY = "test-key"
 MAX_TOKENS = 24
 SAMPLED = {"temperature": 3.0, "top_p": 0.9}  # hot: this confident pair samples its greedy caption below ~2
 STARTUP_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
@@ -61,27 +51,13 @@ def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", str(CONFIG), "--method", "hippo",
-           "--batch", "4", "--port", str(port), "--api-key", KEY, "--allowed-media-dir", str(WORLD / "videos"),
-           "--max-body-mib", "2", "--max-video-mib", "1", "--shutdown-timeout", "30"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(), cwd=ROOT)
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited {proc.returncode} at startup:\n{log.read_text()}")
-        try:
-            if _get(f"http://127.0.0.1:{port}/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not start in {STARTUP_S} s:\n{log.read_text()}")
-        time.sleep(0.25)
-    proc.base = f"http://127.0.0.1:{port}"
+    args = ["--config", str(CONFIG), "--method", "hippo", "--batch", "4", "--api-key", KEY, "--allowed-media-dir",
+            str(WORLD / "videos"), "--max-body-mib", "2", "--max-video-mib", "1", "--shutdown-timeout", "30"]
+    try:
+        proc, proc.base = start_server(args, log, STARTUP_S, env=job_env(), cwd=ROOT)
+    except ServerFailed as e:
+        pytest.fail(str(e))
     proc.log = log
     yield proc
     if proc.poll() is None:

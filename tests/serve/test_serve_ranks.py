@@ -17,6 +17,7 @@ import pytest
 import vpsd
 from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _ask, _get, _messages, _streamed, _video_part
 from tests.torchrun_jobs import ROOT, job_env
+from vpsd.bench.server_process import start_server
 
 openai = pytest.importorskip("openai")
 LONG_TOKENS = 256
@@ -29,29 +30,11 @@ pytestmark = pytest.mark.slow
 # The default for a parallel method (one request decoding on the ranks), and a pipelined batch of two on them.
 @pytest.fixture(scope="module", params=[1, 2], ids=["batch1", "pipelined-batch2"])
 def served(request, tmp_path_factory):
-    import socket
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve_ranks") / "server.log"
-    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", str(CONFIG), "--method", "pearl",
-           "--port", str(port), "--api-key", KEY, "--batch", str(request.param)]
-    cmd += ["--set", "batching.pipelined=true"] if request.param > 1 else []
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(), cwd=ROOT)
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if _get(f"http://127.0.0.1:{port}/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.25)
-    proc.base, proc.log, proc.batch = f"http://127.0.0.1:{port}", log, request.param
+    args = ["--config", str(CONFIG), "--method", "pearl", "--api-key", KEY, "--batch", str(request.param)]
+    args += ["--set", "batching.pipelined=true"] if request.param > 1 else []
+    proc, base = start_server(args, log, 180, env=job_env(), cwd=ROOT)
+    proc.base, proc.log, proc.batch = base, log, request.param
     yield proc
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()

@@ -23,11 +23,8 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,6 +34,7 @@ pytest.importorskip("lmms_eval", reason="lmms-eval is not installed here (script
 import vpsd  # noqa: E402
 from tests.torchrun_jobs import ROOT, results, run_launcher, torchrun_cmd  # noqa: E402
 from vpsd.integrations.lmms_eval.requests import request_seed  # noqa: E402
+from vpsd.bench.server_process import start_server  # noqa: E402
 
 CONFIG = "configs/world_qwen2_5_vl.yaml"
 MANIFEST = ROOT / "examples" / "world" / "manifest.jsonl"
@@ -186,25 +184,13 @@ def test_data_parallel_ranks_answer_as_one_process(runs, tmp_path, launcher):
 
 
 @contextlib.contextmanager
-def served(port: int, log: Path):
-    """`vpsd serve` (hippo, batch 8) on 127.0.0.1:port, the world's videos allowed, until the block ends."""
-    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", CONFIG, "--method", "hippo", "--batch", "8",
-           "--port", str(port), "--allowed-media-dir", str(MANIFEST.parent / "videos")]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+def served(log: Path):
+    """`vpsd serve` (hippo, batch 8) on a free loopback port, the world's videos allowed, until the block ends;
+    yields its base URL."""
+    proc, base = start_server(["--config", CONFIG, "--method", "hippo", "--batch", "8", "--allowed-media-dir",
+                               str(MANIFEST.parent / "videos")], log, 120, cwd=ROOT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"vpsd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"vpsd serve did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.25)
-        yield
+        yield base
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -214,12 +200,9 @@ def test_lmms_evals_openai_backend_against_vpsd_serve_scores_as_model_vpsd(runs,
     """What a harness does with an OpenAI-compatible server: lmms-eval's `--model openai` (its chat form, the video
     as a file:// URL with 8 frames, as vLLM takes it) runs the task against `vpsd serve`."""
     ar, hippo, _ = runs
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with served(port, tmp_path / "serve.log"):
+    with served(tmp_path / "serve.log") as base:
         cmd = [sys.executable, "-m", "lmms_eval", "--model", "openai", "--model_args",
-               f"model_version=world_qwen2_5_vl,base_url=http://127.0.0.1:{port}/v1,api_key=none,pass_video_url=True,"
+               f"model_version=world_qwen2_5_vl,base_url={base}/v1,api_key=none,pass_video_url=True,"
                "max_frames_num=8,num_concurrent=8", "--tasks", TASK, "--include_path", "examples/lmms_eval",
                "--output_path", str(tmp_path / "out"), "--log_samples"]
         env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

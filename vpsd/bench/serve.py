@@ -22,19 +22,17 @@ import base64
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from vpsd.bench.methods import BenchRun, run_one
+from vpsd.bench.server_process import ServerFailed, start_server
 
 
 @dataclass
@@ -46,12 +44,6 @@ class Answer:
     ttft_s: float | None
     completion_tokens: int
     batch_size: int | None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _items(manifest: Path) -> list[dict]:
@@ -67,27 +59,13 @@ def _items(manifest: Path) -> list[dict]:
 
 
 def _start_server(a: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", "--config", a.config, "--method", a.method, "--batch",
-           str(a.batch), "--port", str(port), "--max-queue", str(max(64, a.requests)),
-           *(f"--set={kv}" for kv in a.set)]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    args = ["--config", a.config, "--method", a.method, "--batch", str(a.batch), "--max-queue",
+            str(max(64, a.requests)), *(f"--set={kv}" for kv in a.set)]
     t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"vpsd bench serve: the server exited {proc.returncode}:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.perf_counter() - t0 > 600:
-            proc.kill()
-            raise SystemExit("vpsd bench serve: the server did not start in 600 s")
-        time.sleep(0.2)
+    try:
+        proc, base = start_server(args, log, 600)
+    except ServerFailed as e:
+        raise SystemExit(f"vpsd bench serve: {e}") from None
     print(f"server up in {time.perf_counter() - t0:.1f} s ({a.method}, batch {a.batch})", flush=True)
     return proc, f"{base}/v1"
 

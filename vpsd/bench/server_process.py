@@ -1,0 +1,47 @@
+"""`vpsd serve` as a child process on a free loopback port, handed over once it answers /health: what the serving
+benchmark (vpsd/bench/serve.py) and the tests that call a real server start it with."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+class ServerFailed(RuntimeError):
+    """The server exited, or did not answer /health in time (it is killed then); the message ends with its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`vpsd serve ARGS --port P` (P free on 127.0.0.1), its output in `log`; returns the process and its base URL
+    (http://127.0.0.1:P) once /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", *args, "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServerFailed(f"vpsd serve exited {proc.returncode} at startup:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise ServerFailed(f"vpsd serve did not answer in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
