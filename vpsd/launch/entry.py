@@ -133,7 +133,15 @@ def as_a_rank() -> None:
     So does `kill -USR1 <pid>` on a rank that seems stalled, which then goes on (README, Faults)."""
     die_with_parent()
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
+    signal.signal(signal.SIGUSR1, _print_stacks)
+
+
+def _print_stacks(signum: int, frame: object) -> None:
+    """SIGUSR1: every thread's Python stack, dumped from the interpreter, the GIL held, at the main thread's next
+    Python step (a rank's waits poll, so a stalled one gets there). Not faulthandler's own SIGUSR1 handler: that
+    one walks the other threads' frames while they run, and a draft rank died of it mid-forward (SIGSEGV in the
+    dump, in CI)."""
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
 
 
 def launch_layout(cfg: RunConfig, in_roles: bool) -> Layout:
