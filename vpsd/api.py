@@ -295,8 +295,8 @@ class LLM:
         return item.id
 
     def results(self, timeout_s: float | None = None) -> list[Output]:
-        """The Outputs of submitted requests that have finished, waiting up to `timeout_s` (None: until one does)
-        while the ranks decode; [] when none did. RanksFailed when a child rank died: the requests in flight are
+        """The Outputs of submitted requests that have finished, waiting up to `timeout_s` (None: until one does,
+        or a request's tokens grow: `progress`) while the ranks decode; [] when none did. RanksFailed when a child rank died: the requests in flight are
         lost with it, and the next submit starts the ranks again."""
         ready, self._ready = self._ready, []
         if ready or self._ranks is None or not self._submitted:
@@ -313,6 +313,28 @@ class LLM:
                 frames.unlink(missing_ok=True)
             outputs.append(self._row_output(item_id, row))
         return outputs
+
+    def progress(self) -> dict[str, list[int]]:
+        """The submitted requests whose committed tokens grew since the last call, each with every token it has
+        committed so far (the ranks report each round's; `results` takes the reports as it waits, and returns
+        early when one comes). Tokens past a stop string are included: the Output's text is cut, these are not."""
+        if self._ranks is None:
+            return {}
+        return {self._submitted[w][0]: list(self._ranks.committed(w)) for w in self._ranks.fresh()
+                if w in self._submitted}
+
+    def cancel(self, request_id: str) -> None:
+        """Stops a submitted request (its client left): dropped before it starts, or at the ranks' next round,
+        its KV freed; its Output from `results` is an error. One that has finished keeps its Output."""
+        wire = next((w for w, (rid, _) in self._submitted.items() if rid == request_id), None)
+        if wire is not None and self._ranks is not None:
+            self._ranks.cancel(wire)
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        """What tokens read as, as an Output's text is read (the target's tokenizer, special tokens skipped)."""
+        if self.target is not None:
+            return self.target.text(token_ids)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _lose_ranks(self) -> None:
         """The ranks stopped under their requests (a rank died, an interrupt): those are gone."""

@@ -1,6 +1,7 @@
 """`vpsd serve` with a parallel method on the API's child ranks (pearl at batch 1, and a pipelined batch of 2:
 requests submitted to the ranks' batch as they arrive, serve/on_ranks.py), --slow: a burst is answered once each as `ar` answers it,
-plain and streamed; a short request sent while a long one decodes joins it on the ranks and is answered first; a
+plain and streamed (the stream in pieces, as the ranks' rounds commit); a client that leaves mid-stream has its
+request stopped on the ranks; a short request sent while a long one decodes joins it on the ranks and is answered first; a
 rank that dies fails the requests in flight or the next with 503, and the request after it is served again on new
 ranks."""
 
@@ -69,8 +70,31 @@ def test_a_burst_on_child_ranks_is_answered_once_each_as_ar(client, served, ar):
         answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), jobs))
     assert len({r.id for _, r in answers}) == 6
     assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
-    text, _, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
+    text, chunks, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
     assert text == ar[ITEMS[0]["id"]]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # as the ranks' rounds commit
+
+
+def test_a_client_that_leaves_mid_stream_is_cancelled_on_the_ranks(client, served, ar):
+    """Its target drops it at the next round (launch/job.py): the ranks are free long before its budget would
+    have ended, and the next request is answered as `ar` answers it."""
+    import json
+
+    stream = client.chat.completions.create(model="world_qwen2_5_vl", stream=True, max_tokens=LONG_TOKENS,
+                                            messages=_messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), **HOT)
+    pieces = 0
+    for chunk in stream:
+        pieces += bool(chunk.choices and chunk.choices[0].delta.content)
+        if pieces == 2:
+            break
+    stream.close()
+    left, stopped = time.monotonic(), 'vpsd_requests_cancelled_total{where="engine"} 1.0'
+    while stopped not in _get(f"{served.base}/metrics")[1].decode():  # the target's answer: it dropped the request
+        assert time.monotonic() - left < 60, "the ranks never stopped the request its client left"
+        time.sleep(0.05)
+    assert json.loads(_get(f"{served.base}/health")[1])["running"] == 0
+    r = _ask(client, ITEMS[1])
+    assert r.choices[0].message.content == ar[ITEMS[1]["id"]]
 
 
 def test_a_request_sent_while_another_decodes_joins_the_ranks_batch_and_is_answered_first(client, served, ar):

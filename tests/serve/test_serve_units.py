@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from vpsd.api import Output, SamplingParams, VideoRequest
+from vpsd.engine.request import CANCELLED
 from vpsd.serve.jobs import Job, JobQueue, QueueFull, ServerClosing
 from vpsd.serve.stream_text import TextStream
 
@@ -81,6 +82,9 @@ class GatedRanks:
         self.calls = 0  # submits
         self.most_in_flight = 0
         self.in_flight: dict[str, VideoRequest] = {}
+        self.cancelled: list[str] = []  # request ids the runner cancelled
+        self.committing: set[str] = set()  # prompts whose requests report a token at each look (progress)
+        self.committed: dict[str, int] = {}
 
     def joins(self, params) -> bool:
         return True
@@ -92,15 +96,32 @@ class GatedRanks:
         self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
         return request.id
 
+    def progress(self) -> dict[str, list[int]]:
+        """A request whose prompt is in `committing` commits one more token at each look; the others none."""
+        grown = {}
+        for r in self.in_flight.values():
+            if r.prompt in self.committing and r.id not in self.cancelled:
+                self.committed[r.id] = self.committed.get(r.id, 0) + 1
+                grown[r.id] = list(range(self.committed[r.id]))
+        return grown
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def text(self, token_ids) -> str:
+        return " ".join(f"w{t}" for t in token_ids)
+
     def results(self, timeout_s: float) -> list[Output]:
         end = time.monotonic() + timeout_s
-        while not (done := [r for r in self.in_flight.values() if self.gate.is_set() or r.prompt in self.released]):
+        while not (done := [r for r in self.in_flight.values() if self.gate.is_set() or r.prompt in self.released
+                            or r.id in self.cancelled]):
             if time.monotonic() >= end:
                 return []
             time.sleep(0.005)
         for r in done:
             del self.in_flight[r.id]
-        return [Output(r.id, f"answer to {r.prompt}", [1, 2], "stop", 4, 2,
+        return [Output(r.id, "", [], "error", error=f"ValueError: {CANCELLED}") if r.id in self.cancelled else
+                Output(r.id, f"answer to {r.prompt}", [1, 2], "stop", 4, 2,
                        {"mean_accepted_tokens": 2.0, "rounds": 1, "decode_s": 0.01}) for r in done]
 
 
@@ -204,6 +225,31 @@ def test_a_request_sent_while_another_decodes_on_the_ranks_joins_it_and_is_answe
     llm.released.add("long")
     long.join(30)
     assert answered == ["answer to short", "answer to long"]
+
+
+def test_the_ranks_tokens_stream_as_they_commit_and_a_client_that_leaves_is_cancelled_on_them(gated_server):
+    """serve/on_ranks.py: each round's tokens the ranks report (LLM.progress) go out as text at once; a client that
+    closes its stream has its request cancelled on the ranks (LLM.cancel), counted as stopped in the engine."""
+    import urllib.request
+
+    llm, queue, base, clip = gated_server
+    llm.committing.add("streamed")
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=30)
+    stream = client.chat.completions.create(model="m", stream=True, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "streamed"}, {"type": "video_url", "video_url": {"url": str(clip)}}]}])
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if len(pieces) == 3:
+            break
+    assert pieces == ["w0", " w1", " w2"]  # the gate is shut: these came as the tokens were reported
+    stream.close()
+    _until(lambda: llm.cancelled and queue.running == 0)
+    metrics = urllib.request.urlopen(f"{base.removesuffix('/v1')}/metrics", timeout=10).read().decode()
+    assert 'vpsd_requests_cancelled_total{where="engine"} 1.0' in metrics
+    llm.released.add("next")
+    assert _ask(base, clip, "next").choices[0].message.content == "answer to next"
 
 
 def test_a_body_that_is_not_a_request_is_a_400_in_openai_s_shape(gated_server):

@@ -236,6 +236,56 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
     assert not _children() and threading.active_count() <= before
 
 
+def _drain(llm: vpsd.LLM, wanted: set[str], reports: dict[str, list[list[int]]], limit_s: float = 120):
+    """Outputs of `wanted`, by id, with each request's progress reports (LLM.progress) collected meanwhile."""
+    import time
+
+    outs, end = {}, time.monotonic() + limit_s
+    while not wanted <= outs.keys():
+        assert time.monotonic() < end, f"no result for {wanted - outs.keys()} within {limit_s} s"
+        got = llm.results(1.0)
+        for rid, tokens in llm.progress().items():
+            reports.setdefault(rid, []).append(tokens)
+        outs.update({o.id: o for o in got})
+    return outs
+
+
+def test_requests_on_child_ranks_report_each_rounds_tokens_and_a_cancelled_one_frees_the_ranks(items, ar):
+    """What `vpsd serve` streams and cancels on ranks with (serve/on_ranks.py): every round's committed tokens
+    come back while the request decodes, each report a longer prefix of its final tokens (`ar`'s); a request
+    cancelled while it decodes ends at the target's next round as an error, far short of its budget, one
+    cancelled before it started never runs, and the ranks then decode the next request as `ar` does."""
+    params = vpsd.SamplingParams(max_new_tokens=24)
+    hot = vpsd.SamplingParams(max_new_tokens=400, temperature=2.0, seed=3)  # long: EOS is rarely drawn this hot
+    with vpsd.LLM(CONFIG, method="pearl", gamma=2, settings={"draft": "self"}) as llm:
+        assert llm.served
+        reports: dict[str, list[list[int]]] = {}
+        rid = llm.submit(items[0], params)
+        out = _drain(llm, {rid}, reports)[rid]
+        assert out.token_ids == ar[items[0].id]
+        seen = reports[rid]
+        assert len(seen) >= 3, seen  # round by round, not once at the end
+        assert all(len(a) < len(b) for a, b in zip(seen, seen[1:]))
+        assert all(out.token_ids[:len(s)] == s for s in seen)
+        # One decodes (the ranks' batch holds one), one waits behind it: both cancelled.
+        long = llm.submit(vpsd.VideoRequest(items[1].video, items[1].prompt, id="long"), hot)
+        queued = llm.submit(vpsd.VideoRequest(items[2].video, items[2].prompt, id="queued"), hot)
+        llm.cancel(queued)
+        gone = {o.id: o for o in llm.results(0.0)}  # never granted: answered here at once
+        assert set(gone) == {queued}
+        while not llm.progress().get(long):
+            assert not llm.results(1.0)
+        llm.cancel(long)
+        after: dict[str, list[list[int]]] = {}
+        gone.update(_drain(llm, {long}, after))
+        assert all(len(tokens) < hot.max_new_tokens for tokens in after.get(long, []))  # it stopped short
+        for o in gone.values():
+            assert o.finish_reason == "error" and "cancelled" in o.error, o
+        assert llm.in_flight == 0
+        again = llm.submit(items[2], params)
+        assert _drain(llm, {again}, {})[again].token_ids == ar[items[2].id]
+
+
 def test_the_example_script_runs_from_the_repository_root():
     proc = subprocess.run([sys.executable, "examples/python_api.py"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

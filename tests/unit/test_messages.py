@@ -42,6 +42,8 @@ EXAMPLES: list[m.Message] = [
     m.ItemResult(1, {"id": "item-7", "method": "hippo", "token_ids": [1, 2], "text": "a b", "stats": {"wall_s": 0.5},
                      "error": None}),
     m.PipelineDone(1, {"loop_s": 3.5, "batching": None, "peak_rss_mib": 512.0}),
+    m.ItemProgress(0, {"item-7#3": [11, 12, 13], "b": [5]}),
+    m.CancelItem("item-7#3"),
 ]
 
 
@@ -97,6 +99,9 @@ def _strategy(tp: Any) -> st.SearchStrategy:
         return st.floats(allow_nan=False)  # NaN != NaN would fail equality, not the wire
     if tp is str:
         return st.text(max_size=16)
+    if typing.get_origin(tp) is dict and typing.get_args(tp)[1] is not typing.Any:  # typed values: of that type
+        key, value = typing.get_args(tp)
+        return st.dictionaries(_strategy(key), _strategy(value), max_size=4)
     if tp is dict or typing.get_origin(tp) is dict:
         return st.dictionaries(st.text(max_size=6), _NATIVE, max_size=4)
     if typing.get_origin(tp) is list:

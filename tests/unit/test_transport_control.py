@@ -43,6 +43,20 @@ def test_recv_from_one_src_keeps_others_queued(world):
     assert t.recv(2.0) == (2, Shutdown("from pruner"))  # another connection: its handshake may finish later
 
 
+def test_recv_from_a_set_of_ranks_keeps_the_others_queued(world):
+    """A role's "any peer" is its pipeline's ranks (roles/context.py): a coordinator's message waits for the
+    launcher's own receive."""
+    t, d, p = world
+    p.send(0, Shutdown("from the coordinator"))
+    assert t.poll(2.0, src=2)
+    assert not t.poll(0.0, src=frozenset({0, 1}))
+    d.send(0, Shutdown("from draft"))
+    assert t.recv(2.0, src=frozenset({0, 1})) == (1, Shutdown("from draft"))
+    with pytest.raises(PeerTimeout):
+        t.recv(0.05, src=frozenset({1}))
+    assert t.recv(0.0, src=2) == (2, Shutdown("from the coordinator"))
+
+
 def test_self_send(world):
     t = world[0]
     t.send(0, Shutdown("me"))

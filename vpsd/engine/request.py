@@ -24,6 +24,9 @@ from vpsd.pipeline.state_machine import TargetMachine
 from vpsd.pipeline.stats import AcceptanceStats
 from vpsd.pipeline.stopping import stop_length
 
+# A request's error when its client left (a server's): set between rounds, it leaves at the next one, KV freed.
+CANCELLED = "cancelled: the client closed the request"
+
 
 @dataclass
 class Request:

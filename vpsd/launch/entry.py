@@ -302,8 +302,8 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             if leader_secret is not None and os.environ.get(SERVED) != "1":
                 coordinator = Coordinator(layout, args, cfg, ctx.method.name, out, leader_secret)
                 coordinator.start()
-            run_pipeline(ctx, cfg, CoordinatorLink(ctx, pipeline.index, layout.coordinator), len(layout.pipelines),
-                         target_group)
+            link = CoordinatorLink(ctx, pipeline.index, layout.coordinator, served=os.environ.get(SERVED) == "1")
+            run_pipeline(ctx, cfg, link, len(layout.pipelines), target_group)
             if coordinator is not None:
                 coordinator.result()
         elif role == "draft":

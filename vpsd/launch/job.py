@@ -10,6 +10,11 @@ Contract (the README's "Batch jobs" section says it for users; the job as a whol
   ValueError while decoding it is written as that item's `error: {type, message}` (plus `kind` for a
   VideoError) and the job goes on. Anything else (a dead peer, a bug) ends the job, and what was finished stays.
 
+Served (the API's child ranks, launch/served.py): after every round the tokens each item committed go to the
+coordinator (`ItemProgress`), so a server streams them as they commit, and an item the coordinator cancels
+(`CancelItem`: its client left) is dropped at the next round, its KV freed, its result an error row. A job's
+pipelines do neither: their results come whole.
+
 Wiring: `Method.draft_place` says where the method's draft runs; launch/wiring.py builds the engine
 (engine/engine.py) with that drafter, and the scheduler's loop (engine/scheduler.py) runs every item.
 """
@@ -21,7 +26,7 @@ from pathlib import Path
 from vpsd.activity import START, doing
 from vpsd.config import RunConfig
 from vpsd.engine.engine import Engine
-from vpsd.engine.request import Request
+from vpsd.engine.request import CANCELLED, Request
 from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.wiring import SharedFrames, build_engine
@@ -30,7 +35,8 @@ from vpsd.models.base import VideoLMAdapter
 from vpsd.models.registry import load_adapter
 from vpsd.models.tensor_parallel import Mirror
 from vpsd.profiling import RoundProfile
-from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
+from vpsd.pipeline.messages import (CancelItem, ItemProgress, ItemResult, PipelineDone, Shutdown, WorkGrant,
+                                    WorkRequest)
 from vpsd.reports.kept_log import KeptRecord, append_kept
 from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.link import RankLink
@@ -57,11 +63,15 @@ def error_of(e: Exception | str) -> ItemError:
     return ItemError(type(e).__name__, str(e), e.kind if isinstance(e, VideoError) else None)
 
 
-class CoordinatorLink:
-    """A pipeline target's side of the job's coordinator (launch/coordinator.py), over the control plane."""
 
-    def __init__(self, ctx: RoleContext, pipeline: int, coordinator: int) -> None:
-        self.ctx, self.pipeline, self.coordinator = ctx, pipeline, coordinator
+
+class CoordinatorLink:
+    """A pipeline target's side of the job's coordinator (launch/coordinator.py), or of a served pipeline's
+    (launch/served.py, `served`), over the control plane."""
+
+    def __init__(self, ctx: RoleContext, pipeline: int, coordinator: int, served: bool = False) -> None:
+        self.ctx, self.pipeline, self.coordinator, self.served = ctx, pipeline, coordinator, served
+        self._cancels: list[str] = []  # CancelItems that came while an answer was awaited
 
     def take(self, needed: bool) -> tuple[ManifestItem | None, bool]:
         """The next item the coordinator grants this pipeline, and whether more may come (engine ItemSource)."""
@@ -77,15 +87,34 @@ class CoordinatorLink:
         self.ctx.ctrl.send(self.coordinator, PipelineDone(self.pipeline, run))
         self._answer(Shutdown)
 
+    def progress(self, tokens: dict[str, list[int]]) -> None:
+        """A served pipeline's round: the tokens each item committed in it."""
+        self.ctx.ctrl.send(self.coordinator, ItemProgress(self.pipeline, tokens))
+
+    def cancelled(self) -> list[str]:
+        """The items the coordinator cancelled since the last look (never waits)."""
+        while self.ctx.ctrl.poll(0.0, src=self.coordinator):
+            self._cancels.append(self._take(CancelItem, 0.0).item_id)
+        ids, self._cancels = self._cancels, []
+        return ids
+
     def _answer(self, kind: type):
+        while True:
+            msg = self._take((kind, CancelItem), self.ctx.idle_timeout_s)
+            if not isinstance(msg, CancelItem):
+                return msg
+            self._cancels.append(msg.item_id)  # sent before the answer: taken at the next round
+
+    def _take(self, kind: type | tuple[type, ...], timeout_s: float):
         try:
-            _, msg = self.ctx.ctrl.recv(timeout_s=self.ctx.idle_timeout_s, src=self.coordinator)
+            _, msg = self.ctx.ctrl.recv(timeout_s=timeout_s, src=self.coordinator)
         except PeerTimeout:
             raise RoleFailure(f"{self.ctx.role} (rank {self.ctx.rank}): the job's coordinator (in the process of rank "
                               f"0's pipeline target) did not answer for {self.ctx.idle_timeout_s:.0f} s") from None
         if not isinstance(msg, kind):
+            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
             raise RoleFailure(f"{self.ctx.role} (rank {self.ctx.rank}): the coordinator sent {type(msg).__name__}, "
-                              f"expected {kind.__name__}")
+                              f"expected {expected}")
         return msg
 
 
@@ -98,6 +127,8 @@ class ItemEvents:
         self.ctx, self.cfg, self.reader, self.target, self.sink, self.frames = ctx, cfg, reader, target, sink, frames
         self.loaded: dict[str, LoadedItem] = {}
         self.failures = self.finished_items = 0
+        self.sent: dict[str, int] = {}  # a served item's tokens reported so far (ItemProgress)
+        self.cancelled: set[str] = set()  # served items whose client left, until they leave the engine
 
     def request(self, item: ManifestItem, nxt: ManifestItem | None) -> Request:
         loaded = self.reader.load(item)
@@ -109,7 +140,26 @@ class ItemEvents:
     def started(self, item: ManifestItem) -> None:
         self.ctx.item_id = item.id
 
+    def after_round(self, engine: Engine) -> None:
+        """A served pipeline's round (module docstring): the cancelled items marked to leave, the committed
+        tokens of the others reported."""
+        self.cancelled.update(self.sink.cancelled())
+        fresh: dict[str, list[int]] = {}
+        for rid, request in engine.requests.items():
+            if request.machine is None or request.error is not None:
+                continue
+            if rid in self.cancelled:
+                request.error = CANCELLED  # it leaves at the next round, as an item its drafter failed
+                continue
+            out, sent = request.machine.output(), self.sent.get(rid, 0)
+            if len(out) > sent:
+                fresh[rid], self.sent[rid] = out[sent:], len(out)
+        if fresh:
+            self.sink.progress(fresh)
+
     def finished(self, item: ManifestItem, request: Request) -> None:
+        self.sent.pop(item.id, None)
+        self.cancelled.discard(item.id)
         if self.frames is not None:
             self.frames.drop(item.id)
         if request.error is not None:
@@ -128,6 +178,8 @@ class ItemEvents:
         self.record(self.row(item, out.tokens, stats, out.text))
 
     def failed(self, item: ManifestItem, error: Exception | str) -> None:
+        self.sent.pop(item.id, None)
+        self.cancelled.discard(item.id)
         if self.frames is not None:
             self.frames.drop(item.id)
         self.failures += 1
@@ -165,7 +217,8 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
         profile = RoundProfile(ctx.out, ctx.role, ctx.rank, cfg.profile_rounds, target.device.type == "cuda")
     # start-up ends when a draft and pruner of their own have loaded
     loop_s = serve_target(engine, scheduler, link, events, ready=lambda: wired.ready(ctx.startup_timeout_s),
-                          stop=stop_drafter, profile=profile)
+                          stop=stop_drafter, profile=profile,
+                          after_round=(lambda: events.after_round(engine)) if link.served else None)
     frames.close()
     if target.mirror is not None:
         target.mirror.stop()  # the followers leave

@@ -7,7 +7,9 @@ environment over a rendezvous store this process hosts. This process then plays 
 item beside those in flight, granted as the pipeline's target asks for work (`WorkRequest` / `WorkGrant`: at once
 to a target that waits with nothing decoding, else at its next request, when its batch has a free slot), and
 `poll(timeout_s)` answers the target meanwhile and returns each item's result line (`ItemResult`) as it finishes;
-`run(items)` is both, for the API's `generate` calls. A target with nothing decoding and nothing submitted waits
+`run(items)` is both, for the API's `generate` calls. The target reports each round's committed tokens
+(`ItemProgress`: `committed(id)` holds them, `fresh()` says whose grew), and `cancel(id)` drops an item: one not
+granted yet here, one decoding at the target's next round (`CancelItem`); either ends as an error row. A target with nothing decoding and nothing submitted waits
 here, unanswered, with the models loaded; one that asks with items decoding is told "not now" and asks again after
 its next round. `close()` ends the pipeline as a job's end does (no more items, its run reported, `Shutdown`).
 
@@ -43,8 +45,10 @@ from vpsd.config import RunConfig
 from vpsd.launch.arguments import SERVED
 from vpsd.launch.layout import Layout, plan
 from vpsd.launch.manifest import ManifestItem
-from vpsd.launch.results import ResultRow
-from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
+from vpsd.engine.request import CANCELLED
+from vpsd.launch.results import ItemError, ResultRow
+from vpsd.pipeline.messages import (CancelItem, ItemProgress, ItemResult, PipelineDone, Shutdown, WorkGrant,
+                                    WorkRequest)
 from vpsd.transport.auth import SECRET_ENV
 from vpsd.transport.control import ControlChannel, PeerTimeout
 from vpsd.transport.startup import attempt_store
@@ -70,7 +74,9 @@ class ServedRanks:
         self.ctrl: ControlChannel | None = None
         self._asked: list[int] = []  # targets waiting for an item (WorkRequest with needed), unanswered
         self._pending: deque[ManifestItem] = deque()  # submitted, not granted yet
-        self._granted: set[str] = set()  # granted to the pipeline, no result yet
+        self._granted: dict[str, int] = {}  # granted to the pipeline, no result yet: to which target rank
+        self._committed: dict[str, list[int]] = {}  # a granted item's tokens so far (ItemProgress)
+        self._fresh: set[str] = set()  # items whose committed tokens grew since `fresh()` was last asked
         self._done: dict[str, ResultRow] = {}  # finished, not taken by poll or run yet
         self._closed = False
         try:  # an interrupt (or a failure) while they start stops what has started
@@ -165,9 +171,16 @@ class ServedRanks:
                 self._asked.append(src)  # nothing decoding: answered with the next item submitted, or at close
             else:  # not now: a read-ahead, or a slot free beside items decoding (it asks again after a round)
                 self.ctrl.send(src, WorkGrant(None, more=True))
+        elif isinstance(msg, ItemProgress):
+            for item_id, tokens in msg.tokens.items():
+                if item_id in self._granted:
+                    self._committed.setdefault(item_id, []).extend(tokens)
+                    self._fresh.add(item_id)
         elif isinstance(msg, ItemResult):
             row = ResultRow.from_json(msg.row)
-            self._granted.discard(row.id)
+            self._granted.pop(row.id, None)
+            self._committed.pop(row.id, None)
+            self._fresh.discard(row.id)
             self._done[row.id] = row
         elif isinstance(msg, PipelineDone):
             self.ctrl.send(src, Shutdown("the API closed its ranks"))
@@ -175,7 +188,7 @@ class ServedRanks:
 
     def _grant(self, src: int) -> None:
         item = self._pending.popleft()
-        self._granted.add(item.id)
+        self._granted[item.id] = src
         self.ctrl.send(src, WorkGrant(item.to_wire(), more=True))
 
     @property
@@ -198,11 +211,12 @@ class ServedRanks:
             raise
 
     def poll(self, timeout_s: float | None) -> list[ResultRow]:
-        """The rows finished so far, waiting up to `timeout_s` (None: no bound) for one while answering the
+        """The rows finished so far, waiting up to `timeout_s` (None: no bound) for one, or for an item's tokens
+        to grow (`fresh`), while answering the
         pipeline's requests from the submitted items; RanksFailed when a child exited (the ranks are then
         stopped, as on any exception: an interrupt stops them as a job's Ctrl-C does)."""
         try:
-            self._pump(timeout_s, lambda: bool(self._done))
+            self._pump(timeout_s, lambda: bool(self._done or self._fresh))
         except BaseException:
             self.kill()
             raise
@@ -225,6 +239,24 @@ class ServedRanks:
                 self.check()  # outside the except: a RanksFailed is not "during handling of" a poll's timeout
                 continue
             self._answer(src, msg)
+
+    def committed(self, item_id: str) -> list[int]:
+        """The tokens a granted item has committed so far (its target's rounds' reports)."""
+        return self._committed.get(item_id, [])
+
+    def fresh(self) -> set[str]:
+        """The items whose committed tokens grew since the last call."""
+        ids, self._fresh = self._fresh, set()
+        return ids
+
+    def cancel(self, item_id: str) -> None:
+        """Drops an item: one not granted yet now, one granted at its target's next round; its row (`poll`) is an
+        error. An item already finished keeps its row."""
+        if item_id in self._granted:
+            self.ctrl.send(self._granted[item_id], CancelItem(item_id))
+        elif any(item.id == item_id for item in self._pending):
+            self._pending = deque(item for item in self._pending if item.id != item_id)
+            self._done[item_id] = ResultRow(item_id, self.method, [], "", {}, ItemError("ValueError", CANCELLED))
 
     def run(self, items: Iterable[ManifestItem]) -> dict[str, ResultRow]:
         """Each item's result line, by id, once all of them have finished (submit, then pump until they are

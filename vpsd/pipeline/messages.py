@@ -297,3 +297,22 @@ class PipelineDone(Message, tag="PipelineDone/1"):
 
     pipeline: Int
     run: dict[str, Any]
+
+
+# --- a served pipeline (launch/served.py): the tokens as they commit, and requests whose client left ---------
+
+
+class ItemProgress(Message, tag="ItemProgress/1"):
+    """A served pipeline's target -> its coordinator, after a round: the tokens each item committed in it, by
+    item id (appended to those sent before: a sender's messages arrive in order, and committed tokens never roll
+    back). Only items that committed some are named. A job's pipelines never send it (their results come whole)."""
+
+    pipeline: Int
+    tokens: dict[str, list[Int]]
+
+
+class CancelItem(Message, tag="CancelItem/1"):
+    """The coordinator -> a served pipeline's target: the item's client left. The target drops it at its next
+    round (its KV freed, its draft told as for a failed item) and answers its result as an error."""
+
+    item_id: str

@@ -9,6 +9,8 @@ a prefill, a verify, a draft step, a pruning, far longer than such work took in 
 is named too, within that limit; a peer alive and busy but not in a phase (between items, reading a video)
 is waited for up to the wait's own limit (`idle_timeout_s` by default). Start-up has its own bound
 (`startup_timeout_s`): a peer never heard from yet, or one loading its models, is waited for that long.
+A wait on "any peer" is on the pipeline's roles only: what the job's coordinator sends is the launcher's to
+take (launch/job.py), whenever it looks.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class RoleContext:
         RoleFailure when the awaited peer (`awaiting`, default `src_role`) has been silent for `timeout_s`, or
         after `limit_s` (default `idle_timeout_s`) of waiting on a peer that is alive.
         """
-        src = None if src_role is None else self.ranks[src_role]
+        src = self.peers if src_role is None else self.ranks[src_role]
         awaiting = awaiting or src_role
         limit = float(limit_s if limit_s is not None else self.idle_timeout_s)
         deadline = time.monotonic() + limit
@@ -96,7 +98,12 @@ class RoleContext:
              awaiting: str | None = None) -> tuple[int, Message]:
         """The next message from `src_role` (any peer if None), waited for as `wait` says (`timeout_s`: its limit)."""
         self.wait(src_role, timeout_s, awaiting)
-        return self.ctrl.recv(timeout_s=0.0, src=None if src_role is None else self.ranks[src_role])
+        return self.ctrl.recv(timeout_s=0.0, src=self.peers if src_role is None else self.ranks[src_role])
+
+    @property
+    def peers(self) -> frozenset[int]:
+        """The ranks of this role's pipeline, itself excepted: whom "any peer" means."""
+        return frozenset(r for r in self.ranks.values() if r != self.rank)
 
     def send(self, dst_role: str, msg: Message) -> None:
         self.ctrl.send(self.ranks[dst_role], msg)

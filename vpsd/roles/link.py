@@ -81,7 +81,7 @@ class RankLink:
         return self.ctx.tensors.send(self.ctx.ranks[dst], tensors, tag=tag, epoch=epoch, item_id=item_id, names=names)
 
     def poll(self, src: str | None = None, timeout_s: float = 0.0) -> bool:
-        return self.ctx.ctrl.poll(timeout_s, src=None if src is None else self.ctx.ranks[src])
+        return self.ctx.ctrl.poll(timeout_s, src=self.ctx.peers if src is None else self.ctx.ranks[src])
 
     def recv(self, src: str | None = None, limit_s: float | None = None) -> tuple[str, Message]:
         rank, msg = self.ctx.recv(src, timeout_s=limit_s)

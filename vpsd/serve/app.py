@@ -12,8 +12,8 @@ too long for the context, with the job's error kind as `code`), 403 a local path
 down or the engine failing. One request's failure is its own: the server goes on.
 
 A streamed request (`stream: true`) gets server-sent events in OpenAI's chunk format: the role, the text as it
-commits (each round's new text where the engine runs in this process, serve/online.py; the whole text when it
-finishes where a parallel method's ranks decode it, serve/on_ranks.py), never past a stop string's cut, the
+commits (each round's new text, where the engine runs in this process, serve/online.py, and where a parallel
+method's ranks decode it and report their rounds, serve/on_ranks.py), never past a stop string's cut, the
 finish reason (and the usage, with `stream_options.include_usage`), then `data: [DONE]`. A client that
 disconnects has its request dropped from the queue, or stopped in the engine at its next round.
 """
@@ -201,7 +201,7 @@ class ChatService:
     def _answered(self, job: Job, out: Output, usage: Usage, done: Done, arrived: float) -> None:
         m = self.metrics
         m.requests.labels("200").inc()
-        if job.first_token is not None:  # the engine's first committed token (its end on child ranks: on_ranks.py)
+        if job.first_token is not None:  # the engine's first committed token (reported by the ranks on child ranks)
             m.ttft.observe(job.first_token - job.enqueued)
         m.latency.observe(time.perf_counter() - arrived)
         m.queue_wait.observe(done.queue_s)

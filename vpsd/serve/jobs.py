@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from vpsd.api import Output, SamplingParams, VideoRequest
+from vpsd.engine.request import CANCELLED
 
 
 class QueueFull(RuntimeError):
@@ -57,6 +58,14 @@ class Job:
         self.gone = True
         self.future.cancel()
 
+    def emit(self, text: str) -> None:
+        """A streamed job's text to its handler (engine thread); a handler whose event loop has closed (the
+        server stopped) is gone."""
+        try:
+            self.on_text(text)
+        except RuntimeError:
+            self.gone = True
+
     @property
     def cancelled(self) -> bool:
         return self.gone or self.future.cancelled()
@@ -71,6 +80,9 @@ class Job:
 
 class Observer(Protocol):
     def queue(self, depth: int, running: int) -> None: ...
+
+    def cancelled(self, where: str) -> None:
+        """A request whose client left: dropped from the queue ("queue"), or stopped while decoding ("engine")."""
 
 
 class JobQueue:
@@ -153,7 +165,19 @@ class JobQueue:
         self._served_s.append(seconds)
 
     def _drop_cancelled(self) -> None:
-        self._jobs = collections.deque(j for j in self._jobs if not j.cancelled)
+        kept = collections.deque(j for j in self._jobs if not j.cancelled)
+        for _ in range(len(self._jobs) - len(kept)):
+            self.count_cancelled("queue")
+        self._jobs = kept
+
+    def count_cancelled(self, where: str) -> None:
+        if self.observer is not None:
+            self.observer.cancelled(where)
+
+    def stopped(self, job: Job, out: Output) -> None:
+        """Counts an answer that is the engine's stop of a job whose client left (as the metrics tell them)."""
+        if job.cancelled and out.finish_reason == "error" and CANCELLED in (out.error or ""):
+            self.count_cancelled("engine")
 
     def observe(self) -> None:
         if self.observer is not None:

@@ -1,10 +1,10 @@
 """The server's Prometheus metrics (`GET /metrics`, text format), on a registry of its own.
 
 Per request: how it ended, its tokens, its latency, its time to first token (the first content the client got:
-the whole text until streaming commits per round), its time in the queue, its MAT and the mean time of one
+its first round's commit), its time in the queue, its MAT and the mean time of one
 decoding round (decode_s / rounds: a target verification round, or one `ar` step), and how many requests were
-decoding together when its first token committed (on child ranks: at most, over its decoding). Gauges: the
-queue's depth and the requests decoding now.
+decoding together when its first token committed (on child ranks: at most, over its decoding). Requests whose
+client left, by where they were stopped. Gauges: the queue's depth and the requests decoding now.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Metrics:
                               buckets=STEP_BUCKETS, registry=r)
         self.batch = Histogram("vpsd_engine_batch_size", "requests decoding together at a request's first token",
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.cancelled_requests = Counter("vpsd_requests_cancelled", "requests whose client left, by where they "
+                                          "were stopped: queue (never decoded) or engine (at its next round)",
+                                          ["where"], registry=r)
         self.queue_depth = Gauge("vpsd_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("vpsd_requests_running", "requests decoding now", registry=r)
 
@@ -46,6 +49,9 @@ class Metrics:
     def queue(self, depth: int, running: int) -> None:
         self.queue_depth.set(depth)
         self.running.set(running)
+
+    def cancelled(self, where: str) -> None:
+        self.cancelled_requests.labels(where).inc()
 
     def answered(self, prompt_tokens: int, completion_tokens: int, stats: dict, batch_size: int) -> None:
         self.batch.observe(batch_size)

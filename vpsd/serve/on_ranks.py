@@ -4,10 +4,11 @@ The engine thread submits each queued request the moment it arrives (`LLM.submit
 ranks' batch: their target takes an item as a slot frees, launch/served.py), and answers each as its result comes
 (`LLM.results`), whatever the order they were submitted in. The ranks run one temperature and filters (their
 config): a request with others waits until those in flight leave, and the API starts the ranks again for it
-(`LLM.joins`). The ranks do not report a request's tokens per round: a streamed request gets its whole text when it
-finishes. A request whose client left while queued is dropped; one in flight on the ranks finishes and its answer
-is discarded. A rank that dies (`RanksFailed`) fails the requests in flight (503), and the next request starts the
-ranks again.
+(`LLM.joins`). The ranks report each round's committed tokens (`LLM.progress`): a streamed request's text is
+released as they commit (serve/stream_text.py, as in process), and its first token is timed when it commits. A
+request whose client left is dropped while queued, and cancelled on the ranks while in flight (`LLM.cancel`: its
+target drops it at its next round and frees its KV). A rank that dies (`RanksFailed`) fails the requests in flight
+(503), and the next request starts the ranks again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 from vpsd.config import ConfigError
 from vpsd.serve.jobs import Done, Job, JobQueue
+from vpsd.serve.stream_text import TextStream
 from vpsd.tracing import get_logger
 
 log = get_logger()
@@ -25,13 +27,15 @@ IDLE_POLL_S = 0.5  # with none in flight, how often the thread looks whether the
 
 
 class RanksRunner:
-    streams = False
+    streams = True
     samples_per_request = False  # the ranks sample every request's video by the config
 
     def __init__(self, llm, queue: JobQueue) -> None:
         """llm: a `vpsd.LLM` whose method runs on child ranks (`llm.served`)."""
         self.llm, self.queue = llm, queue
         self._jobs: dict[str, Job] = {}  # submitted and not answered yet, by request id
+        self._streams: dict[str, TextStream] = {}  # the streamed ones' text so far
+        self._cancelled: set[str] = set()  # in flight, their client gone, the ranks told
         self._thread = threading.Thread(target=self._loop, name="vpsd-engine", daemon=True)
         self._thread.start()
 
@@ -63,6 +67,8 @@ class RanksRunner:
                 self._fail_all(e, [job])
                 continue
             self._jobs[request_id] = job
+            if job.on_text is not None:
+                self._streams[request_id] = TextStream(self.llm.text, job.params.stop)
             for other in self._jobs.values():  # requests decoding together, at most, over each one's time
                 other.batch_size = max(other.batch_size, len(self._jobs))
             self._observe()
@@ -74,19 +80,42 @@ class RanksRunner:
             self._fail_all(e, [])
             return
         now = time.perf_counter()
+        self._release(now)
         for out in outputs:
-            job = self._jobs.pop(out.id)
-            job.first_token = now  # the ranks report a request once, whole
+            job, stream = self._jobs.pop(out.id), self._streams.pop(out.id, None)
+            self._cancelled.discard(out.id)
+            job.first_token = job.first_token or now
             self.queue.served(now - (job.started or job.enqueued))
-            if not job.future.done():
-                job.future.set_result(Done(out, (job.started or job.enqueued) - job.enqueued, job.batch_size))
+            self.queue.stopped(job, out)
+            if job.future.done():
+                continue
+            if stream is not None and not job.gone and out.finish_reason != "error" and (rest := stream.finish(out.text)):
+                job.emit(rest)
+            job.future.set_result(Done(out, (job.started or job.enqueued) - job.enqueued, job.batch_size))
         if outputs:
             self._observe()
+
+    def _release(self, now: float) -> None:
+        """The tokens the ranks reported: first tokens timed, streamed text released; the ranks told of the
+        requests whose client left."""
+        for request_id, tokens in self.llm.progress().items():
+            job = self._jobs.get(request_id)
+            if job is None:
+                continue
+            if job.first_token is None and tokens:
+                job.first_token = now
+            stream = self._streams.get(request_id)
+            if stream is not None and not job.cancelled and (delta := stream.update(tokens)):
+                job.emit(delta)
+        for request_id, job in self._jobs.items():
+            if job.cancelled and request_id not in self._cancelled:
+                self._cancelled.add(request_id)
+                self.llm.cancel(request_id)
 
     def _fail_all(self, error: BaseException, jobs: list[Job]) -> None:
         failed = jobs + list(self._jobs.values())
         log.warning("serve_ranks_failed", error=f"{type(error).__name__}: {error}", requests=len(failed))
-        self._jobs = {}
+        self._jobs, self._streams, self._cancelled = {}, {}, set()
         for job in failed:
             if not job.future.done():
                 job.future.set_exception(error)
@@ -101,3 +130,4 @@ class RanksRunner:
         self.queue.close()
         self._thread.join(grace_s)
         return not self._thread.is_alive()
+

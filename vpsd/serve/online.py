@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from vpsd.api import Output, SamplingParams
-from vpsd.engine.request import Request
+from vpsd.engine.request import CANCELLED, Request
 from vpsd.launch.items import ItemReader
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.results import output_of
@@ -36,7 +36,6 @@ from vpsd.tracing import get_logger
 from vpsd.video.errors import VideoError
 
 log = get_logger()
-CANCELLED = "cancelled: the client closed the request"
 IDLE_POLL_S = 0.5  # an idle engine looks at the queue's state this often (closing, another engine's requests)
 # An engine's report keeps a few numbers a round for the job's summary; a server's engine would keep them for ever.
 # Built again after this many requests (those in flight finish first), its memory stays bounded.
@@ -216,7 +215,7 @@ class _Events:
             if job.first_token is None and request.committed:
                 job.first_token, job.batch_size = now, len(engine.requests)
             if item.stream is not None and (delta := item.stream.update(request.machine.output())):
-                _emit(job, delta)
+                job.emit(delta)
 
     def _answer(self, item: _Item, out: Output) -> None:
         job = item.job
@@ -227,11 +226,12 @@ class _Events:
             job.first_token = time.perf_counter()
         if job.started is not None:
             self.queue.served(time.perf_counter() - job.started)
+        self.queue.stopped(job, out)
         if job.future.done():
             return
         if item.stream is not None and not job.gone and out.finish_reason != "error" and (
                 rest := item.stream.finish(out.text)):
-            _emit(job, rest)
+            job.emit(rest)
         job.future.set_result(Done(out, (job.started or job.enqueued) - job.enqueued, job.batch_size))
 
     def fail_all(self, error: BaseException) -> None:
@@ -240,14 +240,6 @@ class _Events:
             if not item.job.future.done():
                 item.job.future.set_exception(error)
         self.queue.running = 0
-
-
-def _emit(job: Job, text: str) -> None:
-    """A streamed job's text to its handler; a handler whose event loop has closed (the server stopped) is gone."""
-    try:
-        job.on_text(text)
-    except RuntimeError:
-        job.gone = True
 
 
 def _failed(item_id: str, error: Exception) -> Output:

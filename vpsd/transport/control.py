@@ -12,8 +12,8 @@ Contract:
   match the authenticated one). Sends are queued by ZeroMQ; a send that cannot be queued within `send_timeout_s`
   raises `PeerTimeout` naming the peer.
 - `recv(timeout_s, src=None)` returns `(src_rank, message)` in arrival order, optionally only from one
-  rank (messages from others stay queued for later calls), and raises `PeerTimeout` naming the rank and
-  role waited on. A malformed, unknown or oversized message is logged (structlog event `bad_message`,
+  rank or a set of ranks (messages from others stay queued for later calls), and raises `PeerTimeout` naming
+  the rank and role waited on. A malformed, unknown or oversized message is logged (structlog event `bad_message`,
   with the sender) and dropped: it never reaches the caller and is never acted on.
 - `Heartbeat` messages are consumed by the channel: they refresh `last_seen` and say what the peer's role is
   doing (`doing`: vpsd/activity.py); `check_alive` turns a silent peer into a `PeerTimeout`. Every valid
@@ -55,6 +55,13 @@ DEFAULT_NAMESPACE = "vpsd/ctrl"
 # ZeroMQ drops the connection before buffering it.
 MAX_MESSAGE_BYTES = 16 * 2**20
 _POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic showed up in the receive profile
+
+
+Source = int | frozenset[int] | None  # whom a receive takes from: one rank, a set of ranks, or anyone
+
+
+def _from(sender: int, src: Source) -> bool:
+    return src is None or (sender == src if isinstance(src, int) else sender in src)
 
 
 class PeerTimeout(TimeoutError):
@@ -227,17 +234,18 @@ class ControlChannel:
 
     # --- receiving --------------------------------------------------------------------------------------
 
-    def recv(self, timeout_s: float | None = None, src: int | None = None) -> tuple[int, Message]:
+    def recv(self, timeout_s: float | None = None, src: Source = None) -> tuple[int, Message]:
         """Next valid message (from `src` only, if given); PeerTimeout after `timeout_s` (None: wait forever)."""
         if not self._wait(timeout_s, src):
-            raise PeerTimeout(src, None if src is None else self.peer_role(src), timeout_s or 0.0)
+            one = src if isinstance(src, int) else None
+            raise PeerTimeout(one, None if one is None else self.peer_role(one), timeout_s or 0.0)
         return self._take(src)  # type: ignore[return-value]
 
-    def poll(self, timeout_s: float | None = 0.0, src: int | None = None) -> bool:
+    def poll(self, timeout_s: float | None = 0.0, src: Source = None) -> bool:
         """Whether a valid message (from `src`, if given) is ready within `timeout_s`; consumes nothing."""
         return self._wait(timeout_s, src)
 
-    def _wait(self, timeout_s: float | None, src: int | None) -> bool:
+    def _wait(self, timeout_s: float | None, src: Source) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._drain()  # even a zero timeout sees what has already arrived
@@ -252,12 +260,12 @@ class ControlChannel:
             # Readiness may be a bad message that _drain drops, or another rank's: loop, do not return.
             self._router.poll(timeout_ms, zmq.POLLIN)
 
-    def _has(self, src: int | None) -> bool:
-        return any(src is None or s == src for s, _ in self._inbox)
+    def _has(self, src: Source) -> bool:
+        return any(_from(s, src) for s, _ in self._inbox)
 
-    def _take(self, src: int | None) -> tuple[int, Message] | None:
+    def _take(self, src: Source) -> tuple[int, Message] | None:
         for i, (s, msg) in enumerate(self._inbox):
-            if src is None or s == src:
+            if _from(s, src):
                 del self._inbox[i]
                 return s, msg
         return None
