@@ -51,7 +51,7 @@ from vpsd.engine.request import Request
 from vpsd.launch.items import ItemReader, checked_frames
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.results import ResultRow, output_of
-from vpsd.launch.served import RanksFailed, ServedRanks
+from vpsd.launch.served import RanksFailed, ServedPipelines, ServedRanks
 from vpsd.launch.settings import run_config
 from vpsd.launch.wiring import SharedFrames, build_engine
 from vpsd.models.registry import load_adapter, load_tokenizer
@@ -133,20 +133,22 @@ class LLM:
     batch: as the job's --pruning, --ratio, --gamma, --batch; draft_on: where a parallel method's draft and
     pruner run, "rank" (child processes, the default) or "thread" (module docstring); settings: more KEY: VALUE
     overrides, as --set; trace_dir: where the structlog JSON traces go (DIR/traces/, one file a role, readable by
-    `vpsd timeline`); without one, vpsd prints its warnings alone (unless the program configured structlog)."""
+    `vpsd timeline`); without one, vpsd prints its warnings alone (unless the program configured structlog);
+    ranks: pipelines a launch started (vpsd serve under torchrun), used instead of child ranks of its own."""
 
-    def __init__(self, config: str | Path, method: str = "hippo", *, pruning: str | None = None,
+    def __init__(self, config: str | Path | RunConfig, method: str = "hippo", *, pruning: str | None = None,
                  ratio: float | None = None, gamma: int | str | None = None, batch: int = 1,
                  draft_on: str | None = None, settings: dict[str, Any] | None = None,
-                 trace_dir: str | Path | None = None) -> None:
+                 trace_dir: str | Path | None = None, ranks: ServedPipelines | None = None) -> None:
         try:
             self.method = get_method(method)
         except ValueError as e:
             raise ConfigError([str(e)]) from None
         overrides = {**({} if draft_on is None else {"draft_on": draft_on}), **(settings or {})}
-        try:
-            self.config: RunConfig = run_config(config, method, pruning=pruning, ratio=ratio, gamma=gamma,
-                                                batch=batch, overrides=overrides, local_world=1)
+        try:  # a RunConfig is one a launch checked already (its ranks run it: vpsd serve under torchrun)
+            self.config: RunConfig = config if isinstance(config, RunConfig) else run_config(
+                config, method, pruning=pruning, ratio=ratio, gamma=gamma, batch=batch, overrides=overrides,
+                local_world=1)
         except FileNotFoundError as e:  # the job's refusal of it, word for word (launch/entry.py)
             raise ConfigError([f"no such config file: {e.filename}"]) from None
         if trace_dir is not None:
@@ -154,7 +156,11 @@ class LLM:
         elif not structlog.is_configured():
             configure_tracing(None, "api", 0, stderr_level=logging.WARNING)
         cfg = self.config
-        self.served = self.method.draft_place(cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) is DraftPlace.REMOTE
+        # `ranks`: pipelines started by a launch (`vpsd serve` under torchrun, serve/launched.py), whatever the
+        # method; their sampling settings are the launch's, and they are never started again here.
+        self._launched = ranks is not None
+        self.served = self._launched or self.method.draft_place(
+            cfg.batching.size, cfg.batching.pipelined, cfg.draft_on) is DraftPlace.REMOTE
         self._count = 0
         self._calls = 0
         self._closed = False
@@ -169,7 +175,10 @@ class LLM:
         if self.served:  # the ranks start now: an LLM made is one ready to decode
             self.target = None
             self.tokenizer = load_tokenizer(cfg.target)
-            self._start_ranks(cfg)
+            if ranks is not None:
+                self._ranks, self._ranks_for = ranks, _sampling_key(cfg)
+            else:
+                self._start_ranks(cfg)
         else:
             self.target = load_adapter(cfg.family, cfg.target)
             self.tokenizer = self.target.tokenizer
@@ -244,6 +253,11 @@ class LLM:
         """Ranks that run `cfg`'s sampling settings: started again for others, once no request is in flight."""
         if self._ranks is not None and self._ranks_for == _sampling_key(cfg):
             return
+        if self._launched and self._ranks is None:
+            raise RanksFailed("the launch's ranks are gone (torchrun stops the launch when one dies)")
+        if self._launched:
+            raise ConfigError([f"this server's ranks sample as the launch set them (temperature, top_k, top_p, "
+                               f"min_p = {', '.join(map(str, self._ranks_for))}): a request cannot change them"])
         if self._submitted:
             raise RuntimeError("requests with other sampling settings (temperature, top_k, top_p, min_p) are in "
                                "flight on the ranks: take their results first (LLM.joins says when)")
@@ -255,7 +269,7 @@ class LLM:
     def joins(self, params: SamplingParams) -> bool:
         """Whether a request with `params` can be submitted now, beside those in flight: the ranks run one
         temperature and filters (their config), so another setting waits until the requests in flight leave."""
-        return not self._submitted or self._ranks_for == _sampling_key(self._decoding_config(params))
+        return not self._submitted or self._launched or self._ranks_for == _sampling_key(self._decoding_config(params))
 
     @property
     def in_flight(self) -> int:

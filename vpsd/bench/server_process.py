@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
 
 class ServerFailed(RuntimeError):
@@ -21,12 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+VPSD_SERVE = (sys.executable, "-m", "vpsd.launch.cli", "serve")
+
+
 def start_server(args: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """`vpsd serve ARGS --port P` (P free on 127.0.0.1), its output in `log`; returns the process and its base URL
-    (http://127.0.0.1:P) once /health answers 200."""
+                 cwd: Path | None = None, command: Sequence[str] = VPSD_SERVE) -> tuple[subprocess.Popen, str]:
+    """`vpsd serve ARGS --port P` (P free on 127.0.0.1; `command`: what runs it, e.g. `./torchrun.sh serve`), its
+    output in `log`; returns the process and its base URL (http://127.0.0.1:P) once /health answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vpsd.launch.cli", "serve", *args, "--port", str(port)]
+    cmd = [*command, *args, "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     base = f"http://127.0.0.1:{port}"

@@ -53,12 +53,18 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
                       temperature=args.temperature, batch=args.batch, overrides=args.set)
 
 
-def command_line(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig] | int:
-    """The options and their checked settings, or the exit status of a refusal (said once, one line a problem)."""
+def command_line(argv: list[str]) -> tuple[argparse.Namespace, RunConfig] | int:
+    """The options and their checked settings, or the exit status of a refusal (said once, one line a problem).
+    `args.serving`: vpsd serve's options when the launch serves HTTP (`serve_command`), else None."""
+    made = serve_command(argv)
+    if isinstance(made, int):
+        return made
+    serving, argv = made
     try:
         args = parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already refused (_Parser.error)
         return int(e.code or 0)
+    args.serving = serving
     try:
         return args, resolve_config(args)
     except FileNotFoundError as e:
@@ -70,7 +76,7 @@ def command_line(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]
 def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         as_a_rank()
-    settings = command_line(argv)
+    settings = command_line(list(sys.argv[1:] if argv is None else argv))
     if isinstance(settings, int):
         return settings
     args, cfg = settings
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return refuse([f"method {method.name}: {e}"])
     rank = int(os.environ.get("RANK", "0"))
     is_leader = rank == layout.leader.target  # holds --out's lock and runs the job's coordinator
-    on_stop_signals(layout, rank, is_leader, out)
+    on_stop_signals(layout, rank, is_leader, out, serving=args.serving is not None)
     secret = preflight(args, cfg, method, out, is_leader, layout)
     if isinstance(secret, int):
         return secret  # refused
@@ -114,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     pipeline = placed[0]
+    args.cores = os.sched_getaffinity(0)  # before the role's pinning: a leader's server thread runs on these
     ctx = start_role(rank, role, pipeline, cfg, method, secret, timeout_s, startup_timeout_s, out)
+    if args.serving is not None:
+        serving_signals(is_leader)  # in place of start_role's, which end a job's rank at once
     get_logger().info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
                       pid=os.getpid(), host=os.uname().nodename, pipeline=pipeline.index,
                       pipelines=len(layout.pipelines), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    if in_roles:  # a target that runs alone (serial or batched): its peers exited and have no endpoint
-        # Signs of life from a thread of their own: a peer tells "busy" from "stopped or dead" by them.
+    if in_roles:  # signs of life from a thread, by which a peer tells busy from dead (a lone target has no peer)
         ctx.ctrl.start_heartbeat([k for r, k in pipeline.ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
     run_role(ctx, args, out, layout, pipeline, secret if is_leader else None, target_group)
     ctx.ctrl.close()
@@ -174,10 +182,13 @@ def run_follower(cfg: RunConfig, group, leader: int) -> None:
     get_logger().info("follower_done", leader=leader, forwards=forwards)
 
 
-def on_stop_signals(layout: Layout, rank: int, is_leader: bool, out: Path) -> None:
+def on_stop_signals(layout: Layout, rank: int, is_leader: bool, out: Path, serving: bool = False) -> None:
     """Under ./torchrun.sh, whose launcher says once what stopped the job (launch/launcher.py): this rank's record
     for it, and SIGINT, SIGTERM, SIGHUP end the rank at once, silently. Under torchrun started by hand: Ctrl-C
-    said by the leader (`interrupted`)."""
+    said by the leader (`interrupted`). A launch that serves HTTP stops as `vpsd serve` does (`serving_signals`)."""
+    if serving:
+        serving_signals(is_leader)
+        return
     if launch_dir() is None:
         signal.signal(signal.SIGINT, lambda signum, frame: interrupted(is_leader, out))
         return
@@ -185,6 +196,57 @@ def on_stop_signals(layout: Layout, rank: int, is_leader: bool, out: Path) -> No
         signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
     placed = layout.of_rank(rank)
     record_rank(placed[1] if placed is not None else "spare", rank, placed[0].index if placed is not None else None)
+
+
+_SERVER = None  # the leader's LaunchedServer (serve/launched.py), once it runs
+
+
+def serving_signals(is_leader: bool) -> None:
+    """A launch that serves: SIGINT, SIGTERM, SIGHUP shut the leader's server down gracefully (the pipelines then
+    end as a job's do, and every rank leaves, exit 0); the other ranks ignore them and leave with their pipeline.
+    Before the server runs, the leader leaves at once (torchrun then stops the others)."""
+    def stop(signum: int, frame: object) -> None:
+        if _SERVER is None:
+            os._exit(128 + signum)
+        _SERVER.stop(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop if is_leader else signal.SIG_IGN)
+
+
+def serve_http(serving: argparse.Namespace, cfg: RunConfig, layout: Layout, secret: str, startup_timeout_s: float,
+               cores: set[int]):
+    """The leader's HTTP server and the pipelines' coordinator, started on a thread (serve/launched.py)."""
+    global _SERVER
+    from vpsd.serve.launched import LaunchedServer
+
+    _SERVER = LaunchedServer(serving, cfg, layout, secret, startup_timeout_s, cores)
+    _SERVER.start()
+    return _SERVER
+
+
+def serve_command(argv: list[str]) -> tuple[argparse.Namespace | None, list[str]] | int:
+    """`./torchrun.sh serve ...` (argv starting with "serve"): vpsd serve's options, and the job's command line that
+    every rank runs for them (serve/launched.py), its targets served (no job coordinator); any other argv is a
+    job's, as it is. An int: the exit status of a refusal (said)."""
+    if argv[:1] != ["serve"]:
+        return None, argv
+    from vpsd.serve.launched import job_argv, serve_dir
+
+    made = job_argv(argv[1:], serve_dir(parse_trace_dir(argv[1:]), launch_dir()))
+    if not isinstance(made, int):
+        os.environ[SERVED] = "1"
+    return made
+
+
+def parse_trace_dir(argv: list[str]) -> Path | None:
+    """`vpsd serve`'s --trace-dir, before its options are parsed (where the launch's ranks write)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--trace-dir="):
+            return Path(a.split("=", 1)[1])
+        if a == "--trace-dir" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+    return None
 
 
 def interrupted(is_target: bool, out: Path) -> None:
@@ -299,7 +361,9 @@ def run_role(ctx: RoleContext, args: argparse.Namespace, out: Path, layout: Layo
             from vpsd.launch.job import CoordinatorLink, run_pipeline
 
             coordinator = None
-            if leader_secret is not None and os.environ.get(SERVED) != "1":
+            if leader_secret is not None and args.serving is not None:
+                coordinator = serve_http(args.serving, cfg, layout, leader_secret, ctx.startup_timeout_s, args.cores)
+            elif leader_secret is not None and os.environ.get(SERVED) != "1":
                 coordinator = Coordinator(layout, args, cfg, ctx.method.name, out, leader_secret)
                 coordinator.start()
             link = CoordinatorLink(ctx, pipeline.index, layout.coordinator, served=os.environ.get(SERVED) == "1")

@@ -1,6 +1,7 @@
 """./torchrun.sh's own process: torchrun's agent, run in this process, and what the job says as a whole.
 
     ./torchrun.sh [torchrun options] run --config C --manifest M --out DIR [...]   (it execs this module)
+    ./torchrun.sh [torchrun options] serve --config C [--method M] [...]          (vpsd serve on the launch's ranks)
 
 The launcher's pid is the agent's, so whatever a user, a supervisor or a scheduler sends that pid reaches the
 process that owns the ranks (a shell script waiting on torchrun defers its traps until torchrun ends, and dies
@@ -62,17 +63,25 @@ def _raise_stopped(signum: int, frame) -> None:
 def main(argv: list[str]) -> int:
     for sig in STOP_SIGNALS:  # until torchrun's agent installs its own (which forward the signal to the ranks)
         signal.signal(sig, _raise_stopped)
-    if "run" not in argv:
-        print("usage: ./torchrun.sh [torchrun options] run --config C --manifest M --out DIR [...] (run --help)",
+    at = next((i for i, a in enumerate(argv) if a in ("run", "serve")), None)
+    if at is None:
+        print("usage: ./torchrun.sh [torchrun options] run --config C --manifest M --out DIR [...] (run --help)\n"
+              "       ./torchrun.sh [torchrun options] serve --config C [--method M] [...]   (serve --help)",
               file=sys.stderr)
         return 2
-    at = argv.index("run")
     torchrun_opts, job = list(argv[:at]), list(argv[at + 1:])
+    serving = argv[at] == "serve"
     if any(a in ("-h", "--help") for a in job):  # answered once, by this process, before any rank starts
+        if serving:
+            from vpsd.serve.cli import parse_args as serve_args
+
+            serve_args(["--help"])
         from vpsd.launch.arguments import parse_args
 
         parse_args(["--help"])
-    out = out_dir(job)
+    if serving:
+        job = ["serve", *job]
+    out = None if serving else out_dir(job)
     single_node = not any("--nnodes" in o or "--rdzv" in o for o in torchrun_opts)
     if single_node and out is not None and (busy := out_dir_holder(out)) is not None:
         say(busy)  # at once: no rank started for a directory another job holds (the rank's lock still decides)
@@ -82,6 +91,9 @@ def main(argv: list[str]) -> int:
     try:
         return launch(torchrun_opts, job, out, single_node, directory)
     except Stopped as s:
+        if serving:  # the leader's server shut down as `vpsd serve` does, and every rank left with it
+            say(f"serve: stopped by {signal.Signals(s.signum).name}")
+            return 0
         return stopped(s.signum, out)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -121,7 +133,7 @@ def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_no
         # torchrun keeps a log directory per launch and never removes it: ours goes with this launch's directory.
         torchrun_opts += ["--log-dir", str(directory / "torchrun")]
     if not any(o.startswith(("--shutdown-timeout", "--shutdown_timeout")) for o in torchrun_opts):
-        torchrun_opts += ["--shutdown-timeout", str(SHUTDOWN_S)]
+        torchrun_opts += ["--shutdown-timeout", str(shutdown_s(job))]
     if os.environ.get("LOG_RANK"):
         torchrun_opts += ["--local-ranks-filter", os.environ["LOG_RANK"]]
     failures = run_torchrun([*torchrun_opts, "--nproc-per-node", os.environ.get("NPROC", "3"),
@@ -221,6 +233,15 @@ def kept(out: Path) -> int:
             return sum(1 for line in f if line.strip())
     except OSError:
         return 0
+
+
+def shutdown_s(job: list[str]) -> int:
+    """How long the ranks get to leave after a stop signal: a job's leave at once; a server's finish the requests
+    in flight first (`vpsd serve --shutdown-timeout`, default 30 s), then its pipelines end."""
+    if job[:1] != ["serve"]:
+        return SHUTDOWN_S
+    grace = next((float(v) for k, v in zip(job, job[1:]) if k == "--shutdown-timeout"), 30.0)
+    return int(grace) + 30
 
 
 def out_dir(job: list[str]) -> Path | None:

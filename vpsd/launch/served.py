@@ -1,4 +1,6 @@
-"""A method's ranks as child processes of the Python API (`vpsd.LLM(..., draft_on="rank")`, the API's default).
+"""Served pipelines: a method's ranks fed one request at a time by a coordinator in this process. They are the
+Python API's child processes (`vpsd.LLM(..., draft_on="rank")`, the API's default: `ServedRanks`), or, under
+torchrun, the launch's pipelines, coordinated from the leader's process (`ServedPipelines`, serve/launched.py).
 
 `ServedRanks` starts one pipeline's ranks (target, draft, pruner; a split target's followers) the way torchrun
 starts a job's: the same entry (launch/entry.py), roles, transport and control plane, each child with torchrun's
@@ -9,9 +11,10 @@ to a target that waits with nothing decoding, else at its next request, when its
 `poll(timeout_s)` answers the target meanwhile and returns each item's result line (`ItemResult`) as it finishes;
 `run(items)` is both, for the API's `generate` calls. The target reports each round's committed tokens
 (`ItemProgress`: `committed(id)` holds them, `fresh()` says whose grew), and `cancel(id)` drops an item: one not
-granted yet here, one decoding at the target's next round (`CancelItem`); either ends as an error row. A target with nothing decoding and nothing submitted waits
-here, unanswered, with the models loaded; one that asks with items decoding is told "not now" and asks again after
-its next round. `close()` ends the pipeline as a job's end does (no more items, its run reported, `Shutdown`).
+granted yet here, one decoding at the target's next round (`CancelItem`); either ends as an error row. A target
+with nothing decoding and nothing submitted waits here, unanswered, with the models loaded; one that asks with
+items decoding is told "not now" and asks again after its next round. With several pipelines an item goes to
+whichever asks first. `close()` ends the pipelines as a job's end does (no more items, runs reported, `Shutdown`).
 
 Why child processes and not threads: each role gets its own interpreter (no GIL shared between the draft's and the
 target's eager steps) and its own CUDA context, as in a job; and this process needs no torch.distributed group of
@@ -61,86 +64,44 @@ class RanksFailed(RuntimeError):
     """A child rank exited (or never started); the message holds what it said."""
 
 
-class ServedRanks:
-    def __init__(self, cfg: RunConfig, method: str, out: Path, startup_timeout_s: float) -> None:
-        """Starts the ranks and returns once the pipeline's target asks for its first item (models loaded, draft
-        and pruner up): the pipeline's start-up, bounded by `startup_timeout_s`."""
-        self.cfg, self.method, self.out = cfg, method, Path(out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        size = max(cfg.roles.values()) + cfg.target.tensor_parallel  # one pipeline's ranks
-        self.layout: Layout = plan(size, size, dict(cfg.roles), cfg.target.tensor_parallel)
-        secret = secrets.token_hex(32)
-        self.children: list[tuple[int, subprocess.Popen, Path]] = []
+class ServedPipelines:
+    """The coordinator's side of served pipelines (module docstring), over a control channel given to `attach`:
+    the API's child ranks (`ServedRanks`) or, under torchrun, the launch's pipelines, coordinated from a thread of
+    the leader's process (`vpsd serve` on ranks: serve/launched.py)."""
+
+    def __init__(self, method: str, pipelines: int = 1) -> None:
+        self.method, self.pipelines = method, pipelines
         self.ctrl: ControlChannel | None = None
         self._asked: list[int] = []  # targets waiting for an item (WorkRequest with needed), unanswered
         self._pending: deque[ManifestItem] = deque()  # submitted, not granted yet
-        self._granted: dict[str, int] = {}  # granted to the pipeline, no result yet: to which target rank
+        self._granted: dict[str, int] = {}  # granted to a pipeline, no result yet: to which target rank
         self._committed: dict[str, list[int]] = {}  # a granted item's tokens so far (ItemProgress)
         self._fresh: set[str] = set()  # items whose committed tokens grew since `fresh()` was last asked
         self._done: dict[str, ResultRow] = {}  # finished, not taken by poll or run yet
+        self._ended = 0  # pipelines that reported their run (PipelineDone) and were told to stop
         self._closed = False
-        try:  # an interrupt (or a failure) while they start stops what has started
-            # This process hosts the store (on a free port); every child is a client of it, as a rank is of
-            # torchrun's agent store.
-            self._store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=startup_timeout_s), multi_tenant=True)
-            self._spawn(self._store.port, secret)
-            store = attempt_store(self._store)  # the keys the children publish their addresses under
-            self.ctrl = ControlChannel(self.layout.coordinator, self.layout.world + 1, "coordinator", store,
-                                       secret=secret.encode(), connect_timeout_s=startup_timeout_s)
-            self._await_request(startup_timeout_s)
-        except BaseException:
-            self.kill()
-            raise
 
-    # ---- the children ----------------------------------------------------------------------------------
-
-    def _spawn(self, port: int, secret: str) -> None:
-        config = self.out / "config.yaml"
-        config.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        manifest = self.out / "served.jsonl"  # the job's manifest, empty: items come from here, not a file
-        manifest.touch()
-        logs = self.out / "ranks"
-        logs.mkdir(exist_ok=True)
-        p = self.cfg.pruning
-        argv = [sys.executable, "-m", "vpsd.launch.entry", "--config", str(config), "--manifest", str(manifest),
-                "--out", str(self.out), "--method", self.method, "--pruning", p.strategy, "--ratio", str(p.ratio),
-                "--quiet"]
-        world = self.layout.world
-        base = _child_environment()
-        for rank in range(world):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", SECRET_ENV: secret,
-                   SERVED: "1"}
-            log = logs / f"rank{rank}.log"
-            with open(log, "wb") as stderr:
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                                        start_new_session=True)
-            self.children.append((rank, proc, log))
+    def attach(self, ctrl: ControlChannel, startup_timeout_s: float) -> None:
+        """Coordinates over `ctrl` (its identity the layout's coordinator); returns once every pipeline's target
+        has asked for its first item (models loaded, draft and pruner up), within `startup_timeout_s`."""
+        self.ctrl = ctrl
+        self._await_request(startup_timeout_s)
 
     def check(self) -> None:
-        """RanksFailed when a child has exited (or the ranks were closed)."""
-        for rank, proc, log in self.children:
-            code = proc.poll()
-            if code is not None:
-                said = [line.removeprefix("vpsd: ") for line in _tail(log) if line.startswith("vpsd: ")]
-                role = next((r for r, k in self.layout.leader.ranks.items() if k == rank), "follower")
-                self.kill()
-                raise RanksFailed(f"the {role} rank (rank {rank}) exited with status {code}"
-                                  + (f": {'; '.join(said)}" if said else f"; its output is in {log}"))
+        """RanksFailed when a rank is gone (ranks this process started can be watched; torchrun's stop the launch)."""
 
     def kill(self) -> None:
-        """Stops every child at once (a failure, an interrupt); the ranks cannot be used after it."""
+        """Stops coordinating at once (a failure, an interrupt): the ranks cannot be used after it."""
         self._closed = True
-        for _, proc, _ in self.children:
-            if proc.poll() is None:
-                proc.kill()
-        for _, proc, _ in self.children:
-            proc.wait()
         if self.ctrl is not None:
             self.ctrl.close()
             self.ctrl = None
+
+    def _leave(self, deadline: float) -> None:
+        """After the pipelines' end: what else must go by `deadline` (the children of ServedRanks)."""
+
+    def _where(self) -> str:
+        return "the ranks' output"
 
     # ---- the coordinator's side ------------------------------------------------------------------------
 
@@ -156,10 +117,10 @@ class ServedRanks:
             if deadline is not None and time.monotonic() > deadline:
                 self.kill()
                 raise RanksFailed(f"the ranks did not start within the start-up bound ({limit_s:.0f} s, "
-                                  f"startup_timeout_s); their output is in {self.out / 'ranks'}")
+                                  f"startup_timeout_s); see {self._where()}")
 
     def _await_request(self, limit_s: float) -> None:
-        while not self._asked:
+        while len(self._asked) < self.pipelines:
             src, msg = self._recv(limit_s)
             self._answer(src, msg)
 
@@ -167,7 +128,7 @@ class ServedRanks:
         if isinstance(msg, WorkRequest):
             if self._pending:  # needed or read ahead: the pipeline takes the items as it has room
                 self._grant(src)
-            elif msg.needed and not self._granted:
+            elif msg.needed and src not in self._granted.values():
                 self._asked.append(src)  # nothing decoding: answered with the next item submitted, or at close
             else:  # not now: a read-ahead, or a slot free beside items decoding (it asks again after a round)
                 self.ctrl.send(src, WorkGrant(None, more=True))
@@ -183,8 +144,8 @@ class ServedRanks:
             self._fresh.discard(row.id)
             self._done[row.id] = row
         elif isinstance(msg, PipelineDone):
-            self.ctrl.send(src, Shutdown("the API closed its ranks"))
-            self._asked.append(-1)  # marks the pipeline's end for close()
+            self.ctrl.send(src, Shutdown("the server closed its ranks"))
+            self._ended += 1
 
     def _grant(self, src: int) -> None:
         item = self._pending.popleft()
@@ -197,14 +158,14 @@ class ServedRanks:
         return len(self._pending) + len(self._granted) + len(self._done)
 
     def submit(self, item: ManifestItem) -> None:
-        """Queues an item for the pipeline, beside those in flight: a waiting pipeline gets it at once, a busy
+        """Queues an item for the pipelines, beside those in flight: a waiting pipeline gets it at once, a busy
         one when it asks (at its next round with a free slot, or when its batch frees one). Its id must be new
         among the items in flight."""
         if self._closed or self.ctrl is None:
             raise RanksFailed("the ranks are stopped")
         self._pending.append(item)
         try:
-            while self._pending and self._asked and self._asked[0] != -1:
+            while self._pending and self._asked:
                 self._grant(self._asked.pop(0))
         except BaseException:
             self.kill()
@@ -273,7 +234,7 @@ class ServedRanks:
         return {i: self._done.pop(i) for i in wanted}
 
     def close(self) -> None:
-        """The pipeline's end, as a job's (its target reports its run and is told to stop), then the children's;
+        """The pipelines' end, as a job's (each target reports its run and is told to stop), then the children's;
         any that has not left within STOP_S is killed."""
         if self._closed or self.ctrl is None:
             return
@@ -283,23 +244,20 @@ class ServedRanks:
                 self.ctrl.send(src, WorkGrant(None, more=False))
             self._asked = []
             deadline = time.monotonic() + STOP_S
-            while -1 not in self._asked and time.monotonic() < deadline:
+            while self._ended < self.pipelines and time.monotonic() < deadline:
                 try:
                     src, msg = self.ctrl.recv(timeout_s=POLL_S)
                 except PeerTimeout:
-                    if any(proc.poll() is not None for _, proc, _ in self.children):
-                        break
+                    try:
+                        self.check()
+                    except RanksFailed:
+                        break  # a rank gone: the others are stopped with it
                     continue
                 if isinstance(msg, WorkRequest):
                     self.ctrl.send(src, WorkGrant(None, more=False))
                 else:
                     self._answer(src, msg)
-            for _, proc, _ in self.children:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            self._leave(deadline)
         except BaseException:
             self.kill()
             raise
@@ -307,6 +265,89 @@ class ServedRanks:
             if self.ctrl is not None:
                 self.ctrl.close()
                 self.ctrl = None
+
+
+class ServedRanks(ServedPipelines):
+    def __init__(self, cfg: RunConfig, method: str, out: Path, startup_timeout_s: float) -> None:
+        """Starts the ranks and returns once the pipeline's target asks for its first item (models loaded, draft
+        and pruner up): the pipeline's start-up, bounded by `startup_timeout_s`."""
+        super().__init__(method)
+        self.cfg, self.out = cfg, Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        size = max(cfg.roles.values()) + cfg.target.tensor_parallel  # one pipeline's ranks
+        self.layout: Layout = plan(size, size, dict(cfg.roles), cfg.target.tensor_parallel)
+        secret = secrets.token_hex(32)
+        self.children: list[tuple[int, subprocess.Popen, Path]] = []
+        try:  # an interrupt (or a failure) while they start stops what has started
+            # This process hosts the store (on a free port); every child is a client of it, as a rank is of
+            # torchrun's agent store.
+            self._store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=startup_timeout_s), multi_tenant=True)
+            self._spawn(self._store.port, secret)
+            store = attempt_store(self._store)  # the keys the children publish their addresses under
+            self.attach(ControlChannel(self.layout.coordinator, self.layout.world + 1, "coordinator", store,
+                                       secret=secret.encode(), connect_timeout_s=startup_timeout_s),
+                        startup_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    # ---- the children ----------------------------------------------------------------------------------
+
+    def _spawn(self, port: int, secret: str) -> None:
+        config = self.out / "config.yaml"
+        config.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        manifest = self.out / "served.jsonl"  # the job's manifest, empty: items come from here, not a file
+        manifest.touch()
+        logs = self.out / "ranks"
+        logs.mkdir(exist_ok=True)
+        p = self.cfg.pruning
+        argv = [sys.executable, "-m", "vpsd.launch.entry", "--config", str(config), "--manifest", str(manifest),
+                "--out", str(self.out), "--method", self.method, "--pruning", p.strategy, "--ratio", str(p.ratio),
+                "--quiet"]
+        world = self.layout.world
+        base = _child_environment()
+        for rank in range(world):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", SECRET_ENV: secret,
+                   SERVED: "1"}
+            log = logs / f"rank{rank}.log"
+            with open(log, "wb") as stderr:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                                        start_new_session=True)
+            self.children.append((rank, proc, log))
+
+    def check(self) -> None:
+        """RanksFailed when a child has exited (or the ranks were closed)."""
+        for rank, proc, log in self.children:
+            code = proc.poll()
+            if code is not None:
+                said = [line.removeprefix("vpsd: ") for line in _tail(log) if line.startswith("vpsd: ")]
+                role = next((r for r, k in self.layout.leader.ranks.items() if k == rank), "follower")
+                self.kill()
+                raise RanksFailed(f"the {role} rank (rank {rank}) exited with status {code}"
+                                  + (f": {'; '.join(said)}" if said else f"; its output is in {log}"))
+
+    def kill(self) -> None:
+        """Stops every child at once (a failure, an interrupt); the ranks cannot be used after it."""
+        for _, proc, _ in self.children:
+            if proc.poll() is None:
+                proc.kill()
+        for _, proc, _ in self.children:
+            proc.wait()
+        super().kill()
+
+    def _leave(self, deadline: float) -> None:
+        for _, proc, _ in self.children:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _where(self) -> str:
+        return str(self.out / "ranks")
 
 
 def _child_environment() -> dict[str, str]:

@@ -194,7 +194,7 @@ class ChatService:
                           acceptance_rate=s.get("acceptance_rate"), rounds=s.get("rounds"),
                           num_video_tokens=out.num_video_tokens, num_kept=s.get("num_kept"),
                           prefill_s=s.get("prefill_s"), decode_s=s.get("decode_s"), queue_s=done.queue_s,
-                          batch_size=done.batch_size)
+                          batch_size=done.batch_size, pipeline=s.get("pipeline"))
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=len(out.token_ids),
                      total_tokens=prompt_tokens + len(out.token_ids), vpsd=stats)
 
@@ -324,6 +324,8 @@ def _resolved(waiting: "asyncio.Future[Done]") -> Done:
         raise HTTPError(499, "the client closed the request", code="client_closed") from None
     except ServerClosing as e:
         raise HTTPError(503, str(e), "server_error", "shutting_down") from None
+    except ValueError as e:  # the request's own settings, refused where it was submitted (ConfigError is one)
+        raise HTTPError(400, str(e), "invalid_request_error", "bad_request") from None
     except Exception as e:  # noqa: BLE001 - the engine call failed (a rank died): this request's answer
         raise HTTPError(503, f"the engine failed: {type(e).__name__}: {e}", "server_error", "engine_failed") from None
 

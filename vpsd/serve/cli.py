@@ -19,7 +19,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 
@@ -114,8 +114,10 @@ def _refusal(args: argparse.Namespace, api_key: str | None) -> str | None:
     return None
 
 
-def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path) -> None:
-    """Serves until SIGTERM / Ctrl-C, then lets the requests in flight finish within the bound."""
+def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path, how: str | None = None,
+           started: Callable[[Callable[[int], None]], None] | None = None) -> None:
+    """Serves until SIGTERM / Ctrl-C, then lets the requests in flight finish within the bound. Off the main thread
+    (under torchrun, serve/launched.py) the signals are the caller's: `started` is handed the server's stop."""
     import uvicorn
 
     from vpsd.serve.app import ServeSettings, create_app
@@ -145,11 +147,14 @@ def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path) ->
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
-    # uvicorn raises the signal again once it has shut down gracefully: with these, that ends main (exit 0)
-    # instead of killing the process by the default handler (143) or a KeyboardInterrupt.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    how = "child ranks, continuous batching" if llm.served else "in process, continuous batching"
+    if started is not None:
+        started(lambda sig: server.handle_exit(sig, None))
+    else:
+        # uvicorn raises the signal again once it has shut down gracefully: with these, that ends main (exit 0)
+        # instead of killing the process by the default handler (143) or a KeyboardInterrupt.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+    how = how or ("child ranks, continuous batching" if llm.served else "in process, continuous batching")
     print(f"vpsd serve: {name} ({args.method}, batch {args.batch}, {how}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     try:

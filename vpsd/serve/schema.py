@@ -119,6 +119,7 @@ class VpsdStats(BaseModel):
     decode_s: float | None = None
     queue_s: float = 0.0  # waiting in the server's queue
     batch_size: int = 1  # requests decoded in the same engine call
+    pipeline: int | None = None  # which of a launch's pipelines decoded it (ranks; None in the server's process)
 
 
 class Usage(BaseModel):

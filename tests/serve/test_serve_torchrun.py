@@ -1,0 +1,81 @@
+"""`./torchrun.sh serve`: vpsd serve on a launch's ranks, rank 0 serving HTTP (serve/launched.py). Two pipelines
+(pearl, 3 ranks each: what a multi-GPU node runs) behind one server, called by OpenAI's client:
+- a burst of 8 requests from 4 threads is answered once each, each equal to `ar`'s batch-1 text, and both
+  pipelines decode some; a streamed one comes in pieces as the ranks' rounds commit and joins to the plain text;
+- a request whose sampling settings are not the launch's is a 400 that says so, and the server goes on;
+- SIGTERM to ./torchrun.sh: the request in flight finishes, every rank leaves, exit 0 with one line."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.serve.test_serve import (CONFIG, ITEMS, KEY, MAX_TOKENS, _ask, _messages, _streamed, _video_part,
+                                     ar, ar_llm)  # noqa: F401 - the fixtures, held to `ar` as test_serve.py is
+from tests.torchrun_jobs import ROOT, job_env
+from vpsd.bench.server_process import ServerFailed, start_server
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve_torchrun") / "server.log"
+    # Two pipelines on this 2-core machine: unpinned (the config pins one pipeline's roles to cores 0 and 1).
+    args = ["--config", str(CONFIG), "--method", "pearl", "--api-key", KEY, "--shutdown-timeout", "30",
+            "--set", "cpu_affinity=null"]
+    try:
+        proc, base = start_server(args, log, 180, env={**job_env(), "NPROC": "6"}, cwd=ROOT,
+                                  command=[str(ROOT / "torchrun.sh"), "serve"])
+    except ServerFailed as e:
+        pytest.fail(str(e))
+    proc.base, proc.log = base, log
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(launched):
+    return openai.OpenAI(base_url=f"{launched.base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_two_pipelines_answer_a_burst_once_each_as_ar_and_stream_as_they_commit(launched, client, ar):
+    assert "2 pipelines under torchrun" in launched.log.read_text()
+    jobs = [ITEMS[n % 2] for n in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), jobs))
+    assert len({r.id for _, r in answers}) == 8
+    assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
+    assert {r.usage.vpsd["pipeline"] for _, r in answers} == {0, 1}
+    text, chunks, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
+    assert text == ar[ITEMS[0]["id"]]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+
+
+def test_other_sampling_settings_are_refused_and_the_server_goes_on(client, ar):
+    with pytest.raises(openai.BadRequestError, match="sample as the launch set them"):
+        _ask(client, ITEMS[1], temperature=0.7, seed=1)
+    assert _ask(client, ITEMS[1]).choices[0].message.content == ar[ITEMS[1]["id"]]
+
+
+def test_sigterm_finishes_the_request_in_flight_and_every_rank_leaves_with_exit_0(launched, client, ar):
+    got = {}
+    asking = threading.Thread(target=lambda: got.setdefault("r", _ask(client, ITEMS[0])))
+    asking.start()
+    import time
+
+    time.sleep(0.3)  # the request is in flight
+    launched.send_signal(signal.SIGTERM)
+    asking.join(120)
+    assert got["r"].choices[0].message.content == ar[ITEMS[0]["id"]]
+    assert launched.wait(90) == 0, launched.log.read_text()[-3000:]
+    assert "serve: stopped by SIGTERM" in launched.log.read_text()
+    left = subprocess.run(["pgrep", "-f", f"vpsd.launch.entry serve.*{launched.base.rsplit(':', 1)[1]}"],
+                          capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks still running: {left}"
