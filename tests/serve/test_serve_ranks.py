@@ -3,13 +3,14 @@ requests submitted to the ranks' batch as they arrive, serve/on_ranks.py), --slo
 plain and streamed (the stream in pieces, as the ranks' rounds commit); a client that leaves mid-stream has its
 request stopped on the ranks; a short request sent while a long one decodes joins it on the ranks and is answered first; a
 rank that dies fails the requests in flight or the next with 503, and the request after it is served again on new
-ranks."""
+ranks; under 16 clients too, where each call ends once, with `ar`'s text or 503."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,3 +140,30 @@ def test_a_rank_that_dies_fails_its_call_with_503_and_the_next_request_is_served
         assert r.choices[0].message.content == ar[item["id"]]
         break
     assert statuses[-1] == 200 and 503 in statuses, statuses
+
+
+def test_a_rank_that_dies_under_sixteen_clients_fails_only_calls_in_flight_and_the_rest_are_answered(
+        client, served, ar):
+    """Each of 32 calls ends once: 200 with `ar`'s text, or 503 (it was on the ranks, or met them dead); none hangs,
+    none is lost, and the ranks started again answer the calls after."""
+    _ask(client, ITEMS[0])  # greedy settings on the ranks
+    killed = threading.Event()
+    answered: list[tuple[str, object]] = []
+
+    def call(n: int) -> None:
+        item = ITEMS[n % 2]
+        if n == 8:  # a few calls in: a rank dies under the load
+            os.kill(_descendants(served.pid)[-1], signal.SIGKILL)
+            killed.set()
+        try:
+            r = _ask(client, item)
+            answered.append((item["id"], r.choices[0].message.content))
+        except openai.APIStatusError as e:
+            answered.append((item["id"], e.status_code))
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(call, range(32)))
+    assert killed.is_set() and len(answered) == 32
+    assert all(got == 503 or got == ar[item] for item, got in answered), answered
+    assert any(got == 503 for _, got in answered)
+    assert _ask(client, ITEMS[1]).choices[0].message.content == ar[ITEMS[1]["id"]]
