@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     for x in answers:
         by_item.setdefault(x.item, set()).add(x.text)
     consistent = all(len(texts) == 1 for texts in by_item.values())
+    # Each item's answer, to hold one method's run to another's (`ar`'s) side by side.
+    (out / "answers.jsonl").write_text("".join(json.dumps({"item": i, "text": sorted(t)[0]}) + "\n"
+                                               for i, t in sorted(by_item.items())))
     lat = [x.latency_s for x in answers]
     ttft = [x.ttft_s for x in answers if x.ttft_s is not None]
     tokens = sum(x.completion_tokens for x in answers)
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = (f"; the server's time to first token p50 / that = {_pct(ttft, 0.5) / job_first:.2f}"
                  if a.clients == 1 else " (time to first token compares at one client: more queue for a slot)")
         print(f"  the job's read + preprocess + prefill of an item, median {job_first:.3f} s{ratio}")
-    print(f"  (server log and job run in {out})")
+    print(f"  (server log, answers.jsonl and the job's run in {out})")
     return 0 if ok and consistent and same else 1
 
 
