@@ -106,9 +106,11 @@ def _load(a: argparse.Namespace, url: str, items: list[dict], pid: int | None) -
     if pid is not None:
         a.rss_before = _rss_mib(pid)
     todo = [items[n % len(items)] for n in range(a.requests)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(a.clients) as pool:
         answers = list(pool.map(lambda it: _ask(client, model, it), todo))
+    # The clients run on the server's machine here: their CPU is not the server's, but it is taken from it.
+    a.clients_cpu_s = time.process_time() - cpu0
     return answers, time.perf_counter() - t0
 
 
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{_pct(ttft, 0.5):.3f} s  p99 {_pct(ttft, 0.99):.3f} s")
     print(f"  {tokens / wall:.1f} completion tokens/s, {iph:.0f} items/hour over {wall:.1f} s; mean batch at first "
           f"token {statistics.mean([x.batch_size or 1 for x in answers]):.2f}")
+    print(f"  the clients' own CPU: {a.clients_cpu_s:.1f} s ({a.clients_cpu_s / wall / (os.cpu_count() or 1):.0%} of "
+          f"this machine's {os.cpu_count()} cores over the load)")
     if rss_after is not None:
         print(f"  server memory (with its ranks) {a.rss_before:.0f} MiB after the warm-up, {rss_after:.0f} MiB after "
               f"the load")

@@ -18,6 +18,7 @@ fails the requests it holds (503) and the next request builds it again.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -58,6 +59,11 @@ class OnlineEngine:
         self._thread.start()
 
     def _loop(self) -> None:
+        # This thread decodes: where the config pins the target, as a job's target rank runs there (its prefill
+        # thread goes where it pins the draft, engine/prefill_ahead.py); HTTP stays on the others.
+        cpus = (self.llm.config.cpu_affinity or {}).get("target")
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # this thread only
         self._serve(engine_key(SamplingParams()))  # built before the first request: it waits for requests
         while self.queue.wait():
             head = self.queue.head()
