@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # vpsd launcher: ./torchrun.sh run --config C --manifest M --out DIR [--method NAME] [--pruning NAME] [--ratio R] [--gamma G]
+#           or:  ./torchrun.sh serve --config C [--method NAME] [vpsd serve's options]  (docs/serving.md: rank 0 serves HTTP)
 #
 # Every torchrun option placed before `run` passes through, e.g. multi-node:
 #   ./torchrun.sh --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --rdzv-id job1 run --config ...

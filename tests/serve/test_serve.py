@@ -81,27 +81,6 @@ def _frames() -> np.ndarray:
     return frames
 
 
-@pytest.fixture(scope="module")
-def ar_llm():
-    with vpsd.LLM(CONFIG, method="ar") as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def ar(ar_llm):
-    """`ar` through the Python API, batch 1: the texts every server answer is held to (by key)."""
-    requests = [vpsd.VideoRequest(str(WORLD / it["video"]), it["prompt"], id=it["id"]) for it in ITEMS]
-    requests.append(vpsd.VideoRequest(_frames(), "Describe the video.", id="frames"))
-    llm = ar_llm
-    plain = {o.id: o.text for o in llm.generate(requests, vpsd.SamplingParams(max_new_tokens=MAX_TOKENS))}
-    cut = llm.generate(requests[0], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, stop=["square"]))[0].text
-    sampled = {seed: llm.generate(requests[1], vpsd.SamplingParams(max_new_tokens=MAX_TOKENS, seed=seed,
-                                                                   **SAMPLED))[0].text for seed in (1, 2)}
-    assert "square" not in cut and plain[ITEMS[0]["id"]].startswith(cut) and cut != plain[ITEMS[0]["id"]]
-    assert sampled[1] != sampled[2]  # the seed matters
-    return {**plain, "stopped": cut, **{f"sampled{seed}": text for seed, text in sampled.items()}}
-
-
 def _video_part(item: dict) -> dict:
     data = base64.b64encode((WORLD / item["video"]).read_bytes()).decode()
     return {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{data}"}}

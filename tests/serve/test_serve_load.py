@@ -21,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.test_serve import (CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _get, _messages, _video_part,  # noqa: F401
-                                    ar, ar_llm)
+from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _get, _messages, _video_part
 from tests.torchrun_jobs import ROOT, job_env
 from vpsd.bench.server_process import ServerFailed, start_server
 
@@ -125,7 +124,10 @@ def test_sigterm_under_load_ends_every_call_and_the_server_exits_0(server, ar):
     threads = [threading.Thread(target=call, args=(n,)) for n in range(CLIENTS)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # some decoding, some queued
+    deadline = time.monotonic() + 60
+    while json.loads(_get(f"{server.base}/health")[1])["running"] == 0:  # some decoding (the rest queued, or coming)
+        assert time.monotonic() < deadline, "no call reached the engine"
+        time.sleep(0.01)
     server.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(90)

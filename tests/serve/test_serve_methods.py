@@ -12,8 +12,7 @@ import time
 import pytest
 
 import vpsd
-from tests.serve.test_serve import (CONFIG, ITEMS, MAX_TOKENS, SAMPLED, _messages, _video_part,  # noqa: F401
-                                    ar, ar_llm)
+from tests.serve.test_serve import CONFIG, ITEMS, MAX_TOKENS, SAMPLED, _messages, _video_part
 from vpsd.pipeline.methods import METHODS
 
 openai = pytest.importorskip("openai")

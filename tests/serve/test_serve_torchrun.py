@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.test_serve import (CONFIG, ITEMS, KEY, MAX_TOKENS, _ask, _messages, _streamed, _video_part,
-                                     ar, ar_llm)  # noqa: F401 - the fixtures, held to `ar` as test_serve.py is
+from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, _ask, _messages, _streamed, _video_part
 from tests.torchrun_jobs import ROOT, job_env
 from vpsd.bench.server_process import ServerFailed, start_server
 

@@ -75,11 +75,17 @@ def main(argv: list[str]) -> int:
         if serving:
             from vpsd.serve.cli import parse_args as serve_args
 
-            serve_args(["--help"])
+            serve_args(["--help"])  # exits
         from vpsd.launch.arguments import parse_args
 
         parse_args(["--help"])
     if serving:
+        from vpsd.serve.cli import parse_args as serve_args
+
+        try:  # a bad option said once, here, before any rank starts
+            serve_args(job)
+        except SystemExit as e:
+            return int(e.code or 0)
         job = ["serve", *job]
     out = None if serving else out_dir(job)
     single_node = not any("--nnodes" in o or "--rdzv" in o for o in torchrun_opts)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import traceback
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from vpsd.config import RunConfig
+from vpsd.launch.arguments import refuse
 from vpsd.launch.layout import Layout
 from vpsd.launch.rank_records import note
 from vpsd.launch.say import say
@@ -51,11 +51,13 @@ SERVED_IDLE_S = 365 * 24 * 3600.0  # a served rank waits for the next request as
 def job_argv(argv: list[str], out: Path) -> tuple[argparse.Namespace, list[str]] | int:
     """`vpsd serve`'s options as the job's command line for every rank (its items come from the server, so an
     empty manifest in `out`), and the options; or the exit status of a refusal (said)."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # said by argparse (./torchrun.sh's launcher parses them first, once)
+        return int(e.code or 0)
     api_key = args.api_key or os.environ.get("VPSD_API_KEY") or None
     if (problem := _refusal(args, api_key)) is not None:
-        print(f"vpsd serve: {problem}", file=sys.stderr)
-        return 2
+        return refuse([f"serve: {problem}"])  # said once, by rank 0; ./torchrun.sh exits 2
     args.api_key = api_key
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "served.jsonl"
