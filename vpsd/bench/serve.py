@@ -160,7 +160,7 @@ def _job(a: argparse.Namespace, items: list[dict], out: Path) -> tuple[float, fl
     return 3600 * run["items"] / run["loop_s"], statistics.median(first), texts
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vpsd bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/world_qwen2_5_vl.yaml")
     p.add_argument("--method", default="hippo")
@@ -176,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the job's ranks (default 1: one process, as the server where the method drafts in it; a "
                         "parallel method at batch 1 needs its draft and pruner ranks: 3)")
     p.add_argument("--out", type=Path, default=None, help="the server's log and the job's run (default: a temp dir)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="vpsd-bench-serve-"))
     out.mkdir(parents=True, exist_ok=True)
     items = _items(a.manifest)
@@ -199,6 +203,24 @@ def main(argv: list[str] | None = None) -> int:
     # Each item's answer, to hold one method's run to another's (`ar`'s) side by side.
     (out / "answers.jsonl").write_text("".join(json.dumps({"item": i, "text": sorted(t)[0]}) + "\n"
                                                for i, t in sorted(by_item.items())))
+    iph = _report(a, answers, wall, rss_after, ok, consistent)
+    same = True
+    if a.job:
+        job_iph, job_first, job_texts = _job(a, items, out)
+        same = all(by_item[i] == {t} for i, t in job_texts.items() if i in by_item)
+        print(f"  batch job at --batch {a.batch}: {job_iph:.0f} items/hour (item loop); server / job = "
+              f"{iph / job_iph:.2f}; outputs identical to the job's: {same}")
+        ttft = _pct([x.ttft_s for x in answers if x.ttft_s is not None], 0.5)
+        ratio = (f"; the server's time to first token p50 / that = {ttft / job_first:.2f}"
+                 if a.clients == 1 else " (time to first token compares at one client: more queue for a slot)")
+        print(f"  the job's read + preprocess + prefill of an item, median {job_first:.3f} s{ratio}")
+    print(f"  (server log, answers.jsonl and the job's run in {out})")
+    return 0 if ok and consistent and same else 1
+
+
+def _report(a: argparse.Namespace, answers: list[Answer], wall: float, rss_after: float | None, ok: bool,
+            consistent: bool) -> float:
+    """The load's lines; returns its items/hour."""
     lat = [x.latency_s for x in answers]
     ttft = [x.ttft_s for x in answers if x.ttft_s is not None]
     tokens = sum(x.completion_tokens for x in answers)
@@ -214,18 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if rss_after is not None:
         print(f"  server memory (with its ranks) {a.rss_before:.0f} MiB after the warm-up, {rss_after:.0f} MiB after "
               f"the load")
-    same = True
-    if a.job:
-        job_iph, job_first, job_texts = _job(a, items, out)
-        same = all(by_item[i] == {t} for i, t in job_texts.items() if i in by_item)
-        print(f"  batch job at --batch {a.batch}: {job_iph:.0f} items/hour (item loop); server / job = "
-              f"{iph / job_iph:.2f}; outputs identical to the job's: {same}")
-        ratio = (f"; the server's time to first token p50 / that = {_pct(ttft, 0.5) / job_first:.2f}"
-                 if a.clients == 1 else " (time to first token compares at one client: more queue for a slot)")
-        print(f"  the job's read + preprocess + prefill of an item, median {job_first:.3f} s{ratio}")
-    print(f"  (server log, answers.jsonl and the job's run in {out})")
-    return 0 if ok and consistent and same else 1
-
+    return iph
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,7 @@ Wiring: `Method.draft_place` says where the method's draft runs; launch/wiring.p
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 from vpsd.activity import START, doing
@@ -129,6 +130,9 @@ class ItemEvents:
         self.failures = self.finished_items = 0
         self.sent: dict[str, int] = {}  # a served item's tokens reported so far (ItemProgress)
         self.cancelled: set[str] = set()  # served items whose client left, until they leave the engine
+        # The last items that left: a cancel that crossed an item's result on the wire names one of them, and is
+        # dropped (kept, it would stay in `cancelled` for the server's life).
+        self.left: collections.deque[str] = collections.deque(maxlen=256)
 
     def request(self, item: ManifestItem, nxt: ManifestItem | None) -> Request:
         loaded = self.reader.load(item)
@@ -143,7 +147,7 @@ class ItemEvents:
     def after_round(self, engine: Engine) -> None:
         """A served pipeline's round (module docstring): the cancelled items marked to leave, the committed
         tokens of the others reported."""
-        self.cancelled.update(self.sink.cancelled())
+        self.cancelled.update(i for i in self.sink.cancelled() if i not in self.left)
         fresh: dict[str, list[int]] = {}
         for rid, request in engine.requests.items():
             if request.machine is None or request.error is not None:
@@ -160,6 +164,7 @@ class ItemEvents:
     def finished(self, item: ManifestItem, request: Request) -> None:
         self.sent.pop(item.id, None)
         self.cancelled.discard(item.id)
+        self.left.append(item.id)
         if self.frames is not None:
             self.frames.drop(item.id)
         if request.error is not None:
@@ -180,6 +185,7 @@ class ItemEvents:
     def failed(self, item: ManifestItem, error: Exception | str) -> None:
         self.sent.pop(item.id, None)
         self.cancelled.discard(item.id)
+        self.left.append(item.id)
         if self.frames is not None:
             self.frames.drop(item.id)
         self.failures += 1
