@@ -272,6 +272,11 @@ class LLM:
         return not self._submitted or self._launched or self._ranks_for == _sampling_key(self._decoding_config(params))
 
     @property
+    def pipelines(self) -> int:
+        """How many pipelines decode the submitted requests side by side (a launch's, under torchrun; else 1)."""
+        return getattr(self._ranks, "pipelines", 1) if self._launched else 1
+
+    @property
     def in_flight(self) -> int:
         """Submitted requests whose Output `results` has not returned yet."""
         return len(self._submitted) + len(self._ready)

@@ -349,3 +349,39 @@ def test_a_shared_source_is_asked_for_read_ahead_once_and_then_only_when_an_item
         assert not ahead.pending and ahead.drained
     finally:
         ahead.close()
+
+
+class _NotNowSource:
+    """A served pipeline's source: "not now" to a read-ahead until a request arrives (`arrive`)."""
+
+    def __init__(self) -> None:
+        self.waiting: list[str] = []
+        self.asks = 0
+
+    def take(self, needed: bool):
+        self.asks += 1
+        return (self.waiting.pop(0) if self.waiting else None), True
+
+
+def test_after_a_not_now_a_read_ahead_is_asked_again_a_little_later():
+    """A request that arrives while the batch decodes is read ahead (engine/prefill_ahead.py ASK_AGAIN_S), not only
+    once a slot frees: asked again at once, the source would be asked every round; never, a served pipeline at
+    batch 1 read each video only after the request before it ended."""
+    import time
+
+    from vpsd.engine.prefill_ahead import ASK_AGAIN_S, PrefillAhead
+
+    source = _NotNowSource()
+    ahead = PrefillAhead(source, size=1, prepare=lambda item, nxt: item.upper(), cpus=None)
+    try:
+        ahead.top_up(in_flight=1)  # the batch is full: a read-ahead, answered "not now"
+        assert source.asks == 1 and not ahead.ahead
+        source.waiting.append("next")
+        ahead.top_up(in_flight=1)
+        assert source.asks == 1 and not ahead.ahead  # not asked again within the interval
+        time.sleep(ASK_AGAIN_S * 1.5)
+        ahead.top_up(in_flight=1)
+        assert [item for item, _ in ahead.ahead] == ["next"]  # read while "the batch" decodes
+        assert ahead.next_ready(block=True) == ("next", "NEXT")
+    finally:
+        ahead.close()

@@ -74,6 +74,7 @@ class GatedRanks:
     prompt once its own gate opens (`release`) or the common one (`gate`)."""
 
     tokenizer = _Words()
+    pipelines = 1
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -186,6 +187,9 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_is_dropped(gated_serv
     first = threading.Thread(target=ask, args=("first",))
     first.start()
     _until(lambda: llm.calls == 1)  # the ranks hold "first" at the gate
+    ahead = threading.Thread(target=ask, args=("ahead",))
+    ahead.start()
+    _until(lambda: llm.calls == 2)  # submitted too: the ranks read its video while "first" decodes
     with pytest.raises(openai.APITimeoutError):
         _ask(base, clip, "leaves", timeout=0.5)  # queued, then its client gives up
     _until(lambda: queue.depth == 0)  # dropped from the queue
@@ -198,11 +202,11 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_is_dropped(gated_serv
     assert int(refused.value.response.headers["retry-after"]) >= 1
     assert refused.value.body["code"] == "queue_full"
     llm.gate.set()
-    for t in [first, *waiting]:
+    for t in [first, ahead, *waiting]:
         t.join(30)
     assert {p: a.choices[0].message.content for p, a in answers.items()} == {
-        p: f"answer to {p}" for p in ("first", "second", "third")}
-    assert sorted(llm.seen) == ["first", "second", "third"]  # each decoded once; "leaves" never
+        p: f"answer to {p}" for p in ("first", "ahead", "second", "third")}
+    assert sorted(llm.seen) == ["ahead", "first", "second", "third"]  # each decoded once; "leaves" never
 
 
 def test_a_request_sent_while_another_decodes_on_the_ranks_joins_it_and_is_answered_first(gated_server_of_two):

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -238,8 +239,6 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
 
 def _drain(llm: vpsd.LLM, wanted: set[str], reports: dict[str, list[list[int]]], limit_s: float = 120):
     """Outputs of `wanted`, by id, with each request's progress reports (LLM.progress) collected meanwhile."""
-    import time
-
     outs, end = {}, time.monotonic() + limit_s
     while not wanted <= outs.keys():
         assert time.monotonic() < end, f"no result for {wanted - outs.keys()} within {limit_s} s"
@@ -259,6 +258,13 @@ def test_requests_on_child_ranks_report_each_rounds_tokens_and_a_cancelled_one_f
     hot = vpsd.SamplingParams(max_new_tokens=400, temperature=2.0, seed=3)  # long: EOS is rarely drawn this hot
     with vpsd.LLM(CONFIG, method="pearl", gamma=2, settings={"draft": "self"}) as llm:
         assert llm.served
+        # Taken by `results` alone (a caller that never asks for progress): the reports left untaken must not end
+        # its waits before it has read anything (they did: it spun, and the ranks waited for their answer).
+        lone, end, got = llm.submit(items[1], params), time.monotonic() + 60, []
+        while not got:
+            assert time.monotonic() < end, "results() never returned the request"
+            got = llm.results(1.0)
+        assert got[0].id == lone and got[0].token_ids == ar[items[1].id]
         reports: dict[str, list[list[int]]] = {}
         rid = llm.submit(items[0], params)
         out = _drain(llm, {rid}, reports)[rid]

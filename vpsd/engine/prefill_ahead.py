@@ -26,6 +26,11 @@ from vpsd.models.thread_invariance import bitwise_across_threads
 from vpsd.video.errors import VideoError
 
 T = TypeVar("T")
+# After a "not now" (a served pipeline, or a job's shared queue at its tail, with nothing for this one yet), a
+# read-ahead is asked again this much later, not only once a slot frees: a request that arrives meanwhile is read
+# (and at batch > 1 prefilled) while the batch decodes, instead of after. Each ask is one control-plane round trip
+# (~0.2 ms here), at most one per round.
+ASK_AGAIN_S = 0.05
 
 
 def _pin_thread(cpus: list[int] | None) -> None:
@@ -64,7 +69,7 @@ class PrefillAhead(Generic[T]):
         self.reserve = 1 if shared else 2
         self.queue: deque[T] = deque()  # taken from the source, not yet submitted
         self.exhausted = False  # the source has no more
-        self.later = False  # the source said "not now" to a read-ahead: ask again only when an item is needed
+        self.later: float | None = None  # when the source last said "not now" to a read-ahead
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefill", initializer=_pin_thread, initargs=(cpus,))
         self.ahead: deque[tuple[T, Future]] = deque()
         self.stolen_s = 0.0  # time the decode thread spent preparing
@@ -74,10 +79,12 @@ class PrefillAhead(Generic[T]):
         """The next item not yet submitted, taken from the source now if need be; None: none (now)."""
         if self.queue:
             return self.queue[0]
-        if self.exhausted or (self.later and not needed):
+        if self.exhausted or (not needed and self.later is not None
+                                 and time.monotonic() - self.later < ASK_AGAIN_S):
             return None
         item, more = self.source.take(needed)
-        self.exhausted, self.later = not more, item is None and more
+        self.exhausted = not more
+        self.later = time.monotonic() if item is None and more else None
         if item is not None:
             self.queue.append(item)
         return item

@@ -77,6 +77,7 @@ class ServedPipelines:
         self._granted: dict[str, int] = {}  # granted to a pipeline, no result yet: to which target rank
         self._committed: dict[str, list[int]] = {}  # a granted item's tokens so far (ItemProgress)
         self._fresh: set[str] = set()  # items whose committed tokens grew since `fresh()` was last asked
+        self._reports = 0  # ItemProgress messages taken so far
         self._done: dict[str, ResultRow] = {}  # finished, not taken by poll or run yet
         self._ended = 0  # pipelines that reported their run (PipelineDone) and were told to stop
         self._closed = False
@@ -137,6 +138,7 @@ class ServedPipelines:
                 if item_id in self._granted:
                     self._committed.setdefault(item_id, []).extend(tokens)
                     self._fresh.add(item_id)
+            self._reports += 1
         elif isinstance(msg, ItemResult):
             row = ResultRow.from_json(msg.row)
             self._granted.pop(row.id, None)
@@ -177,7 +179,8 @@ class ServedPipelines:
         pipeline's requests from the submitted items; RanksFailed when a child exited (the ranks are then
         stopped, as on any exception: an interrupt stops them as a job's Ctrl-C does)."""
         try:
-            self._pump(timeout_s, lambda: bool(self._done or self._fresh))
+            reports = self._reports  # a report that comes during this call ends it, not one left untaken before
+            self._pump(timeout_s, lambda: bool(self._done) or self._reports > reports)
         except BaseException:
             self.kill()
             raise

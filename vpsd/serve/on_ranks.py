@@ -1,7 +1,8 @@
 """Requests fed one at a time to a parallel method's child ranks: the runner where the roles run on the API's ranks.
 
-The engine thread submits each queued request the moment it arrives (`LLM.submit`), up to `batch` in flight (the
-ranks' batch: their target takes an item as a slot frees, launch/served.py), and answers each as its result comes
+The engine thread submits each queued request the moment it arrives (`LLM.submit`), up to `batch` a pipeline in
+flight (the ranks' batch: their target takes an item as a slot frees, launch/served.py) and one more a pipeline,
+whose video the target reads while it decodes (engine/prefill_ahead.py asks for it), and answers each as its result comes
 (`LLM.results`), whatever the order they were submitted in. The ranks run one temperature and filters (their
 config): a request with others waits until those in flight leave, and the API starts the ranks again for it
 (`LLM.joins`). The ranks report each round's committed tokens (`LLM.progress`): a streamed request's text is
@@ -33,6 +34,7 @@ class RanksRunner:
     def __init__(self, llm, queue: JobQueue) -> None:
         """llm: a `vpsd.LLM` whose method runs on child ranks (`llm.served`)."""
         self.llm, self.queue = llm, queue
+        self.slots = queue.batch * llm.pipelines  # requests decoding at once: each pipeline's batch
         self._jobs: dict[str, Job] = {}  # submitted and not answered yet, by request id
         self._streams: dict[str, TextStream] = {}  # the streamed ones' text so far
         self._cancelled: set[str] = set()  # in flight, their client gone, the ranks told
@@ -50,9 +52,10 @@ class RanksRunner:
                 self.queue.wait(IDLE_POLL_S)
 
     def _submit_arrivals(self) -> None:
-        """The queued requests that can join the ranks now, oldest first, while the ranks' batch has room."""
+        """The queued requests that can join the ranks now, oldest first, while the ranks' batches have room, and
+        one more a pipeline: the target reads its video ahead while it decodes (at its next read-ahead ask)."""
         q = self.queue
-        while len(self._jobs) < q.batch:
+        while len(self._jobs) < self.slots + self.llm.pipelines:
             job = q.pop_head(lambda j: self.llm.joins(j.params))
             if job is None:
                 return
@@ -70,7 +73,7 @@ class RanksRunner:
             if job.on_text is not None:
                 self._streams[request_id] = TextStream(self.llm.text, job.params.stop)
             for other in self._jobs.values():  # requests decoding together, at most, over each one's time
-                other.batch_size = max(other.batch_size, len(self._jobs))
+                other.batch_size = max(other.batch_size, min(len(self._jobs), self.slots))
             self._observe()
 
     def _collect(self, timeout_s: float) -> None:
@@ -122,7 +125,7 @@ class RanksRunner:
         self._observe()
 
     def _observe(self) -> None:
-        self.queue.running = len(self._jobs)
+        self.queue.running = min(len(self._jobs), self.slots)
         self.queue.observe()
 
     def close(self, grace_s: float) -> bool:
