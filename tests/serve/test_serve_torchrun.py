@@ -52,6 +52,7 @@ def test_two_pipelines_answer_a_burst_once_each_as_ar_and_stream_as_they_commit(
     assert len({r.id for _, r in answers}) == 8
     assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
     assert {r.usage.vpsd["pipeline"] for _, r in answers} == {0, 1}
+    assert max(r.usage.vpsd["batch_size"] for _, r in answers) == 2  # both pipelines decoding at once
     text, chunks, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
     assert text == ar[ITEMS[0]["id"]]
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
