@@ -49,13 +49,11 @@ def _get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = ["--config", str(CONFIG), "--method", "hippo", "--batch", "4", "--api-key", KEY, "--allowed-media-dir",
-            str(WORLD / "videos"), "--max-body-mib", "2", "--max-video-mib", "1", "--shutdown-timeout", "30"]
+def running_server(log, args: list[str], startup_s: float, env: dict | None = None, **kw):
+    """A module's server (vpsd/bench/server_process.py), as a fixture yields it: `.base`, `.log`; killed at the end
+    unless a test stopped it."""
     try:
-        proc, proc.base = start_server(args, log, STARTUP_S, env=job_env(), cwd=ROOT)
+        proc, proc.base = start_server(args, log, startup_s, env=env or job_env(), cwd=ROOT, **kw)
     except ServerFailed as e:
         pytest.fail(str(e))
     proc.log = log
@@ -63,6 +61,13 @@ def server(tmp_path_factory):
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    args = ["--config", str(CONFIG), "--method", "hippo", "--batch", "4", "--api-key", KEY, "--allowed-media-dir",
+            str(WORLD / "videos"), "--max-body-mib", "2", "--max-video-mib", "1", "--shutdown-timeout", "30"]
+    yield from running_server(tmp_path_factory.mktemp("serve") / "server.log", args, STARTUP_S)
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +173,26 @@ def test_stop_strings_cut_plain_and_streamed_text_alike(client, ar):
     assert text == ar["stopped"]
 
 
-def test_a_burst_from_four_threads_is_answered_once_each_as_ar_answers(client, ar):
-    jobs = [ITEMS[n % 2] for n in range(8)]
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), jobs))
-    assert len({r.id for _, r in answers}) == 8
+def _burst(client, count: int, threads: int, ar: dict) -> list:
+    """`count` requests, the items in turn, from `threads` clients at once: each answered once, with `ar`'s text.
+    Returns the responses."""
+    with ThreadPoolExecutor(threads) as pool:
+        answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), [ITEMS[n % 2] for n in range(count)]))
+    assert len({r.id for _, r in answers}) == count
     assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
-    assert max(r.usage.vpsd["batch_size"] for _, r in answers) > 1  # they were decoded together
+    return [r for _, r in answers]
+
+
+def _streams_as_ar(client, ar: dict) -> None:
+    """A streamed answer is `ar`'s text, in pieces as rounds commit."""
+    text, chunks, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
+    assert text == ar[ITEMS[0]["id"]]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+
+
+def test_a_burst_from_four_threads_is_answered_once_each_as_ar_answers(client, ar):
+    answers = _burst(client, 8, 4, ar)
+    assert max(r.usage.vpsd["batch_size"] for r in answers) > 1  # they were decoded together
 
 
 def test_the_engine_stops_a_request_whose_client_left_and_serves_the_next(ar_llm, ar, monkeypatch):

@@ -21,9 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _get, _messages, _video_part
-from tests.torchrun_jobs import ROOT, job_env
-from vpsd.bench.server_process import ServerFailed, start_server
+from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _get, _messages, _video_part, running_server
 
 openai = pytest.importorskip("openai")
 CLIENTS, CALLS = 16, 64
@@ -32,18 +30,9 @@ KINDS = ["plain", "stream", "plain", "stream", "wrong_key", "missing", "too_big"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve_load") / "server.log"
     args = ["--config", str(CONFIG), "--method", "hippo", "--batch", "4", "--api-key", KEY, "--max-queue", "6",
             "--max-body-mib", "1", "--shutdown-timeout", "30", "--allowed-media-dir", str(WORLD / "videos")]
-    try:
-        proc, proc.base = start_server(args, log, 120, env=job_env(), cwd=ROOT)
-    except ServerFailed as e:
-        pytest.fail(str(e))
-    proc.log = log
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    yield from running_server(tmp_path_factory.mktemp("serve_load") / "server.log", args, 120)
 
 
 def _call(base: str, n: int) -> dict:

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import vpsd
-from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _ask, _get, _messages, _streamed, _video_part
+from tests.serve.test_serve import (CONFIG, ITEMS, KEY, MAX_TOKENS, WORLD, _ask, _burst, _get, _messages,
+                                    _streams_as_ar, _video_part)
 from tests.torchrun_jobs import ROOT, job_env
 from vpsd.bench.server_process import start_server
 
@@ -66,14 +67,8 @@ def _descendants(pid: int) -> list[int]:
 
 def test_a_burst_on_child_ranks_is_answered_once_each_as_ar(client, served, ar):
     assert "child ranks" in served.log.read_text()
-    jobs = [ITEMS[n % 2] for n in range(6)]
-    with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), jobs))
-    assert len({r.id for _, r in answers}) == 6
-    assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
-    text, chunks, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
-    assert text == ar[ITEMS[0]["id"]]
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # as the ranks' rounds commit
+    _burst(client, 6, 3, ar)
+    _streams_as_ar(client, ar)  # in pieces: the ranks report their rounds
 
 
 def test_a_client_that_leaves_mid_stream_is_cancelled_on_the_ranks(client, served, ar):

@@ -10,33 +10,22 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.test_serve import CONFIG, ITEMS, KEY, MAX_TOKENS, _ask, _messages, _streamed, _video_part
+from tests.serve.test_serve import CONFIG, ITEMS, KEY, _ask, _burst, _streams_as_ar, running_server
 from tests.torchrun_jobs import ROOT, job_env
-from vpsd.bench.server_process import ServerFailed, start_server
 
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve_torchrun") / "server.log"
     # Two pipelines on this 2-core machine: unpinned (the config pins one pipeline's roles to cores 0 and 1).
     args = ["--config", str(CONFIG), "--method", "pearl", "--api-key", KEY, "--shutdown-timeout", "30",
             "--set", "cpu_affinity=null"]
-    try:
-        proc, base = start_server(args, log, 180, env={**job_env(), "NPROC": "6"}, cwd=ROOT,
-                                  command=[str(ROOT / "torchrun.sh"), "serve"])
-    except ServerFailed as e:
-        pytest.fail(str(e))
-    proc.base, proc.log = base, log
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    yield from running_server(tmp_path_factory.mktemp("serve_torchrun") / "server.log", args, 180,
+                              env={**job_env(), "NPROC": "6"}, command=[str(ROOT / "torchrun.sh"), "serve"])
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +35,10 @@ def client(launched):
 
 def test_two_pipelines_answer_a_burst_once_each_as_ar_and_stream_as_they_commit(launched, client, ar):
     assert "2 pipelines under torchrun" in launched.log.read_text()
-    jobs = [ITEMS[n % 2] for n in range(8)]
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda item: (item["id"], _ask(client, item)), jobs))
-    assert len({r.id for _, r in answers}) == 8
-    assert [r.choices[0].message.content for _, r in answers] == [ar[i] for i, _ in answers]
-    assert {r.usage.vpsd["pipeline"] for _, r in answers} == {0, 1}
-    assert max(r.usage.vpsd["batch_size"] for _, r in answers) == 2  # both pipelines decoding at once
-    text, chunks, _ = _streamed(client, _messages(ITEMS[0]["prompt"], _video_part(ITEMS[0])), max_tokens=MAX_TOKENS)
-    assert text == ar[ITEMS[0]["id"]]
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+    answers = _burst(client, 8, 4, ar)
+    assert {r.usage.vpsd["pipeline"] for r in answers} == {0, 1}
+    assert max(r.usage.vpsd["batch_size"] for r in answers) == 2  # both pipelines decoding at once
+    _streams_as_ar(client, ar)
 
 
 def test_other_sampling_settings_are_refused_and_the_server_goes_on(client, ar):

@@ -231,22 +231,12 @@ def serve_command(argv: list[str]) -> tuple[argparse.Namespace | None, list[str]
     job's, as it is. An int: the exit status of a refusal (said)."""
     if argv[:1] != ["serve"]:
         return None, argv
-    from vpsd.serve.launched import job_argv, serve_dir
+    from vpsd.serve.launched import job_argv
 
-    made = job_argv(argv[1:], serve_dir(parse_trace_dir(argv[1:]), launch_dir()))
+    made = job_argv(argv[1:], launch_dir())
     if not isinstance(made, int):
         os.environ[SERVED] = "1"
     return made
-
-
-def parse_trace_dir(argv: list[str]) -> Path | None:
-    """`vpsd serve`'s --trace-dir, before its options are parsed (where the launch's ranks write)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--trace-dir="):
-            return Path(a.split("=", 1)[1])
-        if a == "--trace-dir" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-    return None
 
 
 def interrupted(is_target: bool, out: Path) -> None:

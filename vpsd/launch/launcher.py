@@ -71,22 +71,20 @@ def main(argv: list[str]) -> int:
         return 2
     torchrun_opts, job = list(argv[:at]), list(argv[at + 1:])
     serving = argv[at] == "serve"
-    if any(a in ("-h", "--help") for a in job):  # answered once, by this process, before any rank starts
-        if serving:
-            from vpsd.serve.cli import parse_args as serve_args
-
-            serve_args(["--help"])  # exits
-        from vpsd.launch.arguments import parse_args
-
-        parse_args(["--help"])
+    shutdown = SHUTDOWN_S
     if serving:
         from vpsd.serve.cli import parse_args as serve_args
 
-        try:  # a bad option said once, here, before any rank starts
-            serve_args(job)
+        try:  # --help or a bad option said once, here, before any rank starts
+            # The ranks get the server's grace to finish the requests in flight, then their pipelines end.
+            shutdown = int(serve_args(job).shutdown_timeout) + 30
         except SystemExit as e:
             return int(e.code or 0)
         job = ["serve", *job]
+    elif any(a in ("-h", "--help") for a in job):  # answered once, by this process, before any rank starts
+        from vpsd.launch.arguments import parse_args
+
+        parse_args(["--help"])
     out = None if serving else out_dir(job)
     single_node = not any("--nnodes" in o or "--rdzv" in o for o in torchrun_opts)
     if single_node and out is not None and (busy := out_dir_holder(out)) is not None:
@@ -95,7 +93,7 @@ def main(argv: list[str]) -> int:
     remove_orphaned_launch_dirs()
     directory = Path(tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}."))
     try:
-        return launch(torchrun_opts, job, out, single_node, directory)
+        return launch(torchrun_opts, job, out, single_node, directory, shutdown)
     except Stopped as s:
         if serving:  # the leader's server shut down as `vpsd serve` does, and every rank left with it
             say(f"serve: stopped by {signal.Signals(s.signum).name}")
@@ -123,7 +121,9 @@ def remove_orphaned_launch_dirs() -> None:
             continue  # not one of ours, or its launcher lives (a pid of another user: PermissionError)
 
 
-def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_node: bool, directory: Path) -> int:
+def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_node: bool, directory: Path,
+           shutdown_s: int = SHUTDOWN_S) -> int:
+    """shutdown_s: how long the ranks get to leave after a stop signal (a job's leave at once)."""
     from vpsd.launch.arguments import REFUSAL_MARK  # with the model stack's imports (seconds): after the lock check
 
     os.environ[LAUNCH_DIR] = str(directory)
@@ -139,7 +139,7 @@ def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_no
         # torchrun keeps a log directory per launch and never removes it: ours goes with this launch's directory.
         torchrun_opts += ["--log-dir", str(directory / "torchrun")]
     if not any(o.startswith(("--shutdown-timeout", "--shutdown_timeout")) for o in torchrun_opts):
-        torchrun_opts += ["--shutdown-timeout", str(shutdown_s(job))]
+        torchrun_opts += ["--shutdown-timeout", str(shutdown_s)]
     if os.environ.get("LOG_RANK"):
         torchrun_opts += ["--local-ranks-filter", os.environ["LOG_RANK"]]
     failures = run_torchrun([*torchrun_opts, "--nproc-per-node", os.environ.get("NPROC", "3"),
@@ -239,15 +239,6 @@ def kept(out: Path) -> int:
             return sum(1 for line in f if line.strip())
     except OSError:
         return 0
-
-
-def shutdown_s(job: list[str]) -> int:
-    """How long the ranks get to leave after a stop signal: a job's leave at once; a server's finish the requests
-    in flight first (`vpsd serve --shutdown-timeout`, default 30 s), then its pipelines end."""
-    if job[:1] != ["serve"]:
-        return SHUTDOWN_S
-    grace = next((float(v) for k, v in zip(job, job[1:]) if k == "--shutdown-timeout"), 30.0)
-    return int(grace) + 30
 
 
 def out_dir(job: list[str]) -> Path | None:

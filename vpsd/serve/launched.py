@@ -48,9 +48,9 @@ from vpsd.transport.startup import rendezvous_store
 SERVED_IDLE_S = 365 * 24 * 3600.0  # a served rank waits for the next request as long as the launch lives
 
 
-def job_argv(argv: list[str], out: Path) -> tuple[argparse.Namespace, list[str]] | int:
+def job_argv(argv: list[str], launch_dir: Path | None) -> tuple[argparse.Namespace, list[str]] | int:
     """`vpsd serve`'s options as the job's command line for every rank (its items come from the server, so an
-    empty manifest in `out`), and the options; or the exit status of a refusal (said)."""
+    empty manifest where the ranks write: `serve_dir`), and the options; or the exit status of a refusal (said)."""
     try:
         args = parse_args(argv)
     except SystemExit as e:  # said by argparse (./torchrun.sh's launcher parses them first, once)
@@ -59,6 +59,7 @@ def job_argv(argv: list[str], out: Path) -> tuple[argparse.Namespace, list[str]]
     if (problem := _refusal(args, api_key)) is not None:
         return refuse([f"serve: {problem}"])  # said once, by rank 0; ./torchrun.sh exits 2
     args.api_key = api_key
+    out = serve_dir(args.trace_dir, launch_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "served.jsonl"
     manifest.touch()
@@ -72,11 +73,11 @@ def job_argv(argv: list[str], out: Path) -> tuple[argparse.Namespace, list[str]]
     return args, job
 
 
-def serve_dir(args_trace_dir: Path | None, launch_dir: Path | None) -> Path:
+def serve_dir(trace_dir: Path | None, launch_dir: Path | None) -> Path:
     """Where the launch's ranks write (traces, the empty manifest): --trace-dir, else the launch's own directory,
     else one named by torchrun's run id (the same on every rank of the launch)."""
-    if args_trace_dir is not None:
-        return Path(args_trace_dir)
+    if trace_dir is not None:
+        return Path(trace_dir)
     if launch_dir is not None:
         return launch_dir / "serve"
     return Path(tempfile.gettempdir()) / f"vpsd-serve-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}"
