@@ -82,7 +82,7 @@ if [ "$dry" = 1 ]; then
   # (the GPU run does both dtypes), one case of each kind: the CPU suite runs the rest on the CPU. The benches are
   # one command on other inputs: b8 runs it here (a variant on threads at B = 2, --tile), b1_captured, b1_mps
   # (the same under a daemon), b32 and world_pair do not.
-  cuda_tests=(-k "not bfloat16 and (serial_method_greedy_equals_ar and sd- or engine_greedy and hippo-8 or batches_ar or sd_runs or sampled_batch or captured and 2-float32 or thread)")
+  cuda_tests=(-k "not bfloat16 and (serial_method_greedy_equals_ar and sd- or engine_greedy and hippo-8 or batches_ar or sd_runs or sampled_batch or captured and 2-float32 or thread or recorded_steps and float32)")
   items=1; tile=1; capture=trace; cost=(--widths 1,4 --steps 2 --repeats 1); prof=(--widths 1,4 --steps 2)
   b1=; mps=; b8=ar,hippo:pipelined+thread; b8batch=2; wide=; world=; worldb=2; tile=2
   L_grow=60; L_tests=240; L_profile=120; L_cost=120; L_b1=240; L_mps=120; L_b8=240; L_b32=120; L_world=240

@@ -147,6 +147,36 @@ def test_captured_steps_greedy_equal_ar(size, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_recorded_steps_copy_the_ids_and_positions_not_the_weights(dtype):
+    """models/step_graphs.py: a recorded step (a decode step, a verify) copies in its token ids and positions,
+    reads the weights and the fixed cache where they are, and its memory is its activations (torch's cudagraphs
+    backend held, and copied each replay, a second copy of every weight); its replay scores as the eager step."""
+    from vpsd.models.batch import BatchedCache
+
+    cfg = load_config(config_path("qwen2_5_vl"))
+    mode = "cudagraphs" if DEVICE == "cuda" else "trace"
+    target = load_adapter("qwen2_5_vl", dataclasses.replace(cfg.target, device=DEVICE, dtype=dtype), tiny_tokenizer())
+    target.capture(mode, 1024)
+    eager, _ = device_pair("qwen2_5_vl", dtype)
+    emb = eager.embed(eager.prepare(random_frames(5, t=4), PROMPT))
+    ref = eager.prefill(emb).state
+    batch = BatchedCache(target)
+    batch.join(0, target.prefill(emb).state)
+    weights = sum(p.numel() * p.element_size() for p in target.language_model.parameters())
+    before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+    worst = 0.0
+    for ids in ([5], [6, 7, 8, 9], [10], [1, 2, 3, 4], [11]):
+        got = batch.step({0: ids})[0]
+        worst = max(worst, float((eager.step(ref, torch.tensor(ids)) - got).abs().max()))
+    graphs = [g for g in target.captured._graphs.values() if g is not None]
+    assert len(graphs) == 2 and target.captured.unrecorded == {}
+    assert all(sorted(name for name, _ in g.tensors) == ["input_ids", "position_ids"] for g in graphs)
+    if DEVICE == "cuda":
+        assert torch.cuda.memory_allocated() - before < weights / 4
+    assert worst < (1e-4 if dtype == "float32" else 0.25), worst
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_draft_on_a_thread_of_its_own_stream_greedy_equals_ar(dtype):
     """`draft_on: thread` (launch/in_process.py): hippo's draft and pruner roles on threads, each issuing its
     work on a CUDA stream of its own, their tensors handed over through stream events (roles/thread_link.py)."""

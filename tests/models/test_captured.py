@@ -15,6 +15,8 @@ import dataclasses
 import pytest
 import torch
 import torch._dynamo.utils
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tests.conftest import config_path, random_frames, tiny_tokenizer
 from tests.engine_harness import PROMPTS, local_engine, requests, run
@@ -23,6 +25,8 @@ from vpsd.decoders.ar import decode_ar
 from vpsd.launch.job_identity import differences, identity
 from vpsd.models.batch import BatchedCache
 from vpsd.models.captured import FixedCache
+from vpsd.models.hf_compat import cache_kwargs
+from vpsd.models.step_graphs import RecordedStep
 from vpsd.models.kv_cache import GrowingCache
 from vpsd.models.registry import load_adapter
 from vpsd.models.spec import ModelSpec
@@ -202,3 +206,75 @@ def test_captured_target_and_draft_on_threads_decode_ars_tokens():
     for it in todo:
         ref = decode_ar(eager, it.frames, it.prompt, dataclasses.replace(cfg.decoding, max_new_tokens=it.max_new_tokens))
         assert jobs.out[it.id].token_ids == ref.token_ids, it.id
+
+
+def test_a_recorded_step_runs_nothing_when_recorded_reads_its_copies_and_hands_out_clones():
+    """models/step_graphs.py's plumbing, the graph's stand-in on a CPU ("trace") taking the GPU's path: recording
+    runs nothing (the cache is untouched), each call's tensors are copied into the step's own, what the step holds
+    (the cache) is written where it is, and its outputs sit at fixed addresses, each call handed clones of them."""
+    held = torch.zeros(3)  # as the fixed cache's buffers: not an argument, read and written in place
+
+    def step(x, scale):
+        held.add_(x)
+        return (x * scale + held,)
+
+    rec = RecordedStep(step, {"x": torch.ones(3), "scale": 2.0}, torch.device("cpu"))
+    assert held.tolist() == [0, 0, 0]
+    a = rec({"x": torch.tensor([1.0, 2.0, 3.0]), "scale": 2.0})
+    b = rec({"x": torch.tensor([1.0]).expand(3), "scale": 2.0})  # an expanded view, as M-RoPE positions are
+    assert held.tolist() == [2, 3, 4]
+    assert a[0].tolist() == [3, 6, 9] and b[0].tolist() == [4, 5, 6]  # a still the first call's: a clone
+    assert a[0].data_ptr() != rec.outputs[0].data_ptr() != b[0].data_ptr()
+    with pytest.raises(ValueError, match="not in a list"):
+        RecordedStep(step, {"x": [torch.ones(3)], "scale": 2.0}, torch.device("cpu"))
+
+
+class _HostOrCpu(TorchDispatchMode):
+    """Records each aten op that reads a value to the host or touches a CPU tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default or any(t.device.type == "cpu" for t in tensors):
+            self.seen.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_captured_step_traces_to_what_a_cuda_graph_records(family):
+    """What models/step_graphs.py records on a GPU, checked here on the meta device (shapes, no data): each
+    family's traced decode step and verify is one graph, reads nothing to the host (on meta a read raises) and
+    makes no tensor on the CPU (on a GPU its value would be frozen into the graph when it records)."""
+    cfg = load_config(config_path(family))
+    adapter = load_adapter(family, cfg.target, tiny_tokenizer())  # its own: its weights go to the meta device
+    lm = adapter.language_model.to("meta")
+    text = adapter.model.config.get_text_config()
+    heads, dim = text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cache = FixedCache(adapter.model.config, 512)
+    for layer in cache.layers:
+        held = torch.zeros(1, heads, 40, dim, device="meta", dtype=adapter.model.dtype)
+        layer.adopt(held, held)
+    graphs, watched = [], _HostOrCpu()
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            with watched:
+                return gm(*args)
+        return run
+
+    traced = torch.compile(lm, backend=backend, dynamic=False)
+    rows = adapter.position_rows
+    with torch.inference_mode():
+        for k in (1, 4, 1):
+            pos = torch.zeros(1, 1, k, dtype=torch.long, device="meta")
+            out = traced(input_ids=torch.zeros(1, k, dtype=torch.long, device="meta"), use_cache=True,
+                         position_ids=pos.expand(rows, 1, k).contiguous() if rows > 1 else pos[0],
+                         **cache_kwargs(lm, cache))
+            assert out.last_hidden_state.shape[1] == k
+    assert len(graphs) == 2 and watched.seen == []  # one graph a width, no break; nothing read or on the CPU

@@ -3,8 +3,9 @@
 On a GPU an eager transformers step of a 3B model is mostly Python and kernel launches (measured on an H200,
 2026-11-26: 59 ms a step where its weights read in ~1.2 ms; docs/benchmarks.md, "On a GPU"), which inflates
 every forward alike and squeezes the cost ratio c = T_p / T_q toward the ratio of layer counts (App. C: the
-speedup's ceiling falls with c). Captured, a step is one CUDA-graph replay (`capture: cudagraphs`, or inductor's
-`reduce-overhead`), so a forward costs what it reads and c returns to the models' size ratio.
+speedup's ceiling falls with c). Captured, a step is one CUDA-graph replay (`capture: cudagraphs`, recorded by
+models/step_graphs.py; or inductor's `reduce-overhead`), so a forward costs what it reads and c returns to the
+models' size ratio.
 
 A graph needs fixed shapes and fixed addresses, which vpsd's growing cache (models/kv_cache.py) gives up by
 design. So a captured model keeps `FixedCache`s (transformers' StaticCache layout: the whole buffer is attended
@@ -33,14 +34,18 @@ buffers' addresses (the one internal it relies on, `cumulative_length`, is check
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from vpsd.models.spec import CAPTURE_MODES
+from vpsd.models.step_graphs import RecordedStep, contiguous
 from vpsd.models.timing import settled_clock
+
 CUDA_GRAPH_MODES = ("cudagraphs", "reduce-overhead", "max-autotune")
+RECORDED_MODES = ("cudagraphs", "trace")  # dynamo's trace, recorded by vpsd (models/step_graphs.py)
 # One graph a distinct step width (1, a decode step; each verify width up to gamma_max + 1) and cache bucket, for
 # a target and its draft in one process; torch's default limit (8 a code object) would send the rest back to
 # eager without a word.
@@ -141,7 +146,8 @@ class FixedCacheLease:
 
 
 class CapturedLanguageModel:
-    """A language model compiled for steps over a FixedCache (`torch.compile`, fixed shapes)."""
+    """A language model's steps over a FixedCache, captured (fixed shapes): recorded graphs of dynamo's trace
+    ("cudagraphs", and "trace" on a CPU: models/step_graphs.py) or inductor's compiled code (its modes)."""
 
     def __init__(self, language_model: torch.nn.Module, mode: str, device: torch.device) -> None:
         if mode not in CAPTURE_MODES:
@@ -153,25 +159,48 @@ class CapturedLanguageModel:
 
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.mode = mode
-        if mode == "cudagraphs":
-            self.compiled = torch.compile(language_model, backend="cudagraphs", dynamic=False)
-        elif mode == "trace":
+        self.device = torch.device(device)
+        self.recorded = mode in RECORDED_MODES  # vpsd's own graphs of the trace (models/step_graphs.py)
+        if self.recorded:  # not torch's cudagraphs backend: it copies every weight a replay (step_graphs.py)
             self.compiled = torch.compile(language_model, backend="eager", dynamic=False)
         else:
             self.compiled = torch.compile(language_model, mode=mode, dynamic=False)
         self.steps = 0  # forwards run captured (the rest of a model's steps ran eagerly)
-        self.device = torch.device(device)
         self.capture_s = 0.0  # the one-time cost: the first forward of each graph (its compilation or recording)
-        self._graphs: set[tuple] = set()
+        self._graphs: dict[tuple, RecordedStep | None] = {}
+        self.unrecorded: dict[tuple, str] = {}  # shapes whose recording failed (they run the trace), and why
+        cuda = self.recorded and self.device.type == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None  # one pool for a model's graphs
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
 
     def __call__(self, **inputs: Any) -> Any:
         self.steps += 1
-        key = tuple((name, tuple(v.shape) if isinstance(v, torch.Tensor) else getattr(v, "capacity", None))
+        key = tuple((name, tuple(v.shape) if isinstance(v, torch.Tensor) else _identity(v))
                     for name, v in sorted(inputs.items()))
         if key in self._graphs:
-            return self.compiled(**inputs)
-        self._graphs.add(key)  # a new graph: timed whole, once (the only synchronisation captured steps add)
-        t0 = settled_clock(self.device)
-        out = self.compiled(**inputs)
+            step = self._graphs[key]
+            return step(inputs) if step is not None else self.compiled(**contiguous(inputs) if self.recorded
+                                                                       else inputs)
+        t0 = settled_clock(self.device)  # a new graph: timed whole, once (the only synchronisation it adds)
+        out = self.compiled(**contiguous(inputs)) if self.recorded else self.compiled(**inputs)
+        self._graphs[key] = self._record(key, inputs) if self.recorded else None
         self.capture_s += settled_clock(self.device) - t0
         return out
+
+    def _record(self, key: tuple, inputs: dict[str, Any]) -> RecordedStep | None:
+        """The step just run (its warm-up), recorded; None, with a warning, where CUDA refused it."""
+        try:
+            return RecordedStep(self.compiled, contiguous(inputs), self.device, self._pool, self._stream)
+        except RuntimeError as e:
+            if self.device.type != "cuda":
+                raise
+            self.unrecorded[key] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            warnings.warn(f"captured steps: a step of shapes {key} could not be recorded as a CUDA graph and runs "
+                          f"uncaptured: {self.unrecorded[key]}", RuntimeWarning, stacklevel=3)
+            return None
+
+
+def _identity(value: Any) -> Any:
+    """A non-tensor argument as part of a step's key: a fixed cache by identity (its buffers' addresses are the
+    graph's), anything else by value."""
+    return ("cache", id(value), value.capacity) if isinstance(value, FixedCache) else value

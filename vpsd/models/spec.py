@@ -13,11 +13,13 @@ from typing import Any
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # How a model's steps are captured (models/captured.py), each a torch.compile backend and mode:
-#   cudagraphs     CUDA graphs of the eager kernels (dynamo's "cudagraphs" backend): a step is one replay, and a
-#                  graph records in about a forward's time; what a GPU wants
+#   cudagraphs     CUDA graphs of dynamo's trace of a step, recorded by vpsd (models/step_graphs.py: not torch's
+#                  cudagraphs backend, which copies every weight a replay): a step is one replay, and a graph
+#                  records in about a forward's time; what a GPU wants
 #   reduce-overhead, default, max-autotune, max-autotune-no-cudagraphs: inductor's modes (generated kernels, with
 #                  CUDA graphs where the mode says; tens of seconds of code generation a graph on a large model)
-#   trace          dynamo's graphs run by the eager kernels (no code generation: a check of the capture itself)
+#   trace          the same recorded steps with each replay run by the eager kernels instead (no GPU, no code
+#                  generation: a check of the capture itself, on any device)
 CAPTURE_MODES = ("cudagraphs", "reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs", "trace")
 
 # family name -> (vpsd module, adapter class, transformers model class)

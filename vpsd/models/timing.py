@@ -10,15 +10,21 @@ and the window's costs (T_p, T_q: pipeline/cost.py) would be wrong by the whole 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
+
+# Held while a CUDA graph records (models/step_graphs.py): a device synchronisation from another thread of the
+# process (a role on a thread timing its work) waits for it, rather than meet a capture in progress.
+RECORDING = threading.RLock()
 
 
 def settle(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        with RECORDING:
+            torch.cuda.synchronize(device)
 
 
 def settled_clock(device: torch.device | str) -> float:

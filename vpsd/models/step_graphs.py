@@ -1,0 +1,98 @@
+"""Recorded steps: a traced language-model step recorded once a shape and cache bucket, then replayed.
+
+Capture mode "cudagraphs" (models/captured.py). Why vpsd records its own graphs rather than use torch.compile's
+`backend="cudagraphs"`: with dynamo inlining nn modules (its default since torch 2.5) that backend counts no input
+of the graph as static (`torch._inductor.utils.num_fw_fixed_arguments` is 0 then), so torch's CUDA-graph trees
+copy every input into graph-owned memory before each replay: every weight and both KV buffers of every layer, a
+step, and a second copy of the weights held for good. The cache's in-place writes also leave the graph (the
+backend keeps no input mutation): each step wrote whole buffers and copied them back. Seen here on the CPU (torch
+2.13), calling that backend with its device check lifted: the tiny target's step recorded 65 inputs, 0 static; a
+3B target would copy its 6 GB of weights a step, more than its step reads. Inductor's own modes
+("reduce-overhead") count weights and marked buffers as static, but generate code for tens of seconds a graph.
+
+So a step is recorded with `torch.cuda.CUDAGraph` around dynamo's trace of it (`backend="eager"`: one FX graph run
+by the eager kernels, with no host read and no CPU tensor in it, which tests/models/test_captured.py checks on the
+meta device for every family):
+- the weights and the fixed cache's buffers are read and written where they are, in place (the cache's length is
+  a tensor the graph reads: a rollback moves it in place, models/captured.py);
+- each tensor argument (k token ids, their positions) has a copy the graph reads; a replay copies the call's
+  tensors into them;
+- the outputs are the graph's own memory, overwritten by the next replay: a replay returns clones, so a caller
+  may keep a step's outputs past the next step;
+- a shape's first call runs the trace itself (the real step: the warm-up torch asks for before a capture), then
+  records it on a stream of the model's own, into one memory pool a model; recording runs nothing, so the cache
+  is untouched. One recording at a time in a process, and no device synchronisation while one runs
+  (`timing.RECORDING`): the draft records on its own thread (`draft_on: thread`).
+- A recording that fails (an op CUDA refuses in a capture) leaves that shape to run the trace uncaptured, with a
+  RuntimeWarning that says why (`CapturedLanguageModel.unrecorded`): a slow step, not a lost job.
+
+Mode "trace" runs the same object with the graph replaced by the trace run over the copies: on a CPU, where
+there are no CUDA graphs, every test of captured steps takes the path a GPU takes (copies in, clones out, one
+recording a shape and bucket).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from vpsd.models.timing import RECORDING
+
+
+def contiguous(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The call's tensors laid out as their graph copies are (dynamo guards on strides: an expanded position
+    tensor and its copy would be two traces)."""
+    return {name: v.contiguous() if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
+
+
+def cloned(out: Any) -> Any:
+    """A step's output with its tensors copied out of the graph's memory (a model output, tuple or tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return type(out)(cloned(v) for v in out)
+    if isinstance(out, dict):  # transformers' ModelOutput: an ordered dict of its set fields
+        return type(out)(**{name: cloned(v) for name, v in out.items()})
+    return out
+
+
+class RecordedStep:
+    """One step shape recorded: `__call__(inputs)` copies the call's tensors in, replays, returns clones."""
+
+    def __init__(self, trace: Callable[..., Any], inputs: dict[str, Any], device: torch.device,
+                 pool: Any = None, stream: Any = None) -> None:
+        for name, v in inputs.items():
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                raise ValueError(f"a recorded step takes tensors as arguments of their own, not in a list ({name})")
+        self.trace = trace
+        self.inputs = {name: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor) else v
+                       for name, v in inputs.items()}
+        self.tensors = [(name, v) for name, v in self.inputs.items() if isinstance(v, torch.Tensor)]
+        self.graph: Any = None
+        self.outputs: Any = None
+        if device.type == "cuda":
+            self.graph = torch.cuda.CUDAGraph()
+            with RECORDING, torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self.outputs = trace(**self.inputs)
+
+    def __call__(self, inputs: dict[str, Any]) -> Any:
+        for name, static in self.tensors:
+            static.copy_(inputs[name])
+        if self.graph is not None:
+            self.graph.replay()
+        else:  # "trace": the recorded ops run by the eager kernels over the same copies, into outputs of fixed
+            out = self.trace(**self.inputs)  # addresses as a graph's are (so a caller holding them would see it)
+            self.outputs = out if self.outputs is None else overwritten(self.outputs, out)
+        return cloned(self.outputs)
+
+
+def overwritten(held: Any, new: Any) -> Any:
+    """`held`'s tensors overwritten in place by `new`'s (what a replay does to a graph's outputs); `held`."""
+    if isinstance(held, torch.Tensor):
+        held.copy_(new)
+    elif isinstance(held, (tuple, dict)):
+        for a, b in zip(held.values() if isinstance(held, dict) else held,
+                        new.values() if isinstance(new, dict) else new):
+            overwritten(a, b)
+    return held
