@@ -20,8 +20,8 @@ meta device for every family):
 - the outputs are the graph's own memory, overwritten by the next replay: a replay returns clones, so a caller
   may keep a step's outputs past the next step;
 - a shape's first call runs the trace itself (the real step: the warm-up torch asks for before a capture), then
-  records it on a stream of the model's own, into one memory pool a model; recording runs nothing, so the cache
-  is untouched. One recording at a time in a process, and no device synchronisation while one runs
+  records it on a stream of the model's own, into one memory pool a model (`record`); recording runs nothing, so
+  the cache is untouched. One recording at a time in a process, and no device synchronisation while one runs
   (`timing.RECORDING`): the draft records on its own thread (`draft_on: thread`).
 - A recording that fails (an op CUDA refuses in a capture) leaves that shape to run the trace uncaptured, with a
   RuntimeWarning that says why (`CapturedLanguageModel.unrecorded`): a slow step, not a lost job.
@@ -33,6 +33,7 @@ recording a shape and bucket).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -72,9 +73,7 @@ class RecordedStep:
         self.graph: Any = None
         self.outputs: Any = None
         if device.type == "cuda":
-            self.graph = torch.cuda.CUDAGraph()
-            with RECORDING, torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self.outputs = trace(**self.inputs)
+            self.graph, self.outputs = record(trace, self.inputs, device, pool, stream)
 
     def __call__(self, inputs: dict[str, Any]) -> Any:
         for name, static in self.tensors:
@@ -85,6 +84,33 @@ class RecordedStep:
             out = self.trace(**self.inputs)  # addresses as a graph's are (so a caller holding them would see it)
             self.outputs = out if self.outputs is None else overwritten(self.outputs, out)
         return cloned(self.outputs)
+
+
+def record(trace: Callable[..., Any], inputs: dict[str, Any], device: torch.device, pool: Any,
+           stream: Any) -> tuple[Any, Any]:
+    """`trace(**inputs)` recorded as a CUDA graph on `stream` into `pool` (nothing runs); (graph, its outputs).
+
+    `torch.cuda.graph` does the same after synchronising the device and emptying the allocator's caches at every
+    recording (and in some releases a full `gc.collect()`: tens to hundreds of ms, with dozens of graphs a model,
+    a step width and bucket each); here the capture stream waits for the caller's stream instead, which is all
+    the recorded work reads, and the rank's other threads keep their cached memory.
+    "thread_local": the checks of what may not run during a capture apply to this thread alone, so the rank's
+    other threads (the draft's, the prefill's) go on."""
+    graph = torch.cuda.CUDAGraph()
+    caller = torch.cuda.current_stream(device)
+    with RECORDING:
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                outputs = trace(**inputs)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the capture is invalid already: its own error says less
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        caller.wait_stream(stream)
+    return graph, outputs
 
 
 def overwritten(held: Any, new: Any) -> Any:
