@@ -198,6 +198,9 @@ if [ "$dry" = 0 ]; then
   for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "=== ${f##*/}"; grep -v '^\[\|^  ' "$f" | tail -40; } ; done \
     > "$WORK/report.txt" 2>/dev/null
   find "$WORK" -name 'profile_*.summary.json' -printf '=== %P\n' -exec cat {} \; >> "$WORK/report.txt" 2>/dev/null
+  # A captured step that could not be recorded runs uncaptured (models/captured.py): each rank's trace says why.
+  { echo "=== steps not recorded as CUDA graphs (traces' step_unrecorded)"
+    grep -rh '"step_unrecorded"' "$WORK" --include='*.jsonl' | head -20; } >> "$WORK/report.txt" 2>/dev/null
   mkdir -p "$OUT/profiles"
   find "$WORK" -name 'profile_*.summary.json' -printf '%P\0' | while IFS= read -r -d '' p; do
     cp "$WORK/$p" "$OUT/profiles/$(echo "$p" | tr '/' '_')"; done

@@ -43,6 +43,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from vpsd.models.spec import CAPTURE_MODES
 from vpsd.models.step_graphs import RecordedStep, contiguous
 from vpsd.models.timing import settled_clock
+from vpsd.tracing import get_logger
 
 CUDA_GRAPH_MODES = ("cudagraphs", "reduce-overhead", "max-autotune")
 RECORDED_MODES = ("cudagraphs", "trace")  # dynamo's trace, recorded by vpsd (models/step_graphs.py)
@@ -191,12 +192,14 @@ class CapturedLanguageModel:
         """The step just run (its warm-up), recorded; None, with a warning, where CUDA refused it."""
         try:
             return RecordedStep(self.compiled, contiguous(inputs), self.device, self._pool, self._stream)
-        except RuntimeError as e:
+        except Exception as e:  # on a GPU any failure of the capture: the step still runs, uncaptured
             if self.device.type != "cuda":
                 raise
-            self.unrecorded[key] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.unrecorded[key] = why
+            get_logger().warning("step_unrecorded", shapes=repr(key), error=why)  # the rank's trace
             warnings.warn(f"captured steps: a step of shapes {key} could not be recorded as a CUDA graph and runs "
-                          f"uncaptured: {self.unrecorded[key]}", RuntimeWarning, stacklevel=3)
+                          f"uncaptured: {why}", RuntimeWarning, stacklevel=3)
             return None
 
 
