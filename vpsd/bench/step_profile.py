@@ -15,6 +15,7 @@ threads as they are: run it inside a job's rank to see theirs).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -81,21 +82,27 @@ def _profiled(adapter: VideoLMAdapter, state: DecodeState, ids: torch.Tensor, st
     return split.device_s / steps, split.launch_s / steps, split.host_wait_s / steps
 
 
-def generate_step(model: torch.nn.Module, inputs: dict, device: torch.device, n: int = 8) -> tuple[float, float, float]:
+def generate_step(model: torch.nn.Module, inputs: dict, device: torch.device, n: int = 8,
+                  repeats: int = 3) -> tuple[float, float, float]:
     """transformers generate()'s greedy decode step, eager, from runs n tokens apart: (aten ops, host reads, wall
-    ms) a token. The wall time is what vpsd's eager step is held to (within 10% on a GPU, issue 43)."""
+    ms) a token. The wall time is what vpsd's eager step is held to (within 10% on a GPU, issue 43): each length's
+    median of `repeats` runs, interleaved (both runs hold the prefill, whose noise a single pair of runs can make
+    larger than the n steps between them: a negative step on a CPU)."""
     kwargs = dict(inputs, do_sample=False)
-    counts, walls = [], []
+    counts, walls = [], {2: [], 2 + n: []}
     with torch.inference_mode():
         model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)
-        for new in (2, 2 + n):
-            t0 = settled_clock(device)
-            model.generate(**kwargs, max_new_tokens=new, min_new_tokens=new)
-            walls.append(settled_clock(device) - t0)
+        for _ in range(repeats):
+            for new in walls:
+                t0 = settled_clock(device)
+                model.generate(**kwargs, max_new_tokens=new, min_new_tokens=new)
+                walls[new].append(settled_clock(device) - t0)
+        for new in walls:
             with audit() as seen:
                 model.generate(**kwargs, max_new_tokens=new, min_new_tokens=new)
             counts.append((seen.num_ops, len(seen.host_reads)))
-    return ((counts[1][0] - counts[0][0]) / n, (counts[1][1] - counts[0][1]) / n, 1e3 * (walls[1] - walls[0]) / n)
+    wall = statistics.median(walls[2 + n]) - statistics.median(walls[2])
+    return (counts[1][0] - counts[0][0]) / n, (counts[1][1] - counts[0][1]) / n, 1e3 * wall / n
 
 
 def format_profiles(rows: list[StepProfile]) -> str:
