@@ -37,8 +37,9 @@
 #   8 items tiled 4x), and the trained world pair's one-GPU pipeline at B = 1 and 8 (world_pair).
 # Each step runs under its own time limit (their sum fits the call) and the next runs whatever it did. On the GPU
 # $OUT ends as three files (the device tool brings back 8): steps.txt (each step's exit status and seconds),
-# report.txt (every step's table, each profiled cell's split) and gpu_check.tgz (the logs, the tables' JSON, the
-# profiles); the dry run leaves them unpacked in $OUT.
+# report.txt (issue 52's goals judged first, vpsd/reports/gpu_goals.py; then every step's table and each profiled
+# cell's split) and gpu_check.tgz (the logs, the tables' JSON, the profiles); the dry run leaves them unpacked in
+# $OUT, with goals.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0; run=1; only=; pack=0
@@ -192,19 +193,24 @@ if [ "$run" = 2 ] || [ "$run" = all ]; then
 fi
 echo "== steps"; cat "$OUT/steps.txt"
 ok=0; grep -qv ' rc=0 \|^mps:' "$OUT/steps.txt" && ok=1
+mkdir -p "$OUT/profiles"  # each profiled cell's split, named by its path (b1_captured_hippo_b1_r1_traces_...)
+find "$WORK" -name 'profile_*.summary.json' -printf '%P\0' | while IFS= read -r -d '' p; do
+  cp "$WORK/$p" "$OUT/profiles/$(echo "$p" | tr '/' '_')"; done
+# Issue 52's goals judged from this run, the term that holds each one missed (vpsd/reports/gpu_goals.py).
+python -m vpsd.reports.gpu_goals "$OUT" > "$WORK/goals.txt" 2>&1; cat "$WORK/goals.txt"
 if [ "$dry" = 0 ]; then
-  # The device tool brings back 8 files of $OUT: steps.txt, report.txt (every table, and each profiled cell's
-  # split), and everything else in gpu_check.tgz (logs, the tables' JSON, the cells' profile summaries).
+  # The device tool brings back 8 files of $OUT: steps.txt, report.txt (the goals, every table, and each profiled
+  # cell's split), and everything else in gpu_check.tgz (logs, the tables' JSON, the cells' profile summaries).
+  cp "$WORK/goals.txt" "$WORK/report.txt"
   for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "=== ${f##*/}"; grep -v '^\[\|^  ' "$f" | tail -40; } ; done \
-    > "$WORK/report.txt" 2>/dev/null
+    >> "$WORK/report.txt" 2>/dev/null
   find "$WORK" -name 'profile_*.summary.json' -printf '=== %P\n' -exec cat {} \; >> "$WORK/report.txt" 2>/dev/null
   # A captured step that could not be recorded runs uncaptured (models/captured.py): each rank's trace says why.
   { echo "=== steps not recorded as CUDA graphs (traces' step_unrecorded)"
     grep -rh '"step_unrecorded"' "$WORK" --include='*.jsonl' | head -20; } >> "$WORK/report.txt" 2>/dev/null
-  mkdir -p "$OUT/profiles"
-  find "$WORK" -name 'profile_*.summary.json' -printf '%P\0' | while IFS= read -r -d '' p; do
-    cp "$WORK/$p" "$OUT/profiles/$(echo "$p" | tr '/' '_')"; done
   tar -C "$OUT" -czf "$WORK/gpu_check.tgz" --exclude ./steps.txt . && find "$OUT" -mindepth 1 ! -name steps.txt -delete
   mv "$WORK/gpu_check.tgz" "$WORK/report.txt" "$OUT/"
+else
+  mv "$WORK/goals.txt" "$OUT/"
 fi
 exit "$ok"

@@ -26,5 +26,10 @@ def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path, run):
     expected = [["env", "rc=0"], ["cuda_tests", "rc=0"], ["profile", "rc=0"], ["step_cost", "rc=0"]]
     assert [s.split()[:2] for s in steps if s] == expected + ([["b8", "rc=0"]] if run == "all" else [])
     # The benches checked every output against batch-1 `ar`'s and wrote their tables where the tool fetches them.
-    wrote = {"env.log", "profile.json", "step_cost.json"} | ({"b8.json"} if run == "all" else set())
+    wrote = {"env.log", "profile.json", "step_cost.json", "goals.txt"} | ({"b8.json"} if run == "all" else set())
     assert {p.name for p in (tmp_path / "out").iterdir()} >= wrote
+    # Issue 52's goals judged from those files (vpsd/reports/gpu_goals.py): here the CPU's c, the benches not run.
+    goals = (tmp_path / "out" / "goals.txt").read_text()
+    assert "c = T_p / T_q, captured" in goals and "not run" in goals and "Traceback" not in goals
+    c_line = next(line for line in goals.splitlines() if line.startswith("c = T_p"))
+    assert c_line.split("captured", 1)[1].split()[0] != "-", c_line  # measured
