@@ -26,7 +26,7 @@ from vpsd.launch.job_identity import differences, identity
 from vpsd.models.batch import BatchedCache
 from vpsd.models.captured import FixedCache
 from vpsd.models.hf_compat import cache_kwargs
-from vpsd.models.step_graphs import RecordedStep
+from vpsd.models.step_graphs import RecordedStep, as_traced
 from vpsd.models.kv_cache import GrowingCache
 from vpsd.models.registry import load_adapter
 from vpsd.models.spec import ModelSpec
@@ -66,14 +66,16 @@ def test_a_captured_row_scores_as_eager_through_rollbacks_joins_leaves(family):
         for key, ids in tokens.items():
             worst = max(worst, worst_diff(eager.step(single[key], torch.tensor(ids)), got[key]))
 
-    for ids in ([5], [6, 7, 8, 9], [10], [1, 2, 3, 4], [11]):  # decode steps and verifies of one width
+    for ids in ([5], [6, 7, 8, 9], [10], [1, 2, 3, 4], [11], [2, 3], [4, 5, 6]):  # decode steps and verifies
         feed({0: ids})
         if len(ids) > 1:  # a verify rejected its last two: rolled back in place
             batch.rollback(0, batch.length(0) - 2)
             eager.rollback(single[0], single[0].length - 2)
     assert isinstance(batch.cache, FixedCache)
-    # one graph a step width (1 and 4), whatever the length and the rollbacks
+    # two traces, whatever the length and the rollbacks: a decode step's, and one for every verify width (its
+    # width dynamic: models/step_graphs.py `as_traced`); a step recorded for each width (1, 4, 2, 3)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert len(target.captured._graphs) == 4
     batch.join(1, target.prefill(embs[1]).state)  # a second item: both rows eager in a growing cache
     assert isinstance(batch.cache, GrowingCache) and target.fixed_cache._holder is None
     feed({0: [3], 1: [4, 5]})
@@ -268,13 +270,14 @@ def test_a_captured_step_traces_to_what_a_cuda_graph_records(family):
                 return gm(*args)
         return run
 
-    traced = torch.compile(lm, backend=backend, dynamic=False)
+    traced = torch.compile(lm, backend=backend, dynamic=False)  # as models/captured.py compiles it
     rows = adapter.position_rows
     with torch.inference_mode():
-        for k in (1, 4, 1):
+        for k in (1, 4, 1, 3):
             pos = torch.zeros(1, 1, k, dtype=torch.long, device="meta")
-            out = traced(input_ids=torch.zeros(1, k, dtype=torch.long, device="meta"), use_cache=True,
-                         position_ids=pos.expand(rows, 1, k).contiguous() if rows > 1 else pos[0],
-                         **cache_kwargs(lm, cache))
+            inputs = {"input_ids": torch.zeros(1, k, dtype=torch.long, device="meta"), "use_cache": True,
+                      "position_ids": pos.expand(rows, 1, k) if rows > 1 else pos[0], **cache_kwargs(lm, cache)}
+            out = traced(**as_traced(inputs))
             assert out.last_hidden_state.shape[1] == k
-    assert len(graphs) == 2 and watched.seen == []  # one graph a width, no break; nothing read or on the CPU
+    # two graphs (a decode step; every verify width, dynamic), no break; nothing read or on the CPU
+    assert len(graphs) == 2 and watched.seen == []

@@ -41,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from vpsd.models.spec import CAPTURE_MODES
-from vpsd.models.step_graphs import RecordedStep, contiguous
+from vpsd.models.step_graphs import RecordedStep, as_traced
 from vpsd.models.timing import settled_clock
 from vpsd.tracing import get_logger
 
@@ -163,6 +163,8 @@ class CapturedLanguageModel:
         self.device = torch.device(device)
         self.recorded = mode in RECORDED_MODES  # vpsd's own graphs of the trace (models/step_graphs.py)
         if self.recorded:  # not torch's cudagraphs backend: it copies every weight a replay (step_graphs.py)
+            # Static shapes (no automatic dynamic: a second model of the class, or another epsilon, would turn its
+            # sizes and floats into inputs), but for the widths `as_traced` marks: one trace for every verify width.
             self.compiled = torch.compile(language_model, backend="eager", dynamic=False)
         else:
             self.compiled = torch.compile(language_model, mode=mode, dynamic=False)
@@ -180,10 +182,10 @@ class CapturedLanguageModel:
                     for name, v in sorted(inputs.items()))
         if key in self._graphs:
             step = self._graphs[key]
-            return step(inputs) if step is not None else self.compiled(**contiguous(inputs) if self.recorded
+            return step(inputs) if step is not None else self.compiled(**as_traced(inputs) if self.recorded
                                                                        else inputs)
         t0 = settled_clock(self.device)  # a new graph: timed whole, once (the only synchronisation it adds)
-        out = self.compiled(**contiguous(inputs)) if self.recorded else self.compiled(**inputs)
+        out = self.compiled(**as_traced(inputs)) if self.recorded else self.compiled(**inputs)
         self._graphs[key] = self._record(key, inputs) if self.recorded else None
         self.capture_s += settled_clock(self.device) - t0
         return out
@@ -191,7 +193,7 @@ class CapturedLanguageModel:
     def _record(self, key: tuple, inputs: dict[str, Any]) -> RecordedStep | None:
         """The step just run (its warm-up), recorded; None, with a warning, where CUDA refused it."""
         try:
-            return RecordedStep(self.compiled, contiguous(inputs), self.device, self._pool, self._stream)
+            return RecordedStep(self.compiled, inputs, self.device, self._pool, self._stream)
         except Exception as e:  # on a GPU any failure of the capture: the step still runs, uncaptured
             if self.device.type != "cuda":
                 raise

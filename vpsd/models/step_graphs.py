@@ -37,14 +37,30 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+import torch._dynamo
 
 from vpsd.models.timing import RECORDING
 
 
-def contiguous(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The call's tensors laid out as their graph copies are (dynamo guards on strides: an expanded position
-    tensor and its copy would be two traces)."""
-    return {name: v.contiguous() if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
+# Where a step's width k (the tokens it feeds) sits in each argument vpsd's steps pass (models/base.py, batch.py).
+WIDTH_DIMS = {"input_ids": -1, "inputs_embeds": 1, "position_ids": -1, "attention_mask": -2}
+
+
+def as_traced(inputs: dict[str, Any], copy: bool = False) -> dict[str, Any]:
+    """The call's tensors as the trace takes them: contiguous (dynamo guards on strides: an expanded position
+    tensor and its copy would be two traces; `copy`: always a copy, a recorded step's own), and, for a width
+    above 1, that width marked dynamic, so that one trace serves every verify width (a graph is still recorded
+    for each: recording is a forward, tracing a 28-layer model takes seconds, and `gamma: auto` verifies at up
+    to 16 widths). Width 1 stays a trace of its own (dynamo specialises a size of 1)."""
+    out = {name: (v.clone(memory_format=torch.contiguous_format) if copy else v.contiguous())
+           if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
+    ids = out.get("input_ids", out.get("inputs_embeds"))
+    width = ids.shape[-1 if "input_ids" in out else 1] if isinstance(ids, torch.Tensor) else 1
+    if width > 1:
+        for name, dim in WIDTH_DIMS.items():
+            if isinstance(out.get(name), torch.Tensor):
+                torch._dynamo.mark_dynamic(out[name], dim % out[name].dim())
+    return out
 
 
 def cloned(out: Any) -> Any:
@@ -67,8 +83,7 @@ class RecordedStep:
             if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
                 raise ValueError(f"a recorded step takes tensors as arguments of their own, not in a list ({name})")
         self.trace = trace
-        self.inputs = {name: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor) else v
-                       for name, v in inputs.items()}
+        self.inputs = as_traced(inputs, copy=True)
         self.tensors = [(name, v) for name, v in self.inputs.items() if isinstance(v, torch.Tensor)]
         self.graph: Any = None
         self.outputs: Any = None
