@@ -136,6 +136,24 @@ def test_throughput_accounting_by_hand():
     assert "hippo B=8: 1 of 3 runs (slowest 1000 ms, P 250 ms)" in format_table([row], {8: 0.1})
 
 
+def test_captured_steps_one_time_cost_is_out_of_the_rates_and_shown(tmp_path):
+    """A cell's captured-step cost (summary.json's run.capture_s: graphs traced and recorded in its first items)
+    comes out of its loop and decode times, and the table names it: 2 items of 11 tokens, 20 s of loop, 9 s of
+    decode of which 6 s were captures -> 3600 * 2 / 14 items/hour and 20 / 3 decode tokens/s."""
+    import json
+
+    from vpsd.bench.throughput import format_table, read_cell, summarize_cells
+
+    rows = [{"id": i, "token_ids": list(range(11)), "stats": {"decode_s": 4.5, "prefill_s": 0.5, "wall_s": 5.0}}
+            for i in ("a", "b")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"run": {"loop_s": 20.0, "capture_s": 6.0}}))
+    cell = read_cell(tmp_path)
+    assert cell.items_per_hour == pytest.approx(3600 * 2 / 14) and cell.decode_tokens_per_s == pytest.approx(20 / 3)
+    row = summarize_cells("ar", 1, [cell], [cell], [cell], cell.outputs, cores=2)
+    assert row.capture_s == 6.0 and "left out of items/h and dec tok/s: ar B=1: 6.0 s" in format_table([row], {1: 0.0})
+
+
 def test_report_only_reads_the_runs_the_bench_scheduled(tmp_path, capsys):
     """`vpsd bench --report-only --out DIR` rebuilds the table from the cells DIR/schedule.json lists, whatever
     else is in DIR and whatever flags it is given; without a schedule it refuses instead of guessing."""

@@ -16,6 +16,8 @@ Per cell:
 - decode tokens/s: tokens after each item's first (which its prefill gives) over the decode time: the batch's
   rounds (the next items' vision + prefill run beside them, engine/prefill_ahead.py), or at batch 1 the items'
   decode phases (after each one's prefill);
+- both less the one-time cost of captured steps in the target's process (`run.capture_s`: each graph traced
+  and recorded once, in the first items), which a line under the table gives cell by cell;
 - per-item latency p50 / p95: an item's vision + prefill + time in flight;
 - x ar(B): items/hour over batched `ar` at the same B; x ar(1): over batch-1 `ar` (items/hour) and, for decode
   tokens/s, the same two ratios;
@@ -72,6 +74,7 @@ class Cell:
     outputs: dict[str, list[int]]
     prefill_s: float  # mean per item: vision + prefill
     slowest_prefill_s: float = 0.0  # the slowest item's: far above the mean, a stall (STALL_FACTOR)
+    capture_s: float = 0.0  # captured steps' one-time cost in the target's process, out of both rates
 
 
 def variant_args(method: str) -> list[str]:
@@ -82,11 +85,15 @@ def variant_args(method: str) -> list[str]:
 def read_cell(path: Path) -> Cell:
     rows = [r for r in read_rows(path) if r.get("error") is None]
     run = json.loads((path / "summary.json").read_text())["run"] if (path / "summary.json").exists() else {}
-    loop = float(run.get("loop_s") or 0.0)
+    # Captured steps' one-time cost (each graph traced and recorded once a process, during its first items'
+    # steps: models/captured.py) is left out of both rates and shown as its own column: a job of 8 items would
+    # otherwise be timing its graphs (seconds a trace of a 28-layer model), not its steps.
+    capture = float(run.get("capture_s") or 0.0)
+    loop = max(float(run.get("loop_s") or 0.0) - capture, 0.0)
     # Decode time: the batch's rounds (prefills run beside them, on a thread of their own), or at batch 1 the
-    # items' decode phases, one after the other.
+    # items' decode phases, one after the other; the captures ran inside it.
     batching = run.get("batching") or {}
-    decode = batching.get("decode_s") or sum(r["stats"].get("decode_s", 0.0) for r in rows)
+    decode = max((batching.get("decode_s") or sum(r["stats"].get("decode_s", 0.0) for r in rows)) - capture, 0.0)
     decoded = sum(max(len(r["token_ids"]) - 1, 0) for r in rows)
     lat = sorted(r["stats"].get("wall_s", 0.0) for r in rows)
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] if lat else 0.0  # noqa: E731
@@ -94,7 +101,7 @@ def read_cell(path: Path) -> Cell:
                 decoded / decode if decode else 0.0, q(0.5), q(0.95), run.get("peak_rss_mib"),
                 run.get("batching"), {r["id"]: r["token_ids"] for r in rows},
                 statistics.mean(r["stats"].get("prefill_s", 0.0) for r in rows) if rows else 0.0,
-                max((r["stats"].get("prefill_s", 0.0) for r in rows), default=0.0))
+                max((r["stats"].get("prefill_s", 0.0) for r in rows), default=0.0), capture)
 
 
 @dataclass
@@ -123,6 +130,7 @@ class Row:
     stalled_runs: int = 0  # repeats where one item's prefill took over STALL_FACTOR x the row's P
     slowest_prefill_ms: float = 0.0
     ties: int = 0  # outputs that differ from batch-1 `ar`'s at a tie of the target's (judge_differences)
+    capture_s: float = 0.0  # median over the repeats of the cells' one-time captured-step cost (out of the rates)
 
     @property
     def same(self) -> str:
@@ -198,7 +206,7 @@ def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell]
                cores * 3600 / prefill if prefill else 0.0,
                (max(per_hour) - min(per_hour)) / iph if iph and len(cells) > 1 else 0.0,
                sum(c.slowest_prefill_s > STALL_FACTOR * prefill for c in cells) if prefill else 0,
-               1e3 * max(c.slowest_prefill_s for c in cells))
+               1e3 * max(c.slowest_prefill_s for c in cells), capture_s=med(cells, lambda c: c.capture_s))
 
 
 def judge_differences(a: argparse.Namespace, manifest: Path, rows: list[Row], ar_dir: Path,
@@ -255,6 +263,10 @@ def format_table(rows: list[Row], noise: dict[int, float], notes: list[str] = ()
                f"P {r.prefill_ms:.0f} ms)" for r in rows if r.stalled_runs]
     lines.append(f"slow prefills (an item's vision + prefill over {STALL_FACTOR:.0f}x its row's P: a stall or a cold start): "
                  + ("; ".join(stalled) if stalled else "none"))
+    captured = [f"{r.method} B={r.batch}: {r.capture_s:.1f} s" for r in rows if r.capture_s]
+    if captured:
+        lines.append("captured steps' one-time cost (tracing and recording each graph, in a job's first items), "
+                     "left out of items/h and dec tok/s: " + "; ".join(captured))
     caps = [r.cap_items_per_hour for r in rows if r.cap_items_per_hour]
     if caps:
         lines.append(f"cap: items/hour with decoding free, every core prefilling (cores x 3600 / P): "
