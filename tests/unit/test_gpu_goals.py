@@ -58,6 +58,8 @@ def test_each_goal_is_read_from_its_file_and_a_miss_names_its_term(tmp_path):
 
 def test_a_step_held_by_its_kernels_says_so_and_the_table_prints(tmp_path, capsys):
     _write(tmp_path, "b1_captured.json", {"rows": [_row("ar", 1, 1000, 1.0, tokens_per_s=180.0)]})
+    # A bench cut at its limit lists its unfinished cells at 0 items (gpu_check.sh's --report-only): not run.
+    _write(tmp_path, "b8.json", {"rows": [dict(_row("hippo", 8, 0.0, 0.0, identical=0), items=0)]})
     _profile(tmp_path, "b1_captured_ar_b1", wall=5.6, device=5.2, launch=0.1, host_wait=0.1, other=0.2)
     ar = judge(tmp_path)[0]
     assert ar.met is False and "the kernels themselves (5.20 ms a round)" in ar.why
