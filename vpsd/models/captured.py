@@ -14,8 +14,9 @@ every item it decodes:
 
     adopt    a batch-1 prefill's cache is copied into the smallest bucket that holds it (once an item; the
              prefill itself, of any length, stays eager; a row that outgrows its bucket moves up one)
-    step     k tokens through the compiled language model: one graph a distinct k (a decode step, each verify
-             width and bucket), none recompiled as the cache fills or rolls back (its length is a tensor)
+    step     k tokens through the captured language model: a recorded graph a distinct k and bucket, from two
+             traces a bucket (a decode step's, and one for every verify width: models/step_graphs.py), none
+             traced again as the cache fills or rolls back (its length is a tensor)
     crop     a rollback moves the length back in place (the graph reads it from its fixed address)
     release  the entries copied back into a growing cache when a second item joins the batch (a batch of
              several rows steps eagerly, models/batch.py) or the sequence outgrows the largest bucket
