@@ -148,10 +148,16 @@ def test_captured_steps_one_time_cost_is_out_of_the_rates_and_shown(tmp_path):
             for i in ("a", "b")]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "summary.json").write_text(json.dumps({"run": {"loop_s": 20.0, "capture_s": 6.0}}))
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "rank1_draft.jsonl").write_text(  # the draft role's own (roles/draft.py): listed only
+        '{"event": "span", "role": "draft", "name": "recv_wait"}\n'
+        '{"event": "captured_steps", "role": "draft", "capture_s": 2.5, "graphs": 3, "unrecorded": 0}\n')
     cell = read_cell(tmp_path)
     assert cell.items_per_hour == pytest.approx(3600 * 2 / 14) and cell.decode_tokens_per_s == pytest.approx(20 / 3)
-    row = summarize_cells("ar", 1, [cell], [cell], [cell], cell.outputs, cores=2)
-    assert row.capture_s == 6.0 and "left out of items/h and dec tok/s: ar B=1: 6.0 s" in format_table([row], {1: 0.0})
+    assert cell.draft_capture_s == 2.5
+    row = summarize_cells("hippo", 1, [cell], [cell], [cell], cell.outputs, cores=2)
+    table = format_table([row], {1: 0.0})
+    assert row.capture_s == 6.0 and "left out of items/h and dec tok/s: hippo B=1: 6.0 s (its draft's own 2.5 s" in table
 
 
 def test_report_only_reads_the_runs_the_bench_scheduled(tmp_path, capsys):

@@ -75,6 +75,7 @@ class Cell:
     prefill_s: float  # mean per item: vision + prefill
     slowest_prefill_s: float = 0.0  # the slowest item's: far above the mean, a stall (STALL_FACTOR)
     capture_s: float = 0.0  # captured steps' one-time cost in the target's process, out of both rates
+    draft_capture_s: float = 0.0  # the draft role's own (its rank's or thread's), listed, not left out
 
 
 def variant_args(method: str) -> list[str]:
@@ -89,6 +90,7 @@ def read_cell(path: Path) -> Cell:
     # steps: models/captured.py) is left out of both rates and shown as its own column: a job of 8 items would
     # otherwise be timing its graphs (seconds a trace of a 28-layer model), not its steps.
     capture = float(run.get("capture_s") or 0.0)
+    draft_capture = draft_capture_s(path)
     loop = max(float(run.get("loop_s") or 0.0) - capture, 0.0)
     # Decode time: the batch's rounds (prefills run beside them, on a thread of their own), or at batch 1 the
     # items' decode phases, one after the other; the captures ran inside it.
@@ -101,7 +103,19 @@ def read_cell(path: Path) -> Cell:
                 decoded / decode if decode else 0.0, q(0.5), q(0.95), run.get("peak_rss_mib"),
                 run.get("batching"), {r["id"]: r["token_ids"] for r in rows},
                 statistics.mean(r["stats"].get("prefill_s", 0.0) for r in rows) if rows else 0.0,
-                max((r["stats"].get("prefill_s", 0.0) for r in rows), default=0.0), capture)
+                max((r["stats"].get("prefill_s", 0.0) for r in rows), default=0.0), capture, draft_capture)
+
+
+def draft_capture_s(run_dir: Path) -> float:
+    """The draft role's own captured-step cost, from its trace's `captured_steps` (roles/draft.py): not left out
+    of a cell's rates, since the target waited through it only in part (while tracing its own, it did not)."""
+    total = 0.0
+    for trace in (run_dir / "traces").glob("*.jsonl") if (run_dir / "traces").is_dir() else ():
+        for line in trace.read_text().splitlines():
+            if '"captured_steps"' in line:
+                event = json.loads(line)
+                total += float(event.get("capture_s") or 0.0) if event.get("role") == "draft" else 0.0
+    return total
 
 
 @dataclass
@@ -131,6 +145,7 @@ class Row:
     slowest_prefill_ms: float = 0.0
     ties: int = 0  # outputs that differ from batch-1 `ar`'s at a tie of the target's (judge_differences)
     capture_s: float = 0.0  # median over the repeats of the cells' one-time captured-step cost (out of the rates)
+    draft_capture_s: float = 0.0  # the same for the draft role's own, listed under the table only
 
     @property
     def same(self) -> str:
@@ -206,7 +221,8 @@ def summarize_cells(method: str, batch: int, cells: list[Cell], ar_b: list[Cell]
                cores * 3600 / prefill if prefill else 0.0,
                (max(per_hour) - min(per_hour)) / iph if iph and len(cells) > 1 else 0.0,
                sum(c.slowest_prefill_s > STALL_FACTOR * prefill for c in cells) if prefill else 0,
-               1e3 * max(c.slowest_prefill_s for c in cells), capture_s=med(cells, lambda c: c.capture_s))
+               1e3 * max(c.slowest_prefill_s for c in cells), capture_s=med(cells, lambda c: c.capture_s),
+               draft_capture_s=med(cells, lambda c: c.draft_capture_s))
 
 
 def judge_differences(a: argparse.Namespace, manifest: Path, rows: list[Row], ar_dir: Path,
@@ -263,7 +279,9 @@ def format_table(rows: list[Row], noise: dict[int, float], notes: list[str] = ()
                f"P {r.prefill_ms:.0f} ms)" for r in rows if r.stalled_runs]
     lines.append(f"slow prefills (an item's vision + prefill over {STALL_FACTOR:.0f}x its row's P: a stall or a cold start): "
                  + ("; ".join(stalled) if stalled else "none"))
-    captured = [f"{r.method} B={r.batch}: {r.capture_s:.1f} s" for r in rows if r.capture_s]
+    captured = [f"{r.method} B={r.batch}: {r.capture_s:.1f} s"
+                + (f" (its draft's own {r.draft_capture_s:.1f} s, left in: the target waited through it in part)"
+                   if r.draft_capture_s else "") for r in rows if r.capture_s or r.draft_capture_s]
     if captured:
         lines.append("captured steps' one-time cost (tracing and recording each graph, in a job's first items), "
                      "left out of items/h and dec tok/s: " + "; ".join(captured))

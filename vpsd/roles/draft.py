@@ -274,6 +274,9 @@ def draft_role(link: Link, draft: VideoLMAdapter, cfg: RunConfig, drafts_from: s
     finally:
         if own:
             videos.close()
+        if draft.captured is not None:  # its one-time cost, which the target waited through in part (bench)
+            log.info("captured_steps", capture_s=round(draft.captured.capture_s, 3),
+                     graphs=len(draft.captured._graphs), unrecorded=len(draft.captured.unrecorded))
 
 
 def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
