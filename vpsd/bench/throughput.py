@@ -111,10 +111,9 @@ def draft_capture_s(run_dir: Path) -> float:
     of a cell's rates, since the target waited through it only in part (while tracing its own, it did not)."""
     total = 0.0
     for trace in (run_dir / "traces").glob("*.jsonl") if (run_dir / "traces").is_dir() else ():
-        for line in trace.read_text().splitlines():
-            if '"captured_steps"' in line:
-                event = json.loads(line)
-                total += float(event.get("capture_s") or 0.0) if event.get("role") == "draft" else 0.0
+        with trace.open() as lines:  # a rank's trace holds every span: read line by line, not whole
+            events = (json.loads(line) for line in lines if '"captured_steps"' in line)
+            total += sum(float(e.get("capture_s") or 0.0) for e in events if e.get("role") == "draft")
     return total
 
 

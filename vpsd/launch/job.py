@@ -64,8 +64,6 @@ def error_of(e: Exception | str) -> ItemError:
     return ItemError(type(e).__name__, str(e), e.kind if isinstance(e, VideoError) else None)
 
 
-
-
 class CoordinatorLink:
     """A pipeline target's side of the job's coordinator (launch/coordinator.py), or of a served pipeline's
     (launch/served.py, `served`), over the control plane."""
@@ -161,15 +159,19 @@ class ItemEvents:
         if fresh:
             self.sink.progress(fresh)
 
-    def finished(self, item: ManifestItem, request: Request) -> None:
-        self.sent.pop(item.id, None)
-        self.cancelled.discard(item.id)
-        self.left.append(item.id)
+    def _left_engine(self, item_id: str) -> None:
+        """What this process held for an item, dropped as it leaves the engine (finished or failed)."""
+        self.sent.pop(item_id, None)
+        self.cancelled.discard(item_id)
+        self.left.append(item_id)
         if self.frames is not None:
-            self.frames.drop(item.id)
+            self.frames.drop(item_id)
+
+    def finished(self, item: ManifestItem, request: Request) -> None:
         if request.error is not None:
             self.failed(item, request.error)
             return
+        self._left_engine(item.id)
         loaded = self.loaded.pop(item.id)
         res = request.result()
         if res.kept is not None and self.ctx.out is not None:  # chosen here; a pruner rank logs its own
@@ -183,11 +185,7 @@ class ItemEvents:
         self.record(self.row(item, out.tokens, stats, out.text))
 
     def failed(self, item: ManifestItem, error: Exception | str) -> None:
-        self.sent.pop(item.id, None)
-        self.cancelled.discard(item.id)
-        self.left.append(item.id)
-        if self.frames is not None:
-            self.frames.drop(item.id)
+        self._left_engine(item.id)
         self.failures += 1
         loaded = self.loaded.pop(item.id, None)
         get_logger().error("item_failed", item=item.id, error=str(error))

@@ -48,9 +48,9 @@ from vpsd.tracing import get_logger
 
 CUDA_GRAPH_MODES = ("cudagraphs", "reduce-overhead", "max-autotune")
 RECORDED_MODES = ("cudagraphs", "trace")  # dynamo's trace, recorded by vpsd (models/step_graphs.py)
-# One graph a distinct step width (1, a decode step; each verify width up to gamma_max + 1) and cache bucket, for
-# a target and its draft in one process; torch's default limit (8 a code object) would send the rest back to
-# eager without a word.
+# A trace a cache bucket and step width under inductor's modes (the recorded ones trace two a bucket: a decode
+# step, every verify width), for a target and its draft in one process; torch's default limit (8 a code object)
+# would send the rest back to eager without a word.
 RECOMPILE_LIMIT = 512
 
 

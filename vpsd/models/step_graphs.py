@@ -54,8 +54,8 @@ def as_traced(inputs: dict[str, Any], copy: bool = False) -> dict[str, Any]:
     to 16 widths). Width 1 stays a trace of its own (dynamo specialises a size of 1)."""
     out = {name: (v.clone(memory_format=torch.contiguous_format) if copy else v.contiguous())
            if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
-    ids = out.get("input_ids", out.get("inputs_embeds"))
-    width = ids.shape[-1 if "input_ids" in out else 1] if isinstance(ids, torch.Tensor) else 1
+    width = next((out[name].shape[WIDTH_DIMS[name]] for name in ("input_ids", "inputs_embeds")
+                  if isinstance(out.get(name), torch.Tensor)), 1)
     if width > 1:
         for name, dim in WIDTH_DIMS.items():
             if isinstance(out.get(name), torch.Tensor):
