@@ -63,7 +63,13 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_a_checkpoint_loads_in_place_exactly_as_from_pretrained(tmp_path, fam):
-    _tiny(fam).save_pretrained(tmp_path, max_shard_size="40KB")
+    model = _tiny(fam)
+    # As a checkpoint trained in float32 records it (the long world pair's config.json): every sub-config says
+    # float32, and a bf16 load must still build every layer in bf16, as from_pretrained(dtype=...) does.
+    model.config.dtype = torch.float32
+    for key in model.config.sub_configs:
+        getattr(model.config, key).dtype = torch.float32
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
     for dtype in ("float32", "bfloat16"):
         ref = family(fam).model_class.from_pretrained(tmp_path, dtype=DTYPES[dtype])
         got = load_model(family(fam).model_class, fam, tmp_path, DTYPES[dtype], "cpu")

@@ -108,6 +108,14 @@ def empty_model(dtype: torch.dtype) -> Iterator[None]:
 def build_empty(model_class: Any, path: Path, dtype: torch.dtype) -> Any:
     """The checkpoint's model, parameters on meta, buffers real (empty_model), attention as from_pretrained's."""
     config = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
+    # transformers builds each sub-model (language model, vision tower) in its own sub-config's `dtype`; a
+    # checkpoint trained in float32 records float32 there, which would build float32 layers under a bf16 lm_head
+    # (the long pair's bf16 jobs died at lm_head so). from_pretrained(dtype=...) overrides every sub-config's;
+    # so does this.
+    config.dtype = dtype
+    for key in config.sub_configs:
+        if (sub_config := getattr(config, key, None)) is not None:
+            sub_config.dtype = dtype
     with empty_model(dtype):
         model = model_class(config)
     if (Path(path) / "generation_config.json").is_file():
