@@ -125,9 +125,15 @@ class PrefillAhead(Generic[T]):
         self.lent = (mine, threads)  # asked once, lent or not
         cores = mine | set(self.cpus)
         more = threads + len(cores) - len(mine)
-        if more == threads or not bitwise_across_threads(more):
+        if more == threads:
+            return None
+        # Widened before the probe: its forwards on `more` threads start this thread's intra-op (OpenMP) threads,
+        # the ones its own forwards run on from then on, and each keeps the affinity this thread has as it starts.
+        # Probed on this thread's one core, the lent thread shared that core with it (batched jobs 12-27% slower).
+        os.sched_setaffinity(0, cores)  # this thread only
+        if not bitwise_across_threads(more):
+            os.sched_setaffinity(0, mine)
             return None  # outputs would move by float noise: not worth a tail's speed
-        os.sched_setaffinity(0, cores)  # this thread; the intra-op threads it starts now inherit it
         torch.set_num_threads(more)
         return torch.get_num_threads()
 

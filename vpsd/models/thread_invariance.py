@@ -6,7 +6,9 @@ as on one. Whether it does is the CPU's kernels' choice, not vpsd's: on the AMD 
 prefill and a cached verify of a real language model were bitwise equal on two threads and on one; on an Intel
 Xeon the cached verify's attention differed by 5e-7 (2026-11-28). So it is measured, once a process, on a small
 real model (the kernels a real model's forwards run, at the shapes that make them split their work) before any
-core is lent.
+core is lent. It runs on the calling thread, so the intra-op (OpenMP) threads it starts are that thread's, kept for
+its later forwards with the affinity the thread had when they started: widen it to the cores its forwards may use
+before asking (on the thread's one core, they would all share that core).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def probe_model() -> torch.nn.Module:
 @functools.cache
 def bitwise_across_threads(threads: int) -> bool:
     """Whether the probe model's prefill and cached verify give the same bits on `threads` intra-op threads as on
-    one, on this machine (measured once a process)."""
+    one, on this machine (measured once a process, on the calling thread: it starts that thread's intra-op threads,
+    with its affinity now)."""
     model = probe_model()
     one, many = _forwards(model, 1), _forwards(model, threads)
     return all(torch.equal(a, b) for a, b in zip(one, many))
