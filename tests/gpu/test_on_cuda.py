@@ -172,7 +172,13 @@ def test_recorded_steps_copy_the_ids_and_positions_not_the_weights(dtype):
     assert len(graphs) == 2 and target.captured.unrecorded == {}
     assert all(sorted(name for name, _ in g.tensors) == ["input_ids", "position_ids"] for g in graphs)
     if DEVICE == "cuda":
-        assert torch.cuda.memory_allocated() - before < weights / 4
+        # The recordings run on the model's own stream, and a stream's first cuBLAS call allocates its workspace
+        # through torch's allocator: 32 MiB on Hopper (torch's default ":4096:8"), once, whatever the model. The
+        # first H200 run of this test read 34.6 MB for a tiny model of 0.7 MB of weights: that workspace and the
+        # activations, not a copy of the weights (which the graphs' inputs above already rule out). So the bound
+        # is a quarter of the weights beyond that one workspace (and cuBLASLt's, as large at most).
+        workspace = 2 * 32 * 2**20
+        assert torch.cuda.memory_allocated() - before < weights / 4 + workspace
     assert worst < (1e-4 if dtype == "float32" else 0.25), worst
 
 
