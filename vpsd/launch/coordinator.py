@@ -5,7 +5,8 @@ identity of its own (rank `world`, launch/layout.py). Per run:
 - resume: results.jsonl is repaired and read (launch/results.py); ids done for this method are skipped, failed
   ones too unless --retry-failed; the manifest's bad lines become error rows `line:N`, once;
 - dispatch: a pipeline's target asks for its next item when it has room or reads ahead (`WorkRequest`) and is
-  granted the next one in manifest order (`WorkGrant`). Items go out one at a time as pipelines free up, never
+  granted the next one (`WorkGrant`): in manifest order, but a video's items together and on the pipeline that
+  took its first (launch/video_queue.py), so one video's questions reuse its frames and prefix KV. Items go out one at a time as pipelines free up, never
   dealt in advance, so the job ends when its last item does, whatever the mix of lengths: a pipeline holds the
   items it decodes and one read ahead, and none read ahead once fewer items are left than pipelines;
 - results: each finished item's line comes back (`ItemResult`) and is appended and fsynced here, so the file
@@ -25,14 +26,14 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from vpsd.launch.say import say
+from vpsd.launch.video_queue import VideoQueue
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.layout import Layout
-from vpsd.launch.manifest import ManifestItem, load_manifest
+from vpsd.launch.manifest import load_manifest
 from vpsd.launch.progress import Progress, wants_bar
 from vpsd.launch.results import ItemError, ResultRow, ResultsFile
 from vpsd.pipeline.messages import ItemResult, PipelineDone, Shutdown, WorkGrant, WorkRequest
@@ -116,7 +117,7 @@ class Coordinator:
                                 ItemError("ManifestError", f"{self.args.manifest}:{p.line}: {p.message}"))
                 results.append(row)
                 progress.item_done(0, failed=True)
-        queue: deque[ManifestItem] = deque(it for it in items if it.id not in done)
+        queue = VideoQueue(it for it in items if it.id not in done)
         todo = len(queue)
         open_pipelines = set(self.tally)
         first_grant: float | None = None
@@ -125,7 +126,7 @@ class Coordinator:
             if isinstance(msg, WorkRequest):
                 # Read-ahead only while every other pipeline could still get one: at the tail an item goes to a
                 # pipeline with room for it now, not to one busy for another item's time.
-                item = queue.popleft() if queue and (msg.needed or len(queue) >= len(self.tally)) else None
+                item = queue.take(msg.pipeline) if queue and (msg.needed or len(queue) >= len(self.tally)) else None
                 ctrl.send(src, WorkGrant(None if item is None else item.to_wire(), more=bool(queue)))
                 first_grant = first_grant or time.perf_counter()
             elif isinstance(msg, ItemResult):
