@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tests.conftest import tiny_pair
 from vpsd.config import DecodingConfig, load_config
 from vpsd.decoders.ar import decode_ar
 from vpsd.launch.manifest import load_manifest
+from vpsd.launch.torchrun import torchrun_command
 from vpsd.reports.acceptance import load_rounds, summarize
 from vpsd.video.item import load_item_frames
 
@@ -43,7 +43,9 @@ def job_env() -> dict[str, str]:
 
 
 def torchrun_cmd(nproc: int, *, extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *(extra or ["--standalone"]), "--nproc-per-node", str(nproc)]
+    """torchrun on `nproc` ranks (standalone unless `extra` says otherwise), leaving nothing behind, as the benches
+    launch it (vpsd/launch/torchrun.py): its log directory goes with the launch."""
+    return torchrun_command(*(extra or ["--standalone"]), "--nproc-per-node", str(nproc))
 
 
 def job_args(config: str, manifest: Path, out: Path, method: str, *more: str) -> list[str]:

@@ -50,7 +50,10 @@ def cli(method: str, out: Path, hf_home: Path, *launcher: str) -> subprocess.Com
     cmd = [*(launcher or [sys.executable]), "-m", "lmms_eval", "--model", "vpsd", "--model_args",
            f"config={CONFIG},method={method}", "--tasks", TASK, "--include_path", "examples/lmms_eval",
            "--output_path", str(out), "--log_samples"]
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    # accelerate's multi-GPU launcher runs torchrun's agent itself, which would leave a /tmp/torchelastic_* behind:
+    # its log directory (torchrun's PET_LOG_DIR, which accelerate's parse of torchrun's options reads) is the test's.
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PET_LOG_DIR": str(out.with_name(f"{out.name}-torchrun"))}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

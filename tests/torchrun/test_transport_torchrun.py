@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun_jobs import torchrun_cmd
 
 pytestmark = pytest.mark.torchrun
 
@@ -26,8 +27,7 @@ def results(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("transport")
     env = dict(os.environ)
     env.pop("VPSD_HOST", None)  # standalone: advertise 127.0.0.1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(WORKER), str(out)]
+    cmd = torchrun_cmd(WORLD) + [str(WORKER), str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:

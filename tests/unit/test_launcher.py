@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 from vpsd.launch import lifetime
-from vpsd.launch.launcher import LAUNCH_DIR_PREFIX, failure_lines, main, out_dir, remove_orphaned_launch_dirs
+from vpsd.launch.launcher import failure_lines, main, out_dir
 from vpsd.launch.rank_records import RankRecord
+from vpsd.launch.torchrun import LAUNCH_DIR_PREFIX, remove_orphaned_launch_dirs
 
 
 def records(**extra) -> dict[int, RankRecord]:

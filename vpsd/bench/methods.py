@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vpsd.launch.torchrun import torchrun_command
 from vpsd.pipeline.methods import METHODS, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 from vpsd.reports.accounting import predict
@@ -105,8 +106,9 @@ def default_runs(baseline_method: str = "hippo", methods: list[str] | None = Non
 
 
 def run_one(run: BenchRun, config: str, manifest: str, out: Path, torchrun: list[str], extra: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "vpsd.launch.entry", "--config", config,
-           "--manifest", manifest, "--out", str(out), "--quiet", *run.args(), *extra]
+    # torchrun leaving nothing behind (its log directory goes with the job), as ./torchrun.sh's launcher does.
+    cmd = torchrun_command(*torchrun, "-m", "vpsd.launch.entry", "--config", config, "--manifest", manifest,
+                           "--out", str(out), "--quiet", *run.args(), *extra)
     if out.exists():
         shutil.rmtree(out)  # the job would resume from an old results.jsonl and skip every item
     out.mkdir(parents=True)

@@ -26,21 +26,20 @@ Why the agent runs in this process: it holds each rank's end as data (`ChildFail
 exit code, negative for a signal), where wrapping the `torchrun` command would mean parsing its log block, whose
 wording changes between torch versions. The roles behind the ranks come from the records the ranks leave in this
 launch's directory (launch/rank_records.py), which is removed at the end with torchrun's log directory (after a
-SIGKILL, by the next launch).
+SIGKILL, by the next launch): launch/torchrun.py's, the one every torchrun launch of vpsd's gets.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from vpsd.launch.lifetime import out_dir_holder
 from vpsd.launch.rank_records import LAUNCH_DIR, RankRecord, read_records
 from vpsd.launch.say import say
+from vpsd.launch.torchrun import launch_directory, with_log_dir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SHUTDOWN_S = 5  # a rank that has not left this long after the stop signal is killed (torchrun --shutdown-timeout)
@@ -90,35 +89,14 @@ def main(argv: list[str]) -> int:
     if single_node and out is not None and (busy := out_dir_holder(out)) is not None:
         say(busy)  # at once: no rank started for a directory another job holds (the rank's lock still decides)
         return 2
-    remove_orphaned_launch_dirs()
-    directory = Path(tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}."))
     try:
-        return launch(torchrun_opts, job, out, single_node, directory, shutdown)
+        with launch_directory() as directory:  # removed as the launch ends (after a SIGKILL: by the next launch)
+            return launch(torchrun_opts, job, out, single_node, directory, shutdown)
     except Stopped as s:
         if serving:  # the leader's server shut down as `vpsd serve` does, and every rank left with it
             say(f"serve: stopped by {signal.Signals(s.signum).name}")
             return 0
         return stopped(s.signum, out)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-LAUNCH_DIR_PREFIX = "vpsd-launch."  # + the launcher's pid + "." + mkdtemp's suffix, in the temporary directory
-
-
-def remove_orphaned_launch_dirs() -> None:
-    """A SIGKILLed launcher cannot remove its directory: the next launch of this user removes those whose launcher
-    is gone, so that jobs leave nothing outside --out."""
-    for path in Path(tempfile.gettempdir()).glob(f"{LAUNCH_DIR_PREFIX}*.*"):
-        try:
-            pid = int(path.name[len(LAUNCH_DIR_PREFIX):].split(".")[0])
-            if path.stat().st_uid != os.getuid():
-                continue
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (ValueError, OSError):
-            continue  # not one of ours, or its launcher lives (a pid of another user: PermissionError)
 
 
 def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_node: bool, directory: Path,
@@ -135,15 +113,13 @@ def launch(torchrun_opts: list[str], job: list[str], out: Path | None, single_no
         # A rank that refuses to start (bad settings, an --out holding another job) says why and marks this file:
         # the launcher then exits 2. One node only: there every rank reads the same files and refuses alike.
         os.environ[REFUSAL_MARK] = str(mark)
-    if not any(o.startswith(("--log-dir", "--log_dir")) for o in torchrun_opts):
-        # torchrun keeps a log directory per launch and never removes it: ours goes with this launch's directory.
-        torchrun_opts += ["--log-dir", str(directory / "torchrun")]
     if not any(o.startswith(("--shutdown-timeout", "--shutdown_timeout")) for o in torchrun_opts):
         torchrun_opts += ["--shutdown-timeout", str(shutdown_s)]
     if os.environ.get("LOG_RANK"):
         torchrun_opts += ["--local-ranks-filter", os.environ["LOG_RANK"]]
-    failures = run_torchrun([*torchrun_opts, "--nproc-per-node", os.environ.get("NPROC", "3"),
-                             "-m", "vpsd.launch.entry", *job])
+    # torchrun keeps a log directory per launch and never removes it: ours goes with this launch's directory.
+    failures = run_torchrun(with_log_dir([*torchrun_opts, "--nproc-per-node", os.environ.get("NPROC", "3"),
+                                          "-m", "vpsd.launch.entry", *job], directory))
     if mark.exists():
         return 2  # refused: said by the ranks, in vpsd's lines alone
     if failures is not None:
