@@ -51,7 +51,7 @@ def judge_runs(cfg: RunConfig, manifest: str | Path, reference: dict[str, list[i
         for item_id in ids:
             it = items[item_id]
             frames, times = load_item_frames(it.video, it.num_frames or cfg.video.num_frames,
-                                             it.fps or cfg.video.fps, cfg.video.max_side)
+                                             it.fps or cfg.video.fps, cfg.video.max_side, cfg.video.seek)
             d = first_divergence(target, frames, it.prompt, reference[item_id], runs[label][item_id], times)
             found[label].append(Difference(item_id, d, judge(d, tolerance)))
     return found, tolerance

@@ -3,47 +3,61 @@
 Contract:
 - `read_video` returns a `VideoClip` with the frames a request selects (see `vpsd.video.sampling`
   for the rules: by count, by rate, or all, then capped by `max_frames`).
-- A long video is decoded once, front to back, stopping after the last wanted frame; only wanted
-  frames are converted to RGB and kept, so memory grows with the clip, not the video.
+- Reading costs what the clip keeps, not what the video holds: the file's packets are indexed once without
+  decoding (`vpsd.video.index`), then the reader seeks to the keyframe before a wanted frame whenever one lies
+  between the last frame read and it, and decodes forward, never past the last wanted frame
+  (`vpsd.video.seek`). The frames and timestamps are exactly, bit for bit, those a front to back decode gives.
+  Where the packets cannot promise that (no timestamps, duplicated ones, an edit list, a stored frame count
+  they do not match, a seek that goes astray...), the video is decoded front to back, stopping after the last
+  wanted frame, as it always was; `VideoClip.read_mode` says which way it was read and `fallback_reason` why.
+  `seek="keyframe"` is approximate: each wanted frame is replaced by the keyframe shown nearest to it (the
+  clip's `indices` and `timestamps` are then the keyframes'), and only keyframes are decoded.
+- Only wanted frames are converted to RGB and kept, each by one swscale call at the size asked for (`size`,
+  or `max_side` for the longest side; bicubic when it scales: `vpsd.video.frames`), so memory grows with the
+  clip, not the video, and no full-size RGB frame is made. Frames come back upright (a display matrix's
+  rotation applied) and at display aspect (non-square pixels stretched).
+- `probe_video` says, before decoding anything, how many frames a read selects from, at which rate, and the
+  size they come back at (`vpsd.video.info`), so that a caller can count a clip's tokens before reading it.
 - Every failure is a `VideoError` whose `kind` tells callers what happened; no PyAV exception
   escapes. Any decoding error, even after some good frames, makes the video "corrupt": a truncated
   download is not silently read as a shorter video.
 - A frames file (`.npz`: `frames`, a (T, H, W, 3) uint8 array, and `times`, its (T,) seconds) is frames already
-  decoded, read under the same rules; the Python API hands its in-memory frames to a rank this way.
+  decoded, read under the same rules; the Python API hands its in-memory frames to a rank this way. Its frames
+  are scaled as in-memory frames are (`resize_frames`, torch's antialiased bicubic), so both ways agree.
 - `open_video` checks what a reader needs to start (a container, a video stream, its first frame), for
   `vpsd check`.
 - Only the first video stream is read. Sampling by rate assumes a constant frame rate (the
   stream's average rate); timestamps are the decoded frames' own presentation times, counted from
   the first frame.
+
+Here: the request, the choice of path, and the front to back decode. Elsewhere: the packet index (index.py), the
+seeking (seek.py), the probe (info.py), converting a frame (frames.py), folders and frames files (stills.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import av
 import numpy as np
 
+from vpsd.video.clip import VideoClip
 from vpsd.video.errors import VideoError, describe_av_error
-from vpsd.video.folder import IMAGE_SUFFIXES, frame_files, read_image
+from vpsd.video.folder import read_image
+from vpsd.video.frames import Geometry, geometry, to_rgb
+from vpsd.video.index import PacketIndex
+from vpsd.video.info import VideoInfo, inspect_video, open_container
 from vpsd.video.sampling import ProcessorSampling, select_indices
+from vpsd.video.seek import Convert, Untrusted, read_exact, read_keyframes
+from vpsd.video.stills import (FRAMES_SUFFIX, folder_files, load_frames_file, read_folder, read_frames_file,
+                               stills_info, write_frames_file)
 
+__all__ = ["FRAMES_SUFFIX", "VideoClip", "open_video", "probe_video", "read_video", "write_frames_file"]
 
-@dataclass
-class VideoClip:
-    frames: np.ndarray  # (T, H, W, 3) uint8 RGB
-    fps: float  # frame rate of the source, not of the sampled clip
-    timestamps: np.ndarray  # (T,) float64, seconds of each sampled frame from the source's start
-    source_num_frames: int  # frames in the whole source
-    duration_s: float  # source_num_frames / fps
-    indices: np.ndarray  # (T,) int64, source frame index of each sampled frame, non-decreasing
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.frames.shape[0])
+SEEK_MODES = ("exact", "keyframe")
 
 
 def read_video(
@@ -54,6 +68,9 @@ def read_video(
     max_frames: int | None = None,
     folder_fps: float = 1.0,
     processor: ProcessorSampling | None = None,
+    size: tuple[int, int] | None = None,
+    max_side: int | None = None,
+    seek: str = "exact",
 ) -> VideoClip:
     """Decode the frames of `path` that the request selects.
 
@@ -62,23 +79,48 @@ def read_video(
     processor: the checkpoint video processor's own rule (`ProcessorSampling`). None of the three: every frame.
     max_frames: keep at most this many of the selected frames, evenly spread.
     folder_fps: the frame rate given to a folder of frame images, which has none of its own.
+    size: (height, width) of the frames returned, upright; max_side: instead, the display size shrunk so its
+    longest side is at most this (`vpsd.video.frames.max_side_size`). Neither: the display size.
+    seek: "exact" (the frames a front to back decode gives) or "keyframe" (approximate: the keyframe shown
+    nearest to each wanted frame; a folder or a frames file is read exactly either way).
     """
-    _check_request(path, num_frames=num_frames, fps=fps, max_frames=max_frames, folder_fps=folder_fps)
+    _check_request(path, num_frames=num_frames, fps=fps, max_frames=max_frames, folder_fps=folder_fps,
+                   size=size, max_side=max_side, seek=seek)
     if processor is not None and (num_frames is not None or fps is not None):
         raise VideoError("bad_request", path, "give num_frames, fps or a processor rule, not two")
+    path = _checked_path(path)
+    request = dict(num_frames=num_frames, fps=fps, max_frames=max_frames, processor=processor)
+    shape = dict(size=None if size is None else (int(size[0]), int(size[1])), max_side=max_side)
+    if path.is_dir():
+        return read_folder(path, folder_fps, request, shape)
+    if path.suffix == FRAMES_SUFFIX:
+        return read_frames_file(path, request, shape)
+    return _read_container(path, request, shape, seek)
+
+
+def probe_video(path: str | os.PathLike[str], *, folder_fps: float = 1.0) -> VideoInfo:
+    """What `read_video` will read from `path`, without decoding it (see `vpsd.video.info.VideoInfo`): the
+    frame count and rate selection uses, the frames' size, whether it seeks. VideoError as read_video raises."""
+    path = _checked_path(path)
+    if path.is_dir():
+        files = folder_files(path)
+        h, w = read_image(files[0]).shape[:2]
+        return stills_info(len(files), float(folder_fps), h, w, "images")
+    if path.suffix == FRAMES_SUFFIX:
+        frames, _, rate = load_frames_file(path)
+        return stills_info(len(frames), rate, frames.shape[1], frames.shape[2], "frames")
+    return inspect_video(path)[0]
+
+
+def _checked_path(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if not path.exists():
         raise VideoError("missing", path, "no such file or directory")
     if not os.access(path, os.R_OK):
         raise VideoError("missing", path, "not readable (permission denied)")
-    request = dict(num_frames=num_frames, fps=fps, max_frames=max_frames, processor=processor)
-    if path.is_dir():
-        return _read_folder(path, folder_fps, request)
-    if path.stat().st_size == 0:
+    if path.is_file() and path.stat().st_size == 0:
         raise VideoError("empty", path, "file is zero bytes")
-    if path.suffix == FRAMES_SUFFIX:
-        return _read_frames_file(path, request)
-    return _read_container(path, request)
+    return path
 
 
 def open_video(path: str | os.PathLike[str]) -> None:
@@ -86,23 +128,14 @@ def open_video(path: str | os.PathLike[str]) -> None:
     container with a video stream and a frame rate whose first frame decodes (a folder: its first image; a
     frames file: its arrays). VideoError, of the kind `read_video` would raise, else None. A fault later in the
     stream shows only when the job decodes that far."""
-    path = Path(path)
-    if not path.exists():
-        raise VideoError("missing", path, "no such file or directory")
-    if not os.access(path, os.R_OK):
-        raise VideoError("missing", path, "not readable (permission denied)")
+    path = _checked_path(path)
     if path.is_dir():
-        files = frame_files(path)
-        if not files:
-            raise VideoError("empty", path, f"folder holds no frame images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-        read_image(files[0])
+        read_image(folder_files(path)[0])
         return
-    if path.stat().st_size == 0:
-        raise VideoError("empty", path, "file is zero bytes")
     if path.suffix == FRAMES_SUFFIX:
-        _read_frames_file(path, dict(num_frames=1, fps=None, max_frames=None, processor=None))
+        load_frames_file(path)
         return
-    with _open(path) as container:
+    with open_container(path) as container:
         stream = container.streams.video[0]
         if not (stream.average_rate or stream.guessed_rate or stream.base_rate):
             raise VideoError("corrupt", path, "video stream has no frame rate")
@@ -114,7 +147,8 @@ def open_video(path: str | os.PathLike[str]) -> None:
             raise VideoError("empty", path, "video stream has no frames")
 
 
-def _check_request(path, *, num_frames, fps, max_frames, folder_fps) -> None:
+def _check_request(path, *, num_frames, fps, max_frames, folder_fps, size=None, max_side=None,
+                   seek="exact") -> None:
     def is_count(v) -> bool:
         return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
 
@@ -126,92 +160,30 @@ def _check_request(path, *, num_frames, fps, max_frames, folder_fps) -> None:
     for name, value, ok in (
         ("num_frames", num_frames, is_count),
         ("max_frames", max_frames, is_count),
+        ("max_side", max_side, is_count),
         ("fps", fps, is_rate),
     ):
         if value is not None and not ok(value):
             raise VideoError("bad_request", path, f"{name} must be positive, got {value!r}")
     if not is_rate(folder_fps):
         raise VideoError("bad_request", path, f"folder_fps must be positive, got {folder_fps!r}")
-
-
-def _read_folder(folder: Path, folder_fps: float, request: dict) -> VideoClip:
-    files = frame_files(folder)
-    if not files:
-        suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
-        raise VideoError("empty", folder, f"folder holds no frame images ({suffixes})")
-    indices = select_indices(len(files), folder_fps, **request)
-    first = read_image(files[int(indices[0])])
-    decoded = {int(indices[0]): first}
-    for i in np.unique(indices[1:]).tolist():
-        if i not in decoded:
-            decoded[i] = read_image(files[i], size=first.shape[:2])
-    return VideoClip(
-        frames=np.stack([decoded[i] for i in indices.tolist()]),
-        fps=float(folder_fps),
-        timestamps=indices / float(folder_fps),
-        source_num_frames=len(files),
-        duration_s=len(files) / float(folder_fps),
-        indices=indices,
-    )
-
-
-FRAMES_SUFFIX = ".npz"
-
-
-def write_frames_file(path: Path, frames: np.ndarray, times: np.ndarray) -> None:
-    """Frames already decoded, as `read_video` reads them back (uncompressed: written and read once)."""
-    np.savez(path, frames=np.ascontiguousarray(frames, dtype=np.uint8), times=np.asarray(times, dtype=np.float64))
-
-
-def _read_frames_file(path: Path, request: dict) -> VideoClip:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            frames, times = data["frames"], np.asarray(data["times"], dtype=np.float64)
-    except (OSError, ValueError, KeyError) as err:
-        raise VideoError("corrupt", path, f"not a frames file (.npz with frames and times): {err}") from None
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or times.shape != (len(frames),):
-        raise VideoError("corrupt", path, f"frames {frames.dtype} {tuple(frames.shape)} with times "
-                         f"{tuple(times.shape)}: need (T, H, W, 3) uint8 and (T,)")
-    if len(frames) == 0:
-        raise VideoError("empty", path, "frames file holds no frames")
-    span_s = float(times[-1] - times[0]) if len(times) > 1 else 0.0
-    fps = (len(times) - 1) / span_s if span_s > 0 else 1.0  # for a request by rate: the frames' mean rate
-    indices = select_indices(len(frames), fps, **request)
-    return VideoClip(frames=frames[indices], fps=fps, timestamps=times[indices], source_num_frames=len(frames),
-                     duration_s=len(frames) / fps, indices=indices)
-
-
-def _open(path: Path) -> av.container.InputContainer:
-    try:
-        container = av.open(str(path), metadata_errors="ignore")
-    except av.FFmpegError as err:
-        raise VideoError("corrupt", path, describe_av_error(err)) from None
-    if not container.streams.video:
-        found = ", ".join(s.type for s in container.streams) or "none"
-        container.close()
-        raise VideoError("no_video_stream", path, f"streams found: {found}")
-    return container
+    if size is not None and not (isinstance(size, (tuple, list)) and len(size) == 2 and all(map(is_count, size))):
+        raise VideoError("bad_request", path, f"size must be (height, width), both positive, got {size!r}")
+    if size is not None and max_side is not None:
+        raise VideoError("bad_request", path, "give size or max_side, not both")
+    if seek not in SEEK_MODES:
+        raise VideoError("bad_request", path, f"seek must be one of {SEEK_MODES}, got {seek!r}")
 
 
 def _probe(path: Path) -> tuple[int, float]:
-    """(number of frames, frame rate) of the first video stream."""
-    with _open(path) as container:
-        stream = container.streams.video[0]
-        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
-        if not rate or rate <= 0:
-            raise VideoError("corrupt", path, "video stream has no frame rate")
-        # Containers like mp4 store the frame count; others (webm, mkv) need the packets counted,
-        # which reads the file but decodes nothing.
-        num_source = stream.frames
-        if num_source <= 0:
-            try:
-                num_source = sum(1 for packet in container.demux(stream) if packet.size)
-            except av.FFmpegError as err:
-                raise VideoError("corrupt", path, describe_av_error(err)) from None
-        return num_source, float(rate)
+    """(number of frames, frame rate) of the first video stream: what selection counts from. Containers like
+    mp4 store the frame count; others (webm, mkv) have their packets counted (`vpsd.video.info`)."""
+    info = inspect_video(path)[0]
+    return info.num_frames, info.fps
 
 
-def _decode(path: Path, wanted: np.ndarray, source_fps: float) -> tuple[dict[int, np.ndarray], dict[int, float], int]:
+def _decode(path: Path, wanted: np.ndarray, source_fps: float,
+            convert: Convert) -> tuple[dict[int, np.ndarray], dict[int, float], int]:
     """Decode front to back up to the last wanted index.
 
     Returns RGB frames and timestamps of the wanted indices, and how many frames were decoded
@@ -221,13 +193,12 @@ def _decode(path: Path, wanted: np.ndarray, source_fps: float) -> tuple[dict[int
     last = int(wanted[-1])
     frames: dict[int, np.ndarray] = {}
     times: dict[int, float] = {}
-    size: tuple[int, int] | None = None
     start: float | None = None
     count = 0
-    with _open(path) as container:
+    with open_container(path) as container:
         stream = container.streams.video[0]
-        # No frame threading ("AUTO"): it would be faster on long videos, but FFmpeg's frame-threaded
-        # decoder drops a damaged frame without reporting it, and a truncated file would then
+        # No frame threading ("AUTO"), here as when seeking: it would be faster on long videos, but FFmpeg's
+        # frame-threaded decoder drops a damaged frame without reporting it, and a truncated file would then
         # read as a shorter video instead of a corrupt one.
         try:
             for frame in container.decode(stream):
@@ -236,10 +207,9 @@ def _decode(path: Path, wanted: np.ndarray, source_fps: float) -> tuple[dict[int
                 time = frame.time if frame.time is not None else i / source_fps
                 if start is None:
                     start = time
-                    size = (frame.height, frame.width)
                 if i in wanted_set:
-                    # A stream whose size changes mid-way is scaled back to its first size.
-                    frames[i] = frame.to_ndarray(format="rgb24", height=size[0], width=size[1])
+                    # A stream whose size changes mid-way is scaled back to its first size (`to_rgb`).
+                    frames[i] = convert(frame)
                     times[i] = time - start
                 if i == last:
                     break
@@ -248,13 +218,55 @@ def _decode(path: Path, wanted: np.ndarray, source_fps: float) -> tuple[dict[int
     return frames, times, count
 
 
-def _read_container(path: Path, request: dict) -> VideoClip:
+def _read_container(path: Path, request: dict, shape: dict, seek: str) -> VideoClip:
     num_source, source_fps = _probe(path)
+    info, index = inspect_video(path)
+    if num_source <= 0:
+        raise VideoError("empty", path, "video stream has no frames")
+    g = geometry(info.coded_height, info.coded_width, info.sample_aspect_ratio, info.rotation, **shape)
+    convert = partial(to_rgb, g=g)
+    reason = info.fallback_reason
+    if reason is None and num_source != len(index):
+        reason = f"the stored frame count ({num_source}) is not the packets' ({len(index)})"
+    if reason is None:
+        indices = select_indices(num_source, source_fps, **request)
+        try:
+            return _read_by_seeking(path, index, indices, g, convert, seek, num_source, source_fps)
+        except Untrusted as err:
+            reason = str(err)
+    return _read_front_to_back(path, request, convert, num_source, source_fps, reason)
+
+
+def _read_by_seeking(path: Path, index: PacketIndex, indices: np.ndarray, g: Geometry, convert: Convert, seek: str,
+                     num_source: int, source_fps: float) -> VideoClip:
+    with open_container(path) as container:
+        if seek == "keyframe":
+            frames, chosen, decoded = read_keyframes(container, index, np.unique(indices), g.coded, convert)
+            indices = np.array([chosen[i] for i in indices.tolist()], dtype=np.int64)
+        else:
+            frames, decoded = read_exact(container, index, np.unique(indices), g.coded, convert)
+    start = index.time(0)
+    return VideoClip(
+        frames=np.stack([frames[i] for i in indices.tolist()]),
+        fps=source_fps,
+        timestamps=np.array([index.time(i) - start for i in indices.tolist()], dtype=np.float64),
+        source_num_frames=num_source,
+        duration_s=num_source / source_fps,
+        indices=indices,
+        read_mode=seek,
+        frames_decoded=decoded,
+    )
+
+
+def _read_front_to_back(path: Path, request: dict, convert: Convert, num_source: int, source_fps: float,
+                        reason: str | None) -> VideoClip:
+    total = 0
     while True:
         if num_source <= 0:
             raise VideoError("empty", path, "video stream has no frames")
         indices = select_indices(num_source, source_fps, **request)
-        frames, times, decoded = _decode(path, np.unique(indices), source_fps)
+        frames, times, decoded = _decode(path, np.unique(indices), source_fps, convert)
+        total += decoded
         if decoded > indices[-1]:
             break
         # The stored count overstated the stream (edit lists, a lost tail without errors):
@@ -267,4 +279,7 @@ def _read_container(path: Path, request: dict) -> VideoClip:
         source_num_frames=num_source,
         duration_s=num_source / source_fps,
         indices=indices,
+        read_mode="sequential",
+        fallback_reason=reason,
+        frames_decoded=total,
     )

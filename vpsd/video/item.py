@@ -5,7 +5,9 @@ same frames. They do so by sharing the request, not the pixels: the target sends
 request in wire form (`to_wire`, a plain dict that msgpack carries), plus `max_frames` when the clip
 was subsampled to fit the context (see `vpsd.video.fit`). Reading then subsampling in memory with
 `cap_frames` gives exactly the frames `read_video(..., max_frames=k)` would have given, so a clip
-read ahead before the cap was known is still the right one.
+read ahead before the cap was known is still the right one. The request carries how the file is read
+(`seek`: "exact" or "keyframe", the config's `video.seek`) and its `max_side`, which the reader applies as it
+converts each frame (no full-size frame is held), so both ranks get the same pixels.
 
 Frames travel with their times: `load_frames` returns the (T,) seconds at which each frame was taken
 (the decoded frames' own presentation times, `VideoClip.timestamps`), and a cap selects the same
@@ -24,6 +26,7 @@ import numpy as np
 
 from vpsd.tracing import span
 from vpsd.video.decode import read_video
+from vpsd.video.frames import max_side_size
 from vpsd.video.resize import resize_frames
 from vpsd.video.sampling import ProcessorSampling, uniform_indices
 
@@ -37,6 +40,7 @@ class FrameRequest:
     fps: float | None = None  # ...or one every 1/fps seconds (never both)...
     max_side: int | None = None  # ...then scaled down so the longest side is at most this
     processor: ProcessorSampling | None = None  # ...or the checkpoint's own rule (video.sampling: checkpoint)
+    seek: str = "exact"  # how the file is read: "exact" or "keyframe" (approximate; video.seek)
 
     @classmethod
     def resolve(
@@ -48,35 +52,37 @@ class FrameRequest:
         default_fps: float | None,
         max_side: int | None,
         default_processor: ProcessorSampling | None = None,
+        seek: str = "exact",
     ) -> "FrameRequest":
         """The item's own request if it has one, else the run's: the checkpoint's rule when the run samples
         as the checkpoint does, else an explicit config fps over the config's frame count (num_frames has a
-        default and fps does not)."""
+        default and fps does not). `seek` is the run's (video.seek) either way."""
         if num_frames is not None or fps is not None:
-            return cls(str(video), num_frames, fps, max_side)
+            return cls(str(video), num_frames, fps, max_side, seek=seek)
         if default_processor is not None:
-            return cls(str(video), None, None, max_side, default_processor)
+            return cls(str(video), None, None, max_side, default_processor, seek)
         num_frames, fps = (None, default_fps) if default_fps is not None else (default_num_frames, None)
-        return cls(str(video), num_frames, fps, max_side)
+        return cls(str(video), num_frames, fps, max_side, seek=seek)
 
     def to_wire(self, item_id: str, max_frames: int | None = None) -> dict[str, Any]:
         return {"item": item_id, "video": self.video, "num_frames": self.num_frames, "fps": self.fps,
                 "max_side": self.max_side, "max_frames": max_frames,
-                "processor": None if self.processor is None else self.processor.to_wire()}
+                "processor": None if self.processor is None else self.processor.to_wire(), "seek": self.seek}
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "FrameRequest":
         return cls(wire["video"], wire.get("num_frames"), wire.get("fps"), wire.get("max_side"),
-                   ProcessorSampling.from_wire(wire.get("processor")))
+                   ProcessorSampling.from_wire(wire.get("processor")), wire.get("seek", "exact"))
 
 
 @contextlib.contextmanager
-def timed(name: str, timings: dict[str, float], **fields: Any) -> Iterator[None]:
-    """A trace span that also adds its duration to `timings[name + "_s"]` (per-item stats)."""
+def timed(name: str, timings: dict[str, float], **fields: Any) -> Iterator[dict[str, Any]]:
+    """A trace span that also adds its duration to `timings[name + "_s"]` (per-item stats). Yields the span's
+    fields: what the block adds there is traced with it."""
     start = time.perf_counter()
     try:
-        with span(name, **fields):
-            yield
+        with span(name, **fields) as traced:
+            yield traced
     finally:
         key = f"{name}_s"
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
@@ -86,20 +92,26 @@ def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) 
     """((T, H, W, 3) uint8, (T,) float64 seconds) of the request; raises VideoError with the path and
     what is wrong.
 
-    Traced as `video_read` (demux + decode) and `preprocess` (scaling), both added to `timings`.
+    Traced as `video_read` (demux, decode, and conversion to RGB at the request's size; with how it was read:
+    `read_mode`, `frames_decoded`, and `fallback` when it could not seek) and `preprocess`, both added to
+    `timings`.
     """
-    with timed("video_read", timings, item=item_id):
-        clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps, processor=request.processor)
+    with timed("video_read", timings, item=item_id) as traced:
+        clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps, processor=request.processor,
+                          max_side=request.max_side, seek=request.seek)
+        traced.update(read_mode=clip.read_mode, frames_decoded=clip.frames_decoded)
+        if clip.fallback_reason is not None:
+            traced["fallback"] = clip.fallback_reason
     with timed("preprocess", timings, item=item_id, step="resize"):
+        # The frames came back scaled (inside video_read); this only checks, and keeps preprocess_s in the stats.
         return scale_to_max_side(clip.frames, request.max_side), clip.timestamps
 
 
 def scale_to_max_side(frames: np.ndarray, max_side: int | None) -> np.ndarray:
-    if max_side is None or max(frames.shape[1:3]) <= max_side:
-        return frames
-    h, w = frames.shape[1:3]
-    scale = max_side / max(h, w)
-    return resize_frames(frames, max(1, round(h * scale)), max(1, round(w * scale)))
+    """Frames in memory shrunk so the longest side is at most `max_side` (torch's antialiased bicubic); a file's
+    frames are read at that size instead (`read_video(max_side=...)`, the same rounding)."""
+    size = max_side_size(*frames.shape[1:3], max_side)
+    return frames if size == frames.shape[1:3] else resize_frames(frames, *size)
 
 
 def cap_frames(frames: np.ndarray, max_frames: int | None) -> np.ndarray:
@@ -115,7 +127,9 @@ def load_item_frames(
     num_frames: int | None,
     fps: float | None,
     max_side: int | None,
+    seek: str = "exact",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(frames, times) of one item read in place, untraced (references in tests, one-off tools)."""
-    clip = read_video(path, num_frames=None if fps else num_frames, fps=fps)
-    return scale_to_max_side(clip.frames, max_side), clip.timestamps
+    """(frames, times) of one item read in place, untraced (references in tests, one-off tools): the frames
+    `load_frames` gives for the same request."""
+    clip = read_video(path, num_frames=None if fps else num_frames, fps=fps, max_side=max_side, seek=seek)
+    return clip.frames, clip.timestamps
