@@ -38,10 +38,32 @@ class VideoConfig:
     # frames; models/checkpoint.read_frame_sampling), as transformers would sample the video. A manifest
     # line's own num_frames / fps still win.
     sampling: str = "config"
+    # How a video file is read (vpsd/video/decode.py): "exact", the frames a front to back decode gives, reached
+    # by seeking to the keyframe before each; or "keyframe", approximate: the keyframe nearest each wanted frame,
+    # decoding keyframes only (faster on long videos; the frames, so the outputs, differ from "exact").
+    seek: str = "exact"
+    # Reading (vpsd/video/pool.py; no output depends on these): `readers` threads decode videos at once, on the
+    # cores of the process's mask that cpu_affinity pins no role to (null: one a spare core, at least one, at most
+    # read_ahead + 1); up to `read_ahead` items are read ahead of the one being prepared, while the frames read and
+    # not yet taken fit in `frames_budget_mib` (a read that would exceed it waits; one bigger than the whole budget
+    # is read alone). `share_frames`: the target sends a draft rank the frames it read (the tensor channel), so
+    # the draft does not decode the video a second time; false: the draft reads the file itself.
+    readers: int | None = None
+    read_ahead: int = 4
+    frames_budget_mib: float = 1024.0
+    share_frames: bool = True
 
     def __post_init__(self) -> None:
         if self.sampling not in ("config", "checkpoint"):
             raise ValueError(f"video.sampling must be 'config' or 'checkpoint', got {self.sampling!r}")
+        if self.seek not in ("exact", "keyframe"):
+            raise ValueError(f"video.seek must be 'exact' or 'keyframe', got {self.seek!r}")
+        if self.readers is not None and self.readers < 1:
+            raise ValueError(f"video.readers must be >= 1 or null (one a spare core), got {self.readers!r}")
+        if self.read_ahead < 0:
+            raise ValueError(f"video.read_ahead must be >= 0, got {self.read_ahead!r}")
+        if not self.frames_budget_mib > 0:
+            raise ValueError(f"video.frames_budget_mib must be > 0, got {self.frames_budget_mib!r}")
         # Positive or null: a 0 failed every item at its read, one error row each, instead of the launch.
         for name in ("num_frames", "fps", "max_side", "context_limit"):
             value = getattr(self, name)
@@ -191,6 +213,30 @@ class BatchingConfig:
 
 
 @dataclass
+class ReuseConfig:
+    """One video, many questions (engine/prefix_cache.py): the target keeps the KV cache of each prompt's prefix up
+    to the end of its video block (and the vision tower's output) and prefills only what follows, for every later
+    question or turn about the same video. Keyed by the video as the model sees it (its pixel tensors and grid) and
+    the prefix's token ids, so a video that changed on disk never hits; least recently used evicted first."""
+
+    enabled: bool = True
+    # Bytes of cached prefixes and vision features this target keeps, in MiB, on the target's device; the memory
+    # plan counts them (launch/memory.py). 0 keeps nothing (as enabled: false).
+    budget_mib: float = 512.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"reuse.enabled must be true or false, got {self.enabled!r}")
+        if isinstance(self.budget_mib, bool) or not isinstance(self.budget_mib, (int, float)) or self.budget_mib < 0:
+            raise ValueError(f"reuse.budget_mib must be a number >= 0, got {self.budget_mib!r}")
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the cache may hold (0 when reuse is off)."""
+        return int(self.budget_mib * 2**20) if self.enabled else 0
+
+
+@dataclass
 class RunConfig:
     family: str
     target: ModelSpec
@@ -199,6 +245,7 @@ class RunConfig:
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
     # TABED's settings (pipeline/ensemble.py), read by its draft and target; None: its defaults.
     tabed: TabedConfig | None = None
     # Where and how the ranks run (no output depends on them, so they are not part of a job's identity): each
@@ -216,6 +263,10 @@ class RunConfig:
     # Profile this many rounds of each pipeline's target (after 5; vpsd/profiling.py): the profiler's trace and the
     # split of a round's time (kernels, launches, host waits, the rest) beside the rank's trace. 0: none.
     profile_rounds: int = 0
+    # What `vpsd tune` chose for this config and what it was tuned on (vpsd/launch/tuned.py): `--method auto` runs
+    # its choice, and a config whose pair or machine differs from the one it was tuned on is refused at launch.
+    # Written by `vpsd tune --out`; null (the default): not tuned.
+    tuned: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if sorted(self.roles) != sorted(DEFAULT_ROLES) or len(set(self.roles.values())) != len(DEFAULT_ROLES):
@@ -244,10 +295,10 @@ class RunConfig:
 
 DEFAULT_ROLES = {"target": 0, "draft": 1, "pruner": 2}
 DRAFT_ON = ("rank", "thread")
-SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching")
+SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "batching", "reuse")
 # Top-level settings outside the sections (RunConfig's own fields), type-checked like a section's keys.
 TOP_LEVEL = ("roles", "cpu_affinity", "timeout_s", "idle_timeout_s", "startup_timeout_s", "draft_on",
-             "profile_rounds")
+             "profile_rounds", "tuned")
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
@@ -259,7 +310,8 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     sections = {"target": (ModelSpec, data.pop("target")), "video": (VideoConfig, data.pop("video", None)),
                 "decoding": (DecodingConfig, data.pop("decoding", None)),
                 "pruning": (PruningConfig, data.pop("pruning", None)),
-                "batching": (BatchingConfig, data.pop("batching", None))}
+                "batching": (BatchingConfig, data.pop("batching", None)),
+                "reuse": (ReuseConfig, data.pop("reuse", None))}
     if draft_data not in ("self", None):
         sections["draft"] = (ModelSpec, draft_data)
     built, problems = {}, []

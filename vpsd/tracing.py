@@ -23,9 +23,9 @@ Contract:
   Usual fields: `item`, `round`, `epoch`, `tokens`; `verify` spans also carry `drafted` and `accepted`
   (draft tokens verified and accepted; the parallel target adds `start` and the `mode` the round was
   verified in), which `vpsd.reports.acceptance` plots. Span names used by the roles: video_read, vision,
-  prefill, prune, draft_step, verify, send, recv_wait, rollback, mode_switch, item, and preprocess and
-  video_wait (vpsd.video.prefetch; video_read and preprocess run on its thread); marks: rollback,
-  mode_switch. `vpsd.reports.timeline` reads these lines back.
+  prefill, prune, draft_step, verify, send, recv_wait, rollback, mode_switch, item, preprocess and
+  video_wait (vpsd.video.pool; video_read and preprocess run on its readers), frames_received (a draft rank
+  taking the target's frames: roles/frames_wire.py); marks: rollback, mode_switch. `vpsd.reports.timeline` reads these lines back.
 - Spans and marks are debug events: they are trace data, not messages for a person, so they never reach
   stderr. With a trace file they skip structlog's processor chain and are written straight to it (same
   line, same keys, same order): that chain costs ~40 us per event, i.e. ~5% of a 0.8 ms draft step and

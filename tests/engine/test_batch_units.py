@@ -127,7 +127,7 @@ def test_frame_prefetcher_reuses_a_read_ahead_clip_and_applies_the_cap(gray_mp4,
         assert err.value.kind == "missing"
         videos.ahead(req.to_wire("c"))
         videos.ahead(None)  # the next item was skipped: nothing is held for it
-        assert not videos._prefetcher._pending and not videos._timings
+        assert not videos._pool.pool._reads  # nothing is held for it
     finally:
         videos.close()
 

@@ -9,6 +9,11 @@ decoding cheap, and a half-empty batch wastes the forwards it runs. A thread tha
 (nothing is decoding: the job's start) prefills a later one meanwhile. Once every prefill of the job has run
 (the manifest's tail), the thread's cores may go to the decode thread's forwards (`lend_cores_when_drained`)
 until `close`. `prepare(item, next item)` runs on either thread and must not touch the transport.
+
+Reading goes further ahead than preparing: `read(item)` is told of each item as it is taken from the source, and
+where the items are this pipeline's alone, items are taken until `read_ahead` wait beyond those in flight, so
+that readers of their own (vpsd/video/pool.py) decode several videos at once while this thread prepares the
+first; `prepare` then takes the frames they read. `read` runs on the engine's thread and must not block.
 """
 
 from __future__ import annotations
@@ -60,12 +65,15 @@ class ListSource(Generic[T]):
 
 class PrefillAhead(Generic[T]):
     def __init__(self, todo: ItemSource[T], size: int, prepare: Callable[[T, T | None], Any], cpus: list[int] | None,
-                 shared: bool = False) -> None:
+                 shared: bool = False, read: Callable[[T], None] | None = None, read_ahead: int = 0) -> None:
         """todo: where the items come from, one at a time as they are needed (a job's coordinator hands them out
         as pipelines ask: launch/coordinator.py). shared: other pipelines take from the same items, so take as
         few as keep this one busy (one prepared beyond the free slots, not two, and none only to tell the draft
-        which video comes next): an item one pipeline holds, another may be idle for at the job's tail."""
+        which video comes next): an item one pipeline holds, another may be idle for at the job's tail. read: told
+        of each item as it is taken, to start reading its video; read_ahead: items taken ahead for it (module
+        docstring; not where items are shared)."""
         self.source, self.size, self.prepare, self.cpus, self.shared = todo, size, prepare, cpus, shared
+        self.read, self.read_ahead = read, read_ahead
         self.reserve = 1 if shared else 2
         self.queue: deque[T] = deque()  # taken from the source, not yet submitted
         self.exhausted = False  # the source has no more
@@ -87,7 +95,23 @@ class PrefillAhead(Generic[T]):
         self.later = time.monotonic() if item is None and more else None
         if item is not None:
             self.queue.append(item)
+            if self.read is not None:
+                self.read(item)
         return item
+
+    def _read_ahead(self) -> None:
+        """Items taken (and their reads started) until `read_ahead` are waiting to be admitted, where they are this
+        pipeline's alone."""
+        while (self.read is not None and not self.shared and len(self.queue) + len(self.ahead) < self.read_ahead
+               and not self.exhausted
+               and not (self.later is not None and time.monotonic() - self.later < ASK_AGAIN_S)):
+            item, more = self.source.take(False)
+            self.exhausted = not more
+            self.later = time.monotonic() if item is None and more else None
+            if item is None:
+                return
+            self.queue.append(item)
+            self.read(item)
 
     def _hint(self) -> T | None:
         """The item after the one being prepared, for the draft to read its video ahead (where items are shared,
@@ -142,6 +166,7 @@ class PrefillAhead(Generic[T]):
                and self._take(needed=in_flight + len(self.ahead) < self.size) is not None):
             it = self.queue.popleft()
             self.ahead.append((it, self.pool.submit(self.prepare, it, self._hint())))
+        self._read_ahead()
 
     def next_ready(self, block: bool) -> tuple[T, Any] | None:
         """The next item in order and what `prepare` returned, if it is done (or `block`: nothing is decoding,

@@ -47,6 +47,9 @@ class JobEvents(Protocol[T]):
 
     def started(self, item: T) -> None: ...
 
+    # Optional: `read_ahead(item)`, told on the engine's thread as each item is taken, starts reading its video on
+    # readers of the launcher's own (launch/job.py); it must not block.
+
     def finished(self, item: T, request: Request) -> None:
         """A request left the engine: done, or failed (`request.error`)."""
 
@@ -155,7 +158,11 @@ class Scheduler(Generic[T]):
             return self.prepare(events.request(item, nxt), on_engine_thread=at_admission)
 
         source = items if hasattr(items, "take") else ListSource(items)
-        ahead: PrefillAhead[T] = PrefillAhead(source, e.size, prepare, self.prefill_cpus, self.shared_items)
+        # Where the launcher reads items ahead on readers of its own (JobEvents.read_ahead), each item's read starts
+        # as it is taken, `video.read_ahead` items ahead.
+        read = getattr(events, "read_ahead", None)
+        ahead: PrefillAhead[T] = PrefillAhead(source, e.size, prepare, self.prefill_cpus, self.shared_items, read,
+                                              e.cfg.video.read_ahead if read is not None else 0)
         started = time.perf_counter()
         try:
             while e.requests or ahead.pending:  # pending asked with nothing in flight: it may take an item

@@ -298,6 +298,14 @@ def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method:
     # 10% of the target's busy time. Unpinned it runs wherever there is room.
     ctrl = ControlChannel.from_process_group(role, secret=secret, connect_timeout_s=startup_timeout_s)
     ACTIVITY.own(role)  # this thread's phases are what the heartbeats report (vpsd/activity.py)
+    if cfg.cpu_affinity and role in ("target", "draft"):  # the roles that read videos
+        from vpsd.video.pool import note_spare_cores
+
+        # Where their video readers run: the cores of this process's mask (before the pin below) that no role of
+        # the node's pipelines is pinned to (vpsd/video/pool.py).
+        slots = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // pipeline.size)
+        note_spare_cores(os.sched_getaffinity(0) - {c for slot in range(slots) for r in cfg.cpu_affinity
+                                                    for c in pinned_cores(cfg.cpu_affinity, r, slot) or []})
     if cfg.cpu_affinity:  # this pipeline's cores: the config's layout shifted to its place on the node
         cfg = dataclasses.replace(cfg, cpu_affinity={r: pinned_cores(cfg.cpu_affinity, r, pipeline.node_slot) or []
                                                      for r in cfg.cpu_affinity})

@@ -1,8 +1,10 @@
 """A manifest item's video, read for the target: the frames its request asks for, scaled and fitted to the
 context, and the request a draft rank reads the same frames by.
 
-Runs on the prefill thread; touches the target only through `prepare` (no model forward). Per item the
-timings (`video_read_s`, `preprocess_s`) go into its result's stats; the same spans are in the target's trace.
+Runs on the prefill thread; touches the target only through `prepare` (no model forward). A job's reader pool
+(`frames`, vpsd/video/pool.py) reads the videos: `ahead` starts an item's read as the scheduler takes it, `load`
+takes its frames. Per item the timings (`video_read_s`, `preprocess_s`) go into its result's stats; the same
+spans are in the target's trace.
 An item whose prompt + video + max_new_tokens exceeds `video.context_limit` (default the target's
 max_position_embeddings) fails as `too_long`, or is subsampled to fit when `video.subsample_to_fit` is set.
 """
@@ -22,6 +24,7 @@ from vpsd.tracing import get_logger
 from vpsd.video.fit import fit_to_context
 from vpsd.video.errors import VideoError
 from vpsd.video.item import FrameRequest, cap_frames, load_frames, scale_to_max_side, timed
+from vpsd.video.prefetch import FramePool
 
 
 def context_limit(target: VideoLMAdapter, cfg: RunConfig) -> int:
@@ -53,8 +56,10 @@ def checked_frames(item_id: str, frames: np.ndarray, times: np.ndarray | None) -
 
 
 class ItemReader:
-    def __init__(self, target: VideoLMAdapter, cfg: RunConfig) -> None:
-        self.target, self.cfg = target, cfg
+    def __init__(self, target: VideoLMAdapter, cfg: RunConfig, frames: FramePool | None = None) -> None:
+        """frames: the readers that read items ahead (`ahead`, vpsd/video/pool.py); None: each item is read on the
+        thread that loads it."""
+        self.target, self.cfg, self.frames = target, cfg, frames
         self.limit = context_limit(target, cfg)
         # video.sampling: checkpoint: the target processor's rule (checked at launch by preflight).
         self.processor = (read_frame_sampling(cfg.target.path, cfg.family)
@@ -63,15 +68,24 @@ class ItemReader:
     def frame_request(self, item: ManifestItem) -> FrameRequest:
         v = self.cfg.video
         return FrameRequest.resolve(item.video, item.num_frames, item.fps, v.num_frames, v.fps, v.max_side,
-                                    self.processor)
+                                    self.processor, v.seek)
 
     def max_new_tokens(self, item: ManifestItem) -> int:
         return item.max_new_tokens or self.cfg.decoding.max_new_tokens
 
+    def ahead(self, item: ManifestItem) -> None:
+        """Start reading the item's frames on the readers (the scheduler took it: engine/prefill_ahead.py)."""
+        if self.frames is not None:
+            self.frames.ahead(item.id, self.frame_request(item))
+
     def load(self, item: ManifestItem) -> LoadedItem:
         timings: dict[str, float] = {}
         request = self.frame_request(item)
-        frames, times = load_frames(request, item.id, timings)
+        if self.frames is not None:  # read ahead (or now) by the readers; the item's video_wait is its admission's
+            frames, times, read = self.frames.take(item.id, request)
+            timings.update({k: v for k, v in read.items() if k != "video_wait_s"})
+        else:
+            frames, times = load_frames(request, item.id, timings)
         frames, times, max_frames = self._fit(item.id, item.prompt, frames, times, self.max_new_tokens(item),
                                               item.video, timings)
         return LoadedItem(frames, times, request.to_wire(item.id, max_frames), timings)

@@ -45,6 +45,7 @@ from vpsd.roles.target import serve_target
 from vpsd.tracing import get_logger
 from vpsd.transport.control import PeerTimeout
 from vpsd.video.errors import VideoError
+from vpsd.video.prefetch import frame_pool
 
 
 def peak_rss_mib() -> float | None:
@@ -142,6 +143,10 @@ class ItemEvents:
     def started(self, item: ManifestItem) -> None:
         self.ctx.item_id = item.id
 
+    def read_ahead(self, item: ManifestItem) -> None:
+        """The scheduler took the item: its video is read on the readers while earlier items are prepared."""
+        self.reader.ahead(item)
+
     def after_round(self, engine: Engine) -> None:
         """A served pipeline's round (module docstring): the cancelled items marked to leave, the committed
         tokens of the others reported."""
@@ -212,7 +217,9 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
         if target_group is not None:
             target.mirror = Mirror(target_group, ctx.rank, target.device)
         frames = SharedFrames()  # what a draft thread takes instead of reading the file again
-        events = ItemEvents(ctx, cfg, ItemReader(target, cfg), target, link, frames)
+        # The videos, read ahead on the cores no role is pinned to (none left: the prefill thread's, the draft's)
+        readers = frame_pool(cfg.video, cfg.cpu_affinity, (cfg.cpu_affinity or {}).get("draft"), "reader")
+        events = ItemEvents(ctx, cfg, ItemReader(target, cfg, readers), target, link, frames)
         wired = build_engine(cfg, ctx.method, target, rank_link=lambda: RankLink(ctx), out=ctx.out, job_id=ctx.job_id,
                              timeout_s=ctx.timeout_s, videos=frames, shared_items=pipelines > 1)
         engine, scheduler, stop_drafter = wired.engine, wired.scheduler, wired.stop
@@ -224,13 +231,15 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
                           stop=stop_drafter, profile=profile,
                           after_round=(lambda: events.after_round(engine)) if link.served else None)
     frames.close()
+    readers.close()
     if target.mirror is not None:
         target.mirror.stop()  # the followers leave
     report = engine.report.as_dict() if cfg.batching.size > 1 else None
     if report is not None:
         get_logger().info("batching_done", **report)
     link.done({"loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": report,
-               "items": events.finished_items, "failed": events.failures, "capture_s": capture_s(engine)})
+               "items": events.finished_items, "failed": events.failures, "capture_s": capture_s(engine),
+               "reuse": engine.reuse_stats()})  # the prefix cache's hits, misses, bytes (engine/prefix_cache.py)
 
 
 def capture_s(engine: Engine) -> float | None:

@@ -8,7 +8,8 @@ differ stops at launch, before any rank loads a model, saying which settings dif
 
 Not part of the identity: where and how fast the job runs (the model's device, captured steps and tensor parallelism, cpu affinity, roles,
 timeouts, how many items are in flight: `batching`, whose items decode exactly as at batch 1), how it is
-driven (--shard, --quiet, --retry-failed), and how over-long items are admitted
+driven (--shard, --quiet, --retry-failed), how videos are read (`video.readers`, `read_ahead`,
+`frames_budget_mib`, `share_frames`: the same frames either way), and how over-long items are admitted
 (`video.context_limit`, `video.subsample_to_fit`: an item that fits decodes the same either way, and
 retrying the items that did not fit with subsampling on is how such failures are meant to be rerun).
 A setting vpsd gained after a directory was recorded (absent from its job.json) counts as its default there,
@@ -36,7 +37,8 @@ JOB_FILE = "job.json"
 SECTIONS = ("family", "target", "draft", "video", "decoding", "pruning", "tabed")
 NOT_IDENTITY = ("target.device", "draft.device", "target.capture", "draft.capture", "target.capture_len",
                 "draft.capture_len", "target.tensor_parallel", "draft.tensor_parallel", "video.context_limit",
-                "video.subsample_to_fit")
+                "video.subsample_to_fit", "video.readers", "video.read_ahead", "video.frames_budget_mib",
+                "video.share_frames")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 SAMPLE = 1 << 20  # bytes read at each of a weight file's start, middle and end
 

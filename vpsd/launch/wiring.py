@@ -74,7 +74,9 @@ def build_engine(cfg: RunConfig, method: Method, target: VideoLMAdapter, *, draf
     if place is DraftPlace.REMOTE:
         if rank_link is None:
             raise ValueError(f"method {method.name} drafts on ranks of its own here: set draft_on: thread")
-        drafter = RemoteDrafter(rank_link(), target, cfg, job_id=job_id, timeout_s=timeout_s, target_probs=probs)
+        # A draft rank takes the frames this process read, unless told to read the files itself (video.share_frames)
+        drafter = RemoteDrafter(rank_link(), target, cfg, job_id=job_id, timeout_s=timeout_s, target_probs=probs,
+                                send_frames=cfg.video.share_frames)
         engine = Engine(target, cfg, size, drafter)
         return Wired(engine, Scheduler(engine, budget, prefill_cpus=cpus, shared_items=shared_items), drafter.shutdown)
     if draft is None and method.loads_draft_model:
@@ -110,7 +112,7 @@ class SharedFrames:
         with self._lock:
             held = self._held.get(str(wire.get("item", "")))
         if held is not None:
-            return held[0], held[1], {}
+            return held[0], held[1], {"video_read_s": 0.0, "video_wait_s": 0.0}
         return self._reader().take(wire)
 
     def ahead(self, wire: dict[str, Any] | None) -> None:

@@ -3,9 +3,10 @@ or many, every row in one forward per step.
 
 The draft rank drafts while the target rank verifies (roles/target.py), so the two overlap; with `--batch N` and
 `batching.pipelined: true` each of their forwards carries every item in flight. Per item: a JobStart from the
-target, the video read by the same request (read ahead while the previous items are drafted), the draft's vision
-tower, the kept indices from the pruner, the pruned prefill through the method's proposer (engine/proposers.py:
-a row of the draft model's batched cache, or TABED's ensemble of views), then chunks out and verdicts in, each
+target, its frames (sent by the target right behind it, `video.share_frames`: roles/frames_wire.py; else the video
+read by the same request, read ahead while the previous items are drafted), the draft's vision tower, the kept
+indices from the pruner, the pruned prefill through the method's proposer (engine/proposers.py: a row of the
+draft model's batched cache, or TABED's ensemble of views), then chunks out and verdicts in, each
 applied by the item's own `DraftMachine` (optimistic and conservative modes, epochs, rollback), until the
 target's ItemDone. What is batched is only the forward:
 
@@ -47,12 +48,13 @@ from vpsd.pipeline.sampling import ItemSampler
 from vpsd.pipeline.seeds import draft_sampler
 from vpsd.pipeline.state_machine import DraftMachine, Mode
 from vpsd.pipeline.stopping import done
-from vpsd.roles.context import RoleContext
+from vpsd.roles import frames_wire
+from vpsd.roles.context import RoleContext, RoleFailure
 from vpsd.roles.link import Link, RankLink, recv_announced
 from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
-from vpsd.video.prefetch import FramePrefetcher
+from vpsd.video.prefetch import FramePrefetcher, frame_pool
 
 log = get_logger()
 
@@ -122,23 +124,41 @@ class DraftWorker:
             log.warning("unexpected_message", type=type(msg).__name__, src=src)
 
     def on_job(self, job: JobStart) -> None:
-        """A new item: read its video (the same request the target read) and run the vision tower now, so the
-        pruned prefill can start the moment the kept indices arrive."""
+        """A new item: take its frames (the target's, sent behind the JobStart; else read by the same request the
+        target read) and run the vision tower now, so the pruned prefill can start the moment the kept indices
+        arrive."""
         emb = None
+        sent = frames_wire.follow(job)
         try:
-            frames, times, _ = self.videos.take(job.video)
+            frames, times, timings = self._received(job) if sent else self.videos.take(job.video)
+            log.info("draft_frames", item=job.item_id, source="target" if sent else "file", frames=len(frames),
+                     **{k: round(v, 6) for k, v in timings.items()})
         except VideoError as e:
             # The target read the same file; if it could, the draft cannot draft this item: the target fails
             # it with this message (and its ItemDone ends it here).
             self.link.send("target", Error("draft", self.link.rank, job.item_id, f"draft could not read the video: {e}"))
             frames = None
-        self.videos.ahead(job.next_video)
+        if not sent:  # the next item's frames will come with it otherwise
+            self.videos.ahead(job.next_video)
         if frames is not None:
             with span("vision", item=job.item_id):
                 emb = self.draft.embed(self.draft.prepare(frames, job_prompt(job), times))
         self.waiting[job.item_id] = (job, emb)
         if job.item_id in self.early:
             self._join(job.item_id, *self.early.pop(job.item_id))
+
+    def _received(self, job: JobStart) -> tuple[np.ndarray, np.ndarray | None, dict[str, float]]:
+        """The frames the target sent right behind the JobStart: nothing read here (video_read_s 0), the receive
+        is the item's video wait."""
+        t0 = time.perf_counter()
+        with span("frames_received", item=job.item_id) as traced:
+            _, announce = self.link.recv("target")
+            if not isinstance(announce, TensorAnnounce) or announce.tag != frames_wire.TAG:
+                got = announce.tag if isinstance(announce, TensorAnnounce) else type(announce).__name__
+                raise RoleFailure(f"draft: expected the target's frames of item {job.item_id}, got {got}")
+            frames, times = frames_wire.unpack(announce.names, self.link.recv_tensors(announce))
+            traced.update(frames=len(frames), mib=round(frames.nbytes / 2**20, 3))
+        return frames, times, {"video_read_s": 0.0, "video_wait_s": time.perf_counter() - t0}
 
     def on_keep(self, announce: TensorAnnounce) -> None:
         """The pruner's kept indices: the item's pruned prefill becomes a row of the batch."""
@@ -267,7 +287,8 @@ def draft_role(link: Link, draft: VideoLMAdapter, cfg: RunConfig, drafts_from: s
     loaded), then the worker's loop until the target's Shutdown; videos read ahead from their files unless
     `videos` hands them over (frames already in memory)."""
     own = videos is None
-    videos = FramePrefetcher() if own else videos
+    # Its own readers (started only if a video is read here: not while the target sends the frames)
+    videos = FramePrefetcher(frame_pool(cfg.video, cfg.cpu_affinity, name="draft_reader")) if own else videos
     try:
         link.send("target", Ready("draft", link.rank, time.monotonic() - started))
         serve_draft(link, DraftWorker(link, draft, cfg, videos, drafts_from=drafts_from))

@@ -7,7 +7,8 @@ prefill with the pruner's signals leaving from inside it once layer L has run (`
 the pruning and the draft's pruned prefill overlap the rest of it, HIPPO's synchronous prefill), then chunks
 in and verdicts out, and an ItemDone when the request leaves. A request prefilled on another thread, or under
 `decoding.sync_prefill: false` (PEARL-video), holds its signals (`HeldSignals`) and sends them, with its JobStart,
-when it joins.
+when it joins. With `send_frames` (a draft rank, `video.share_frames`) the request's frames follow its JobStart on
+the tensor channel (roles/frames_wire.py), so the draft does not decode the video again.
 
 Chunks arrive whenever the draft sends them (`handle`); asked for windows, the drafter hands over the
 first chunk of each request that its `TargetMachine` can verify now (a chunk from before a rollback, or not
@@ -30,6 +31,7 @@ from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Ready, Shutdown, VerifyResult
 from vpsd.pipeline.sampling import probs_from_logits
 from vpsd.roles.context import RoleFailure
+from vpsd.roles import frames_wire
 from vpsd.roles.link import Link, recv_announced
 from vpsd.roles.starting import HeldSignals, job_start, prefill_streaming_signals
 from vpsd.tracing import get_logger, mark, span
@@ -42,10 +44,11 @@ class RemoteDrafter:
     tree = None
 
     def __init__(self, link: Link, target: VideoLMAdapter, cfg: RunConfig, job_id: str = "",
-                 timeout_s: float = 60.0, target_probs: bool = False) -> None:
-        """target_probs: TABED's soft labels, p at the verified positions, follow each verdict."""
+                 timeout_s: float = 60.0, target_probs: bool = False, send_frames: bool = False) -> None:
+        """target_probs: TABED's soft labels, p at the verified positions, follow each verdict; send_frames: each
+        request's frames follow its JobStart (module docstring)."""
         self.link, self.target, self.cfg, self.job_id, self.timeout_s = link, target, cfg, job_id, timeout_s
-        self.target_probs = target_probs
+        self.target_probs, self.send_frames = target_probs, send_frames
         self.chunks: dict[str, deque] = {}  # request -> (DraftChunk, q) not yet verified, in arrival order
         self.errors: dict[str, str] = {}  # request -> why the draft cannot draft it
         self.num_kept: dict[str, int] = {}  # the pruner's reports
@@ -72,7 +75,14 @@ class RemoteDrafter:
 
     def _start(self, request: Request, gamma: int) -> None:
         job = job_start(self.job_id, request, int(request.seed), gamma, self.target)
+        if self.send_frames:
+            job = frames_wire.announce(job)
         self.link.send("draft", job)
+        if self.send_frames:  # right behind the JobStart: the draft takes them as it takes the JobStart
+            names, tensors = frames_wire.pack(request.frames, request.frame_times)
+            with span("send", item=request.id, what="frames", frames=len(request.frames)):
+                self._keep(self.link.send_tensors("draft", tensors, tag=frames_wire.TAG, item_id=request.id,
+                                                  names=names))
         self.link.send("pruner", job)
         self.chunks[request.id] = deque()
 
@@ -156,9 +166,13 @@ class RemoteDrafter:
             rows = target_rows[: verdict.num_accepted + int(verdict.rollback)]
             # Sent without waiting: the draft may itself be blocked sending a chunk's q to us; it receives these
             # right after the verdict. Handles stay referenced until done.
-            self.pending_sends = [h for h in self.pending_sends if not h.is_completed()]
-            self.pending_sends.append(self.link.send_tensors(
+            self._keep(self.link.send_tensors(
                 "draft", [probs_from_logits(rows, self.cfg.decoding.temperature)], tag="target_probs"))
+
+    def _keep(self, handle) -> None:
+        """A send not waited for: its handle (and its tensors) kept until it completes."""
+        self.pending_sends = [h for h in self.pending_sends if not h.is_completed()]
+        self.pending_sends.append(handle)
 
     def error(self, request: Request) -> str | None:
         return self.errors.get(request.id)
