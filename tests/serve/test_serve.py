@@ -260,7 +260,7 @@ def test_refusals_are_openai_errors_and_the_server_goes_on(server, client, ar):
     assert status == 413 and body["code"] == "video_too_large"
     huge = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * (3 * 2**20)}}
     assert _status(client, messages=_messages("x", huge))[0] == 413
-    assert _status(client, messages=[{"role": "system", "content": "x"}, *msgs])[0] == 400
+    assert _status(client, messages=[*msgs, {"role": "assistant", "content": "x"}])[0] == 400  # answers a user turn
     assert _status(client, messages=_messages("no video"))[0] == 400
     assert _ask(client, item).choices[0].message.content == ar[item["id"]]  # still up, still right
 

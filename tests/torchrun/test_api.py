@@ -91,7 +91,7 @@ def check_bad(outs: dict[str, vpsd.Output]) -> None:
     assert outs["missing"].finish_reason == "error" and outs["missing"].error_kind == "missing"
     assert outs["missing"].error == "VideoError: missing video /no/such/video.mp4: no such file or directory"
     assert outs["not-frames"].error_kind == "bad_request" and "(T, H, W, 3) uint8" in outs["not-frames"].error
-    assert "exactly one user turn" in outs["no-user-turn"].error and outs["no-user-turn"].error_kind == "bad_request"
+    assert "needs a user turn" in outs["no-user-turn"].error and outs["no-user-turn"].error_kind == "bad_request"
 
 
 def test_a_bad_request_fails_alone_with_the_jobs_error(items, ar):
@@ -115,7 +115,7 @@ def test_a_malformed_request_is_its_own_bad_request_output():
     assert said["video-none"] == ("bad request: video must be a path (str or Path) or a (T, H, W, 3) uint8 array, "
                                   "got None")
     assert said["prompt-empty"] == "bad request: prompt is empty (a job refuses such an item too: vpsd check)"
-    assert "exactly one user turn" in said["no-user-turn"] and "seed must be an int >= 0" in said["seed-negative"]
+    assert "needs a user turn" in said["no-user-turn"] and "seed must be an int >= 0" in said["seed-negative"]
     assert said[outs[-1].id] == "bad request: a request must be a vpsd.VideoRequest, got str 'clip.mp4'"
 
 

@@ -7,6 +7,11 @@ Format, one JSON object per line (blank lines and lines starting with `#` are sk
 - `video`: a file or a folder of frame images; relative paths are relative to the manifest's folder.
 - `prompt`: non-empty string; text, even where it spells a special token such as `<|im_end|>` (encoded as
   the characters, vpsd/models/prompt.py), unless the item sets `"prompt_special_tokens": true`.
+- or `messages` instead of `prompt`: a conversation, rendered as the checkpoint's chat template renders it:
+  [{"role": "system" | "user" | "assistant", "content": "..." or [{"type": "text", "text": "..."},
+  {"type": "video"}]}, ...]: an optional system message first, the last message a user's, and the line's `video`
+  in the user turn holding the one `{"type": "video"}` part (without one, in the first user turn).
+  Its texts are text; `ManifestItem.prompt` holds it as a conversation prompt (models/prompt.py chat_prompt).
 - optional `max_new_tokens` (int > 0), and `num_frames` (int > 0) or `fps` (number > 0), not both;
   null means absent.
 - optional `stop`: a string or a list of strings; the output ends before the first of them (decoding stops
@@ -32,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vpsd.models.prompt import ControlText
+from vpsd.models.prompt import CHAT_MARK, ControlText, chat_prompt, parse_messages, turns_of
 
-KNOWN_FIELDS = ("id", "video", "prompt", "max_new_tokens", "num_frames", "fps", "stop", "seed")
+KNOWN_FIELDS = ("id", "video", "prompt", "messages", "max_new_tokens", "num_frames", "fps", "stop", "seed")
 
 # Exit codes of check_manifest.
 OK, HAS_PROBLEMS, UNREADABLE = 0, 1, 2
@@ -160,6 +165,28 @@ def _required_text(obj: dict, name: str, problems: list[str]) -> str | None:
     return value
 
 
+def _prompt(obj: dict, problems: list[str]) -> str | None:
+    """The line's `prompt`, or its `messages` as a conversation prompt (models/prompt.py)."""
+    if "messages" not in obj:
+        prompt = _required_text(obj, "prompt", problems)
+        if prompt is not None and prompt.startswith(CHAT_MARK):
+            problems.append("field 'prompt' starts with U+F0000, vpsd's conversation mark: give 'messages' instead")
+            return None
+        return prompt
+    if "prompt" in obj:
+        problems.append("give 'prompt' or 'messages', not both")
+        return None
+    try:
+        prompt = chat_prompt(parse_messages(obj["messages"]))
+    except ValueError as e:
+        problems.append(f"field 'messages': {e}")
+        return None
+    if not any(t.text.strip() for t in turns_of(prompt) if t.role == "user"):
+        problems.append("field 'messages': the user turns hold no text")
+        return None
+    return prompt
+
+
 def _item_id(obj: dict, problems: list[str]) -> str | None:
     if "id" not in obj:
         problems.append("missing field 'id'")
@@ -194,7 +221,7 @@ def _parse_object(
     problems: list[str] = []
     item_id = _item_id(obj, problems)
     video = _required_text(obj, "video", problems)
-    prompt = _required_text(obj, "prompt", problems)
+    prompt = _prompt(obj, problems)
     max_new_tokens = _positive_int(obj, "max_new_tokens", problems)
     num_frames = _positive_int(obj, "num_frames", problems)
     fps = _positive_number(obj, "fps", problems)
@@ -206,6 +233,8 @@ def _parse_object(
     special = obj.get("prompt_special_tokens", False)
     if not isinstance(special, bool):
         problems.append(f"'prompt_special_tokens' must be true or false, got {special!r}")
+    elif special and "messages" in obj:
+        problems.append("'prompt_special_tokens' applies to 'prompt'; a conversation's texts are text")
     if problems:
         return item_id, None, problems
     if special:  # the item asks for its prompt's special-token strings to act as control tokens

@@ -1,6 +1,7 @@
 """The HTTP surface of `vpsd serve` (FastAPI): OpenAI's chat completions over vpsd's Python API.
 
-    POST /v1/chat/completions   one user turn: text + one video (video_url, or frames as image_url parts)
+    POST /v1/chat/completions   a chat (system, user and assistant turns) about one video (video_url, or frames as
+                                image_url parts, in a user turn), answered as the checkpoint's chat template asks
     GET  /v1/models             the one model served
     GET  /health                200 while the engine takes requests, 503 while shutting down
     GET  /metrics               Prometheus text (serve/metrics.py)
@@ -34,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from vpsd.api import Output, SamplingParams, VideoRequest
-from vpsd.models.prompt import tokenizer_lock
+from vpsd.models.prompt import prompt_texts, tokenizer_lock
 from vpsd.serve.jobs import Done, Job, QueueFull, Runner, ServerClosing
 from vpsd.serve.media import MediaError, MediaLimits, ParsedRequest, parse_messages
 from vpsd.serve.metrics import Metrics
@@ -186,8 +187,9 @@ class ChatService:
 
     def _usage(self, out: Output, prompt: str, done: Done) -> Usage:
         tokenizer = self.llm.tokenizer
-        with tokenizer_lock(tokenizer):
-            text_tokens = len(tokenizer.encode(prompt, add_special_tokens=False, split_special_tokens=True))
+        with tokenizer_lock(tokenizer):  # every message's text (the chat template's own tokens are not counted)
+            text_tokens = sum(len(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+                              for text in prompt_texts(prompt))
         prompt_tokens = text_tokens + int(out.num_video_tokens or 0)
         s = out.stats
         stats = VpsdStats(method=self.settings.method, mean_accepted_tokens=s.get("mean_accepted_tokens"),

@@ -1,4 +1,4 @@
-"""A chat request's messages as vpsd's one video and one prompt (a `VideoRequest`), within the server's limits.
+"""A chat request's messages as vpsd's one video and its prompt (a `VideoRequest`), within the server's limits.
 
 The video comes in one of the forms OpenAI-compatible clients send:
 - one `video_url` part: a `data:video/...;base64,` URL (written to a temporary file the caller deletes), or a
@@ -7,8 +7,11 @@ The video comes in one of the forms OpenAI-compatible clients send:
 - `image_url` parts, one per frame, as data URLs (what lmms-eval's `openai_compatible` backend sends for a
   video task: the frames as base64 PNGs after the question), decoded to a (T, H, W, 3) uint8 array, one frame a
   second.
-The prompt is the text parts of the one user turn, joined by newlines. What does not fit is a `MediaError` with
-the HTTP status to answer (400 bad input, 403 a path outside the allowed folder, 413 over a size limit).
+The prompt is the conversation (vpsd/models/prompt.py): an optional system message (or OpenAI's `developer`)
+first, then user and assistant turns, the last a user's; each message's text parts joined by newlines; the video
+in the user turn that holds its part(s), before that turn's text. One user turn is the plain prompt it always was.
+What does not fit is a `MediaError` with the HTTP status to answer (400 bad input: a role other than those, a
+video part outside a user turn, two videos, none; 403 a path outside the allowed folder, 413 over a size limit).
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from vpsd.models.prompt import ROLES, Turn, chat_prompt, check_turns
 from vpsd.serve.schema import ChatCompletionRequest, ContentPart
+
+
+ROLE_NAMES = {"developer": "system"}  # OpenAI's newer name of the system message (its o-series clients send it)
 
 
 class MediaError(ValueError):
@@ -52,33 +59,57 @@ class ParsedRequest:
 
 
 def parse_messages(request: ChatCompletionRequest, limits: MediaLimits, scratch: Path) -> ParsedRequest:
-    """The request's prompt and video (MediaError for what does not fit; module docstring)."""
-    roles = [m.role for m in request.messages]
-    if roles != ["user"]:
-        raise MediaError(400, f"vpsd answers one user turn about one video: messages must be exactly one user "
-                              f"message, got roles {roles}", "unsupported_messages")
-    content = request.messages[0].content
-    parts = [ContentPart(type="text", text=content)] if isinstance(content, str) else list(content or [])
-    texts, videos, images = [], [], []
-    for part in parts:
-        if part.type == "text":
-            texts.append(part.text or "")
-        elif part.type == "video_url" and part.video_url is not None:
-            videos.append(part.video_url.url)
-        elif part.type == "image_url" and part.image_url is not None:
-            images.append(part.image_url.url)
-        else:
-            raise MediaError(400, f"content part of type {part.type!r} is not supported (text, video_url, "
-                                  "image_url)", "unsupported_content")
+    """The request's conversation and video (MediaError for what does not fit; module docstring)."""
+    turns, videos, images = [], [], []  # videos, images: (message index, url)
+    for n, message in enumerate(request.messages):
+        role = ROLE_NAMES.get(message.role, message.role)
+        if role not in ROLES:
+            raise MediaError(400, f"messages[{n}]: role {message.role!r} is not supported (system, user, assistant)",
+                             "unsupported_messages")
+        content = message.content
+        if (message.model_extra or {}).get("tool_calls") or (message.model_extra or {}).get("function_call"):
+            raise MediaError(400, f"messages[{n}] ({message.role}): tool calls are not supported",
+                             "unsupported_messages")
+        if content is None:
+            raise MediaError(400, f"messages[{n}] ({message.role}) has no content (tool calls are not supported)",
+                             "unsupported_messages")
+        parts = [ContentPart(type="text", text=content)] if isinstance(content, str) else list(content)
+        texts = []
+        for part in parts:
+            if part.type == "text":
+                texts.append(part.text or "")
+            elif part.type in ("video_url", "image_url") and role != "user":
+                raise MediaError(400, f"messages[{n}] ({message.role}): a {part.type} part goes in a user turn",
+                                 "unsupported_content")
+            elif part.type == "video_url" and part.video_url is not None:
+                videos.append((n, part.video_url.url))
+            elif part.type == "image_url" and part.image_url is not None:
+                images.append((n, part.image_url.url))
+            else:
+                raise MediaError(400, f"messages[{n}]: content part of type {part.type!r} is not supported (text, "
+                                      "video_url, image_url)", "unsupported_content")
+        turns.append(Turn(role, "\n".join(texts)))
+    try:
+        check_turns(turns, one_video=False)  # the conversation's shape, before its video
+    except ValueError as e:
+        raise MediaError(400, str(e), "unsupported_messages") from None
     if videos and images or len(videos) > 1:
         raise MediaError(400, "one video a request: one video_url part, or image_url parts as its frames, not both "
                               f"(got {len(videos)} video_url, {len(images)} image_url)", "unsupported_content")
     if not videos and not images:
         raise MediaError(400, "no video: give a video_url part, or the frames as image_url parts", "missing_video")
-    prompt = "\n".join(texts)
+    holders = sorted({n for n, _ in videos + images})
+    if len(holders) > 1:
+        raise MediaError(400, f"one video a request: the frames (image_url parts) are in messages {holders}; send "
+                              "them in one user turn", "unsupported_content")
+    turns[holders[0]] = Turn(turns[holders[0]].role, turns[holders[0]].text, video=True)
+    try:
+        prompt = chat_prompt(turns)
+    except ValueError as e:
+        raise MediaError(400, str(e), "unsupported_messages") from None
     if videos:
-        return _video(videos[0], prompt, limits, scratch)
-    return ParsedRequest(prompt, _frames(images, limits))
+        return _video(videos[0][1], prompt, limits, scratch)
+    return ParsedRequest(prompt, _frames([url for _, url in images], limits))
 
 
 def _video(url: str, prompt: str, limits: MediaLimits, scratch: Path) -> ParsedRequest:
