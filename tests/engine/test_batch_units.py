@@ -33,7 +33,8 @@ def test_request_resolution_item_first_then_config():
     assert FrameRequest.resolve("v", None, None, 8, 1.0, None) == FrameRequest("v", None, 1.0, None)
     wire = FrameRequest("v", 4, None, 112).to_wire("id-1", max_frames=3)
     assert wire["item"] == "id-1" and wire["max_frames"] == 3
-    assert FrameRequest.from_wire(wire) == FrameRequest("v", 4, None, 112)
+    # The cap travels as part of the request: a draft reading the file itself reads only the capped frames.
+    assert FrameRequest.from_wire(wire) == FrameRequest("v", 4, None, 112, max_frames=3)
 
 
 @pytest.mark.parametrize("request_,cap", [(dict(num_frames=9), 4), (dict(fps=3), 2), (dict(), 5)])

@@ -6,12 +6,15 @@ Runs on the prefill thread; touches the target only through `prepare` (no model 
 takes its frames. Per item the timings (`video_read_s`, `preprocess_s`) go into its result's stats; the same
 spans are in the target's trace.
 An item whose prompt + video + max_new_tokens exceeds `video.context_limit` (default the target's
-max_position_embeddings) fails as `too_long`, or is subsampled to fit when `video.subsample_to_fit` is set.
+max_position_embeddings) fails as `too_long`, or is subsampled to fit when `video.subsample_to_fit` is set: decided
+from the video's metadata before it is read (`planned_request`), and checked again on the frames read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -21,8 +24,10 @@ from vpsd.launch.manifest import ManifestItem
 from vpsd.models.base import VideoLMAdapter
 from vpsd.models.checkpoint import read_frame_sampling
 from vpsd.tracing import get_logger
-from vpsd.video.fit import fit_to_context
+from vpsd.video.decode import FRAMES_SUFFIX, probe_video
+from vpsd.video.fit import fit_count, fit_to_context
 from vpsd.video.errors import VideoError
+from vpsd.video.frames import max_side_size
 from vpsd.video.item import FrameRequest, cap_frames, load_frames, scale_to_max_side, timed
 from vpsd.video.prefetch import FramePool
 
@@ -74,18 +79,54 @@ class ItemReader:
         return item.max_new_tokens or self.cfg.decoding.max_new_tokens
 
     def ahead(self, item: ManifestItem) -> None:
-        """Start reading the item's frames on the readers (the scheduler took it: engine/prefill_ahead.py)."""
+        """Start reading the item's frames on the readers (the scheduler took it: engine/prefill_ahead.py); a video
+        refused before reading (too long, too large, unreadable) is not read ahead: `load` raises its error."""
         if self.frames is not None:
-            self.frames.ahead(item.id, self.frame_request(item))
+            try:
+                request = self.planned_request(item, {})
+            except VideoError:
+                return
+            self.frames.ahead(item.id, request)
+
+    def planned_request(self, item: ManifestItem, timings: dict[str, float]) -> FrameRequest:
+        """The item's request, capped to fit the context before a frame is decoded (issue: a 60-minute video at fps 4
+        was decoded whole, at full size, before anything asked whether it fits, and took the rank down): from the
+        container's metadata (`probe_video`: the frame count, rate and size, nothing decoded) the selection and the
+        tokens it needs are known, so `too_long` (or the `video.subsample_to_fit` cap) is decided first, and a read
+        whose frames would not fit `video.frames_budget_mib` at their size is refused (`too_large`) instead of
+        held. A folder or frames file is fitted after reading, as before. Raises VideoError."""
+        request = self.frame_request(item)
+        if Path(request.video).is_dir() or request.video.endswith(FRAMES_SUFFIX):
+            return request
+        with timed("video_plan", timings, item=item.id):
+            info = probe_video(request.video)
+            indices = info.indices(num_frames=request.num_frames, fps=request.fps, processor=request.processor)
+            height, width = max_side_size(info.height, info.width, request.max_side)
+            times = indices / info.fps  # the frames' times from the video's start, as their timestamps will say
+            reserve = self.max_new_tokens(item)
+            cap = fit_count(len(indices), lambda k: self.target.count_tokens(
+                k, height, width, item.prompt, cap_frames(times, k)) + reserve, self.limit,
+                self.cfg.video.subsample_to_fit, request.video)
+            frames = len(indices) if cap is None else cap
+            held = frames * height * width * 3
+            if held > self.cfg.video.frames_budget_mib * 2**20:
+                raise VideoError("too_large", request.video, (
+                    f"{frames} frames of {width}x{height} would hold {held / 2**20:.0f} MiB, over "
+                    f"video.frames_budget_mib ({self.cfg.video.frames_budget_mib:g}); set video.max_side or ask for "
+                    f"fewer frames"))
+        if cap is not None:
+            get_logger().info("video_subsampled", item=item.id, frames=cap, limit=self.limit, before_reading=True)
+        return dataclasses.replace(request, max_frames=cap)
 
     def load(self, item: ManifestItem) -> LoadedItem:
         timings: dict[str, float] = {}
-        request = self.frame_request(item)
+        request = self.planned_request(item, timings)
         if self.frames is not None:  # read ahead (or now) by the readers; the item's video_wait is its admission's
             frames, times, read = self.frames.take(item.id, request)
             timings.update({k: v for k, v in read.items() if k != "video_wait_s"})
         else:
             frames, times = load_frames(request, item.id, timings)
+        # Checked again on the frames read (their real times; a count the container overstated), as in memory.
         frames, times, max_frames = self._fit(item.id, item.prompt, frames, times, self.max_new_tokens(item),
                                               item.video, timings)
         return LoadedItem(frames, times, request.to_wire(item.id, max_frames), timings)
@@ -109,9 +150,10 @@ class ItemReader:
         and the cap applied (None: all of them)."""
         with timed("preprocess", timings, item=item_id, step="fit"):
             # A capped clip's times are the same cap of the times (Qwen3-VL's prompt counts them).
+            height, width = frames.shape[1:3]
             frames, max_frames = fit_to_context(
-                frames, lambda f: self.target.prepare(f, prompt, cap_frames(times, len(f))).seq_len + reserve,
-                self.limit, self.cfg.video.subsample_to_fit, where,
+                frames, lambda f: self.target.count_tokens(len(f), height, width, prompt, cap_frames(times, len(f)))
+                + reserve, self.limit, self.cfg.video.subsample_to_fit, where,
             )
         if max_frames is not None:
             get_logger().info("video_subsampled", item=item_id, frames=max_frames, limit=self.limit)

@@ -32,7 +32,7 @@ from vpsd.models.cache_ops import CACHE_OPS
 from vpsd.models.captured import CapturedLanguageModel, FixedCache, FixedCacheLease
 from vpsd.models.hf_compat import cache_kwargs
 from vpsd.models.kv_cache import GrowingCache
-from vpsd.models.prompt import tokenizer_lock
+from vpsd.models.prompt import Turn, render_template, tokenizer_lock
 from vpsd.pipeline.layout import VideoTokenLayout
 
 
@@ -60,6 +60,11 @@ class SequenceEmbeddings:
     # Extra per-video-token features injected inside the language model (Qwen3-VL deepstack):
     # each (N_video, D), pruned together with the video tokens.
     deepstack: list[torch.Tensor] = field(default_factory=list)
+    # The engine's plan to reuse a cached prefix of this sequence (engine/prefix_cache.py `Reuse`), when it has
+    # one: the target's prefill then runs through it (engine/pair_prefill.py prefill_for_strategy). None: a
+    # plain prefill. Without vision features (`embed_with(inputs, None)`) the video rows hold placeholder
+    # embeddings, which only a prefill that takes every video row from the cache may be given.
+    reuse: Any = None
 
     @property
     def seq_len(self) -> int:
@@ -69,6 +74,19 @@ class SequenceEmbeddings:
     def visual_embeds(self) -> torch.Tensor:
         """(N_video, D) the visual features as they enter the language model."""
         return self.embeds[0, self.layout.seq_positions]
+
+
+@dataclass
+class VisionFeatures:
+    """The vision tower's output for one video, as it enters the language model (`embed_with`): what the engine's
+    prefix cache keeps per video (engine/prefix_cache.py), so a second question about it skips the tower."""
+
+    video: torch.Tensor  # (N_video, D) features of the video tokens, in layout order
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # Qwen3-VL: (N_video, D) per deepstack layer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.video, *self.deepstack])
 
 
 @dataclass
@@ -124,12 +142,59 @@ class VideoLMAdapter(ABC):
         means the frames were sampled at the family's default rate from time 0."""
 
     @abstractmethod
+    def count_tokens(self, num_frames: int, height: int, width: int, prompt: str,
+                     frame_times: np.ndarray | None = None) -> int:
+        """`prepare(frames, prompt, frame_times).seq_len` for `num_frames` frames of height x width, from the sizes
+        alone: whether a video fits the context is known before any frame of it is decoded."""
+
+    @abstractmethod
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
         """Runs the vision tower, scatters its features into the token embeddings, computes positions."""
 
     def _language_kwargs(self, emb: SequenceEmbeddings, kept_video: torch.Tensor) -> dict[str, Any]:
         """Extra keyword arguments for the language model's prefill (deepstack for Qwen3-VL)."""
         return {}
+
+    # ---- embed split in two, for reuse (engine/prefix_cache.py) ---------------------------------
+
+    def vision_features(self, inputs: VideoInputs) -> VisionFeatures:
+        """The vision tower alone: `embed(inputs)` is `embed_with(inputs, vision_features(inputs))`."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its embed")
+
+    def embed_with(self, inputs: VideoInputs, features: VisionFeatures | None) -> SequenceEmbeddings:
+        """Token embeddings with `features` scattered into the video rows, and the rotary positions, which need no
+        vision tower (Qwen's need the grid only). features None: the video rows keep their placeholder tokens'
+        embeddings, for a prefill that takes every video row from a cached prefix (`SequenceEmbeddings.reuse`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its embed")
+
+    def _span_kwargs(self, emb: SequenceEmbeddings, start: int, end: int) -> dict[str, Any]:
+        """Extra keyword arguments for a forward of sequence positions [start, end) (`prefill_span`)."""
+        return {}
+
+    @torch.inference_mode()
+    def prefill_span(self, emb: SequenceEmbeddings, cache: DynamicCache, start: int, end: int,
+                     logits: bool = False) -> torch.Tensor | None:
+        """Feeds the full sequence's positions [start, end) (every token, each at its own rotary position) after a
+        cache holding exactly positions [0, start): a prefill in pieces, for a prefix whose cache was kept
+        (engine/prefix_cache.py). Returns the (V,) float32 logits of the span's last row when `logits`."""
+        if cache.get_seq_length() != start or not start < end <= emb.seq_len:
+            raise ValueError(f"cannot feed [{start}, {end}) of {emb.seq_len} after a cache of {cache.get_seq_length()}")
+        positions = emb.positions[:, :, start:end]
+        out = self.run_language_model(
+            cache,
+            inputs_embeds=emb.embeds[:, start:end],
+            position_ids=positions if self.position_rows > 1 else positions[0],  # 1-D rotary: (1, n), as `prefill`
+            **self._span_kwargs(emb, start, end),
+        )
+        return self.model.lm_head(out.last_hidden_state[:, -1]).float()[0] if logits else None
+
+    def prefill_after(self, emb: SequenceEmbeddings, cache: DynamicCache, start: int) -> PrefillResult:
+        """The full prefill's result when `cache` already holds positions [0, start) of `emb`: only the suffix is
+        fed (`prefill_span`), and the state is what `prefill(emb)` returns (every token in the cache)."""
+        logits = self.prefill_span(emb, cache, start, emb.seq_len, logits=True)
+        n = emb.seq_len
+        return PrefillResult(logits=logits, state=DecodeState(cache=cache, position_offset=emb.next_position - n,
+                                                              prefill_len=n))
 
     # ---- shared machinery ---------------------------------------------------------------------
 
@@ -138,17 +203,12 @@ class VideoLMAdapter(ABC):
         with tokenizer_lock(self.tokenizer):
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def render_chat(self, prompt: str, video_block: str) -> str | None:
-        """The tokenizer's own chat template for one user turn (the video, then `prompt`), or None when the
-        tokenizer has none (the tiny offline models: the family's hand-written form is used). The render must
-        hold `video_block`, the placeholder the family expands, exactly once."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            return None
-        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if text.count(video_block) != 1:
-            raise ValueError(f"the chat template rendered {text.count(video_block)} {video_block!r} for one video")
-        return text
+    def render_chat(self, turns: Sequence[Turn], video_block: str) -> str | None:
+        """The tokenizer's own chat template over a conversation's turns (models/prompt.py render_template: their
+        texts are slots, the video in its turn before its text), or None when the tokenizer has none (the tiny
+        offline models: the family's hand-written form is used). The render must hold `video_block`, the
+        placeholder the family expands, exactly once."""
+        return render_template(self.tokenizer, turns, video_block)
 
     @property
     def language_model(self) -> torch.nn.Module:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
-from vpsd.models.prompt import PROMPT_SLOT, encode_chat
+from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter, VisionFeatures
+from vpsd.models.prompt import Turn, chatml, encode_chat, slotted, turns_of
 from vpsd.pipeline.layout import VideoTokenLayout
 from vpsd.video import normalized_frames, resize_frames
 
@@ -51,7 +51,13 @@ class LlavaVisionSpec:
 
 def llava_chat_prompt(prompt: str, num_video_tokens: int) -> str:
     """The checkpoints' chat template (Qwen2 markers, no system turn) with `<video>` already expanded."""
-    return f"<|im_start|>user\n{'<video>' * num_video_tokens}\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    return llava_chat_template([Turn("user", prompt, True)], "<video>" * num_video_tokens)
+
+
+def llava_chat_template(turns: list[Turn], video_block: str = "<video>") -> str:
+    """The checkpoints' chat template over a conversation, hand-written (models/prompt.py chatml: no default system
+    turn; a newline between the video and its turn's text)."""
+    return chatml(turns, video_block, after_video="\n")
 
 
 def llava_video_tensor(frames: np.ndarray, spec: LlavaVisionSpec) -> torch.Tensor:
@@ -106,9 +112,10 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         pixel_values = llava_video_tensor(frames, self.vision_spec)
         num_frames, side = frames.shape[0], self.vision_spec.pooled_side
         n = num_frames * side * side + 1
-        chat = self.render_chat(PROMPT_SLOT, "<video>")  # the prompt goes in as text (encode_chat)
-        template = llava_chat_prompt(PROMPT_SLOT, n) if chat is None else chat.replace("<video>", "<video>" * n)
-        input_ids = torch.tensor([encode_chat(self.tokenizer, template, prompt)], dtype=torch.long)
+        turns = turns_of(prompt)  # a question or a conversation (models/prompt.py); its texts go in as text
+        chat = self.render_chat(slotted(turns), "<video>") or llava_chat_template(slotted(turns))
+        template = chat.replace("<video>", "<video>" * n)
+        input_ids = torch.tensor([encode_chat(self.tokenizer, template, [t.text for t in turns])], dtype=torch.long)
         is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
@@ -119,15 +126,32 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
             layout=layout,
         )
 
+    def count_tokens(self, num_frames: int, height: int, width: int, prompt: str,
+                     frame_times: np.ndarray | None = None) -> int:
+        """The length of the sequence `prepare` makes, without pixels: every frame is resized to one square, so
+        the size does not count."""
+        n = num_frames * self.vision_spec.pooled_side ** 2 + 1
+        turns = turns_of(prompt)
+        chat = self.render_chat(slotted(turns), "<video>") or llava_chat_template(slotted(turns))
+        return len(encode_chat(self.tokenizer, chat.replace("<video>", "<video>" * n), [t.text for t in turns]))
+
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
+        return self.embed_with(inputs, self.vision_features(inputs))
+
+    @torch.inference_mode()
+    def vision_features(self, inputs: VideoInputs) -> VisionFeatures:
+        feats = self.model.model.get_video_features(inputs.pixel_inputs["pixel_values_videos"].to(self.device))
+        return VisionFeatures(feats.pooler_output[0])  # (T * p * p + 1, D), newline last
+
+    @torch.inference_mode()
+    def embed_with(self, inputs: VideoInputs, features: VisionFeatures | None) -> SequenceEmbeddings:
         device = self.device
         ids = inputs.input_ids.to(device)
         embeds = self.model.model.get_input_embeddings()(ids)
-        feats = self.model.model.get_video_features(inputs.pixel_inputs["pixel_values_videos"].to(device))
-        video = feats.pooler_output[0].to(embeds.dtype)  # (T * p * p + 1, D), newline last
-        embeds[0, inputs.layout.seq_positions.to(device)] = video
-        length = inputs.seq_len
+        if features is not None:
+            embeds[0, inputs.layout.seq_positions.to(device)] = features.video.to(embeds.dtype)
+        length = inputs.seq_len  # 1-D positions: no tower
         positions = torch.arange(length, device=device).view(1, 1, length)
         return SequenceEmbeddings(embeds=embeds, positions=positions, next_position=length, layout=inputs.layout)
 

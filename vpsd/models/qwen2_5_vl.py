@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
-from vpsd.models.prompt import PROMPT_SLOT, encode_chat
+from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter, VisionFeatures
+from vpsd.models.prompt import Turn, chatml, encode_chat, slotted, turns_of
 from vpsd.models.qwen_video import QwenVisionSpec, qwen_video_tensors, resize_for_qwen
+from vpsd.video.resize import smart_resize
 from vpsd.pipeline.layout import VideoTokenLayout
 
 if TYPE_CHECKING:  # the config class is imported where it is built
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # the config class is imported where it is built
 VIDEO_TYPE_ID = 2  # mm_token_type_ids: text 0, image 1, video 2
 QWEN_VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"  # what Qwen's chat templates render for a video
 DEFAULT_FPS = 2.0  # Qwen's default video sampling rate: the frames' times when none are given
+QWEN_SYSTEM = "You are a helpful assistant."  # Qwen2.5-VL's template's system turn when a conversation has none
 
 
 def sampled_fps(frame_times: np.ndarray) -> float | None:
@@ -43,10 +45,13 @@ def sampled_fps(frame_times: np.ndarray) -> float | None:
 def qwen_chat_prompt(prompt: str, num_video_tokens: int) -> str:
     """The Qwen chat template with the video placeholder expanded, as the official processor does."""
     video = "<|vision_start|>" + "<|video_pad|>" * num_video_tokens + "<|vision_end|>"
-    return (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        f"<|im_start|>user\n{video}{prompt}<|im_end|>\n<|im_start|>assistant\n"
-    )
+    return qwen_chat_template([Turn("user", prompt, True)], video)
+
+
+def qwen_chat_template(turns: list[Turn], video_block: str = QWEN_VIDEO_BLOCK) -> str:
+    """Qwen2.5-VL's chat template over a conversation, hand-written (models/prompt.py chatml): its default system
+    turn when the conversation has none, then each message, the video before its turn's text."""
+    return chatml(turns, video_block, default_system=QWEN_SYSTEM)
 
 
 class QwenAdapterMixin:
@@ -84,28 +89,43 @@ class QwenAdapterMixin:
     def position_rows(self) -> int:
         return 3  # M-RoPE: temporal, height, width
 
-    def frame_times(self, frames: np.ndarray, frame_times: np.ndarray | None) -> np.ndarray:
+    def frame_times(self, num_frames: int, frame_times: np.ndarray | None) -> np.ndarray:
         """(T,) seconds of each frame: as given, else sampled at the family's default rate from time 0."""
         if frame_times is None or not self.use_frame_times:
-            return np.arange(frames.shape[0]) / self.fps
+            return np.arange(num_frames) / self.fps
         times = np.asarray(frame_times, dtype=np.float64)
-        if times.shape != (frames.shape[0],) or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
-            raise ValueError(f"frame_times must be {frames.shape[0]} finite non-decreasing seconds, got {times!r}")
+        if times.shape != (num_frames,) or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
+            raise ValueError(f"frame_times must be {num_frames} finite non-decreasing seconds, got {times!r}")
         return times
 
+    def token_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """(groups, rows, columns) of merged video tokens for `num_frames` frames of height x width: the grid
+        `_prepare_qwen` gets from the pixels (resized to multiples of the patch, frames padded to the temporal
+        patch), known from the sizes alone."""
+        spec = self.vision_spec
+        h, w = smart_resize(height, width, factor=spec.factor, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+        return -(-num_frames // spec.temporal_patch_size), h // spec.factor, w // spec.factor
+
+    def count_tokens(self, num_frames: int, height: int, width: int, prompt: str,
+                     frame_times: np.ndarray | None = None) -> int:
+        """The length of the sequence `prepare` makes, from the frames' count and size alone (no pixel is read:
+        a long video's fit to the context is decided before it is decoded, launch/items.py)."""
+        texts, text, _ = self._chat(num_frames, prompt, frame_times)
+        return len(encode_chat(self.tokenizer, text(self.token_grid(num_frames, height, width)), texts))
+
     def _prepare_qwen(
-        self, frames: np.ndarray, prompt: str, chat_text: Callable[[tuple[int, int, int]], str],
+        self, frames: np.ndarray, texts: list[str], chat_text: Callable[[tuple[int, int, int]], str],
         **pixel_extra: torch.Tensor,
     ) -> VideoInputs:
         """Video tensors, then `chat_text(token_grid)` (the family's template with the video tokens expanded and
-        PROMPT_SLOT for the prompt) tokenized with `prompt` as text (encode_chat) and checked against the grid;
-        `pixel_extra` joins the pixel inputs."""
+        slot(i) for the conversation's texts[i]) tokenized with the texts as text (encode_chat) and checked against
+        the grid; `pixel_extra` joins the pixel inputs."""
         spec = self.vision_spec
         pixel_values, grid = qwen_video_tensors(resize_for_qwen(frames, spec), spec)
         t, h, w = (int(v) for v in grid[0])
         token_grid = (t, h // spec.merge_size, w // spec.merge_size)
         n = token_grid[0] * token_grid[1] * token_grid[2]
-        input_ids = torch.tensor([encode_chat(self.tokenizer, chat_text(token_grid), prompt)], dtype=torch.long)
+        input_ids = torch.tensor([encode_chat(self.tokenizer, chat_text(token_grid), texts)], dtype=torch.long)
         is_video = input_ids[0] == self.model.config.video_token_id
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
@@ -127,6 +147,24 @@ class QwenAdapterMixin:
         embeds[0, inputs.layout.seq_positions.to(device)] = torch.cat(list(feats.pooler_output)).to(embeds.dtype)
         return embeds, feats
 
+    @torch.inference_mode()
+    def vision_features(self, inputs: VideoInputs) -> VisionFeatures:
+        """The vision tower's merged video features (and Qwen3-VL's deepstack rows), in video token order."""
+        p = inputs.pixel_inputs
+        device = self.device
+        feats = self.model.model.get_video_features(p["pixel_values_videos"].to(device), p["video_grid_thw"].to(device))
+        deepstack = getattr(feats, "deepstack_features", None)  # Qwen3-VL's; none in Qwen2.5-VL
+        return VisionFeatures(torch.cat(list(feats.pooler_output)),
+                              [] if deepstack is None else [torch.cat(list(layer)) for layer in deepstack])
+
+    def _embed_tokens(self, inputs: VideoInputs, features: VisionFeatures | None) -> torch.Tensor:
+        """Token embeddings with the video features in place (`_embed_video`'s, from features already computed)."""
+        device = self.device
+        embeds = self.model.model.get_input_embeddings()(inputs.input_ids.to(device))
+        if features is not None:
+            embeds[0, inputs.layout.seq_positions.to(device)] = features.video.to(embeds.dtype)
+        return embeds
+
     def _rope(self, inputs: VideoInputs, with_seconds: bool) -> tuple[torch.Tensor, int]:
         p = inputs.pixel_inputs
         kwargs = {"second_per_grid_ts": p["second_per_grid_ts"]} if with_seconds else {}
@@ -145,28 +183,34 @@ class Qwen2_5_VLAdapter(QwenAdapterMixin, VideoLMAdapter):
     default_fps = DEFAULT_FPS
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
-        fps = sampled_fps(self.frame_times(frames, frame_times)) or self.fps
-        chat = self.render_chat(PROMPT_SLOT, QWEN_VIDEO_BLOCK)  # the prompt goes in as text (encode_chat)
+        """prompt: a question or a conversation (models/prompt.py); its texts go in as text (encode_chat)."""
+        texts, text, extra = self._chat(frames.shape[0], prompt, frame_times)
+        return self._prepare_qwen(frames, texts, text, **extra)
+
+    def _chat(self, num_frames: int, prompt: str, frame_times: np.ndarray | None
+              ) -> tuple[list[str], Callable[[tuple[int, int, int]], str], dict[str, torch.Tensor]]:
+        """The conversation's texts, its template as a function of the token grid, and the pixel inputs' extras."""
+        fps = sampled_fps(self.frame_times(num_frames, frame_times)) or self.fps
+        turns = turns_of(prompt)
+        chat = self.render_chat(slotted(turns), QWEN_VIDEO_BLOCK) or qwen_chat_template(slotted(turns))
 
         def text(grid: tuple[int, int, int]) -> str:
             n = grid[0] * grid[1] * grid[2]
-            if chat is None:
-                return qwen_chat_prompt(PROMPT_SLOT, n)
             return chat.replace(QWEN_VIDEO_BLOCK, QWEN_VIDEO_BLOCK.replace("<|video_pad|>", "<|video_pad|>" * n))
 
-        return self._prepare_qwen(
-            frames,
-            prompt,
-            text,
-            # Time is in the rotary phase: the temporal position of group g is
-            # int(g * second_per_grid_ts * tokens_per_second), so the spacing must be the clip's own.
-            second_per_grid_ts=torch.tensor([self.vision_spec.temporal_patch_size / fps]),
-        )
+        # Time is in the rotary phase: the temporal position of group g is
+        # int(g * second_per_grid_ts * tokens_per_second), so the spacing must be the clip's own.
+        return [t.text for t in turns], text, {
+            "second_per_grid_ts": torch.tensor([self.vision_spec.temporal_patch_size / fps])}
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
-        embeds, _ = self._embed_video(inputs)
-        positions, next_position = self._rope(inputs, with_seconds=True)
+        return self.embed_with(inputs, self.vision_features(inputs))
+
+    @torch.inference_mode()
+    def embed_with(self, inputs: VideoInputs, features: VisionFeatures | None) -> SequenceEmbeddings:
+        embeds = self._embed_tokens(inputs, features)
+        positions, next_position = self._rope(inputs, with_seconds=True)  # the grid and times: no tower
         return SequenceEmbeddings(
             embeds=embeds, positions=positions.to(self.device), next_position=next_position, layout=inputs.layout
         )

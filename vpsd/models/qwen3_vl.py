@@ -19,13 +19,13 @@ What differs from Qwen2.5-VL (see qwen2_5_vl.py for what is shared):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter
-from vpsd.models.prompt import PROMPT_SLOT
+from vpsd.models.base import SequenceEmbeddings, VideoInputs, VideoLMAdapter, VisionFeatures
+from vpsd.models.prompt import Turn, chatml, slotted, turns_of
 from vpsd.models.qwen2_5_vl import QwenAdapterMixin, qwen_token_ids
 from vpsd.models.qwen_video import QwenVisionSpec
 
@@ -69,8 +69,13 @@ def qwen3_video_text(timestamps: list[float], tokens_per_group: int) -> str:
 
 def qwen3_chat_prompt(prompt: str, video_text: str) -> str:
     """Qwen3-VL's chat template (no default system turn) for one user turn: the video, then the prompt."""
-    chat = f"<|im_start|>user\n{VIDEO_BLOCK}{prompt}<|im_end|>\n<|im_start|>assistant\n"
-    return chat.replace(VIDEO_BLOCK, video_text, 1)
+    return qwen3_chat_template([Turn("user", prompt, True)]).replace(VIDEO_BLOCK, video_text, 1)
+
+
+def qwen3_chat_template(turns: list[Turn]) -> str:
+    """Qwen3-VL's chat template over a conversation, hand-written (models/prompt.py chatml; no default system turn),
+    with the chat template's single VIDEO_BLOCK for the family to expand."""
+    return chatml(turns, VIDEO_BLOCK)
 
 
 class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
@@ -80,21 +85,32 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
         """frame_times: (T,) seconds of each frame in the source video (see VideoLMAdapter.prepare)."""
-        stamps = group_timestamps(self.frame_times(frames, frame_times), self.vision_spec.temporal_patch_size)
-        chat = self.render_chat(PROMPT_SLOT, VIDEO_BLOCK)  # the prompt goes in as text (encode_chat)
+        texts, text, extra = self._chat(frames.shape[0], prompt, frame_times)
+        return self._prepare_qwen(frames, texts, text, **extra)
+
+    def _chat(self, num_frames: int, prompt: str, frame_times: np.ndarray | None
+              ) -> tuple[list[str], Callable[[tuple[int, int, int]], str], dict[str, torch.Tensor]]:
+        """The conversation's texts and its template as a function of the token grid (the time in the prompt)."""
+        stamps = group_timestamps(self.frame_times(num_frames, frame_times), self.vision_spec.temporal_patch_size)
+        turns = turns_of(prompt)  # a question or a conversation (models/prompt.py); its texts go in as text
+        chat = self.render_chat(slotted(turns), VIDEO_BLOCK) or qwen3_chat_template(slotted(turns))
 
         def text(grid: tuple[int, int, int]) -> str:
-            video = qwen3_video_text(stamps, grid[1] * grid[2])
-            return qwen3_chat_prompt(PROMPT_SLOT, video) if chat is None else chat.replace(VIDEO_BLOCK, video, 1)
+            return chat.replace(VIDEO_BLOCK, qwen3_video_text(stamps, grid[1] * grid[2]), 1)
 
-        return self._prepare_qwen(frames, prompt, text)
+        return [t.text for t in turns], text, {}
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:
-        embeds, feats = self._embed_video(inputs)
-        # One (N_video, D) tensor per deepstack layer, rows in video token order.
-        deepstack = [torch.cat(list(layer)).to(embeds.dtype) for layer in feats.deepstack_features]
-        positions, next_position = self._rope(inputs, with_seconds=False)
+        return self.embed_with(inputs, self.vision_features(inputs))
+
+    @torch.inference_mode()
+    def embed_with(self, inputs: VideoInputs, features: VisionFeatures | None) -> SequenceEmbeddings:
+        embeds = self._embed_tokens(inputs, features)
+        # One (N_video, D) tensor per deepstack layer, rows in video token order (none without features: a
+        # prefill that feeds no video row, engine/prefix_cache.py).
+        deepstack = [] if features is None else [layer.to(embeds.dtype) for layer in features.deepstack]
+        positions, next_position = self._rope(inputs, with_seconds=False)  # the grid only: no tower
         return SequenceEmbeddings(
             embeds=embeds,
             positions=positions.to(self.device),
@@ -102,6 +118,19 @@ class Qwen3VLAdapter(QwenAdapterMixin, VideoLMAdapter):
             layout=inputs.layout,
             deepstack=deepstack,
         )
+
+    def _span_kwargs(self, emb: SequenceEmbeddings, start: int, end: int) -> dict[str, Any]:
+        """Deepstack rows of the video tokens in [start, end), where the span holds any (`prefill_span`)."""
+        seq_positions = emb.layout.seq_positions.to(emb.embeds.device)
+        inside = (seq_positions >= start) & (seq_positions < end)
+        if not bool(inside.any()):
+            return {}
+        if not emb.deepstack:
+            raise ValueError("a span with video tokens needs the vision features (deepstack)")
+        is_video = torch.zeros(end - start, dtype=torch.bool, device=seq_positions.device)
+        is_video[seq_positions[inside] - start] = True
+        return {"visual_pos_masks": is_video.unsqueeze(0),
+                "deepstack_visual_embeds": [layer[inside.to(layer.device)] for layer in emb.deepstack]}
 
     def _language_kwargs(self, emb: SequenceEmbeddings, kept_video: torch.Tensor) -> dict[str, Any]:
         """Deepstack rows of the kept video tokens and where they sit in the fed (text + kept video) sequence."""

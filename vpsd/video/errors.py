@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Literal, get_args
 
-VideoErrorKind = Literal["missing", "empty", "corrupt", "no_video_stream", "too_long", "bad_request"]
+VideoErrorKind = Literal["missing", "empty", "corrupt", "no_video_stream", "too_long", "too_large",
+                         "bad_request"]
 
 # How each kind reads in front of the path, e.g. "corrupt video /x/a.mp4: ...".
 _LABELS: dict[str, str] = {
@@ -19,6 +20,7 @@ _LABELS: dict[str, str] = {
     "corrupt": "corrupt video",
     "no_video_stream": "no video stream in",
     "too_long": "video too long",
+    "too_large": "video too large to hold",
     "bad_request": "bad request for video",
 }
 

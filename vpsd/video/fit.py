@@ -9,6 +9,7 @@ prompt, video and the tokens still to generate. No model is imported here.
 - too long and `subsample` on: the largest `k` for which `cap_frames(frames, k)` fits, found from
   a linear estimate of tokens per frame (counts at 1 and at T frames) and then stepped down, since
   families round frames up (Qwen pairs them); VideoError("too_long") when one frame is too many.
+`fit_count` is the same rule on a frame count alone, for a video not yet decoded.
 """
 
 from __future__ import annotations
@@ -30,21 +31,34 @@ def fit_to_context(
     path: str | os.PathLike[str],
 ) -> tuple[np.ndarray, int | None]:
     """(frames that fit, the frame cap applied or None); see the module docstring."""
-    needed = count_tokens(frames)
+    cap = fit_count(len(frames), lambda k: count_tokens(cap_frames(frames, k)), limit, subsample, path)
+    return cap_frames(frames, cap), cap
+
+
+def fit_count(
+    total: int,
+    count_tokens: Callable[[int], int],
+    limit: int,
+    subsample: bool,
+    path: str | os.PathLike[str],
+) -> int | None:
+    """The frame cap that makes `total` frames fit (None: they fit as they are), `count_tokens(k)` being the
+    sequence's length with the first-k cap of them (`cap_frames`): a video's fit is decided from its metadata
+    before a frame of it is decoded (launch/items.py), and again from the frames read."""
+    needed = count_tokens(total)
     if needed <= limit:
-        return frames, None
-    total = len(frames)
+        return None
     if not subsample:
         raise VideoError(
             "too_long", path,
             f"{total} frames need {needed} tokens with the prompt and max_new_tokens, the context allows {limit} "
             f"(ask for fewer frames, or set video.subsample_to_fit)",
         )
-    one = count_tokens(cap_frames(frames, 1))
+    one = count_tokens(1)
     if one > limit or total == 1:
         raise VideoError("too_long", path, f"even one frame needs {one} tokens, the context allows {limit}")
     per_frame = max((needed - one) / (total - 1), 1e-9)
     k = min(total - 1, 1 + int((limit - one) / per_frame))
-    while k > 1 and count_tokens(cap_frames(frames, k)) > limit:
+    while k > 1 and count_tokens(k) > limit:
         k -= 1
-    return cap_frames(frames, k), k
+    return k

@@ -41,6 +41,9 @@ class FrameRequest:
     max_side: int | None = None  # ...then scaled down so the longest side is at most this
     processor: ProcessorSampling | None = None  # ...or the checkpoint's own rule (video.sampling: checkpoint)
     seek: str = "exact"  # how the file is read: "exact" or "keyframe" (approximate; video.seek)
+    # At most this many of the selected frames, evenly spread (read_video's max_frames): the cap that fits the
+    # context, decided from the video's metadata before it is read (launch/items.py), so the rest is never decoded.
+    max_frames: int | None = None
 
     @classmethod
     def resolve(
@@ -66,13 +69,13 @@ class FrameRequest:
 
     def to_wire(self, item_id: str, max_frames: int | None = None) -> dict[str, Any]:
         return {"item": item_id, "video": self.video, "num_frames": self.num_frames, "fps": self.fps,
-                "max_side": self.max_side, "max_frames": max_frames,
+                "max_side": self.max_side, "max_frames": self.max_frames if max_frames is None else max_frames,
                 "processor": None if self.processor is None else self.processor.to_wire(), "seek": self.seek}
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "FrameRequest":
         return cls(wire["video"], wire.get("num_frames"), wire.get("fps"), wire.get("max_side"),
-                   ProcessorSampling.from_wire(wire.get("processor")), wire.get("seek", "exact"))
+                   ProcessorSampling.from_wire(wire.get("processor")), wire.get("seek", "exact"), wire.get("max_frames"))
 
 
 @contextlib.contextmanager
@@ -98,7 +101,7 @@ def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) 
     """
     with timed("video_read", timings, item=item_id) as traced:
         clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps, processor=request.processor,
-                          max_side=request.max_side, seek=request.seek)
+                          max_side=request.max_side, seek=request.seek, max_frames=request.max_frames)
         traced.update(read_mode=clip.read_mode, frames_decoded=clip.frames_decoded)
         if clip.fallback_reason is not None:
             traced["fallback"] = clip.fallback_reason

@@ -52,7 +52,8 @@ def frames_bytes(request: FrameRequest) -> int | None:
         return None
     try:
         info = probe_video(request.video)
-        count = len(info.indices(num_frames=request.num_frames, fps=request.fps, processor=request.processor))
+        count = len(info.indices(num_frames=request.num_frames, fps=request.fps, processor=request.processor,
+                                 max_frames=request.max_frames))
     except (VideoError, ValueError):
         return 0
     height, width = max_side_size(info.height, info.width, request.max_side)
