@@ -79,7 +79,9 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_plans_line():
     cfg = load_config(BIG, {"target.tensor_parallel": 1})
     lp = launch_plan(cfg, get_method("hippo"))
     line = refusal(cfg, get_method("hippo"), lp, Memory(gpu=141 * GIB, host=64 * GIB))
-    assert line.startswith("memory: target (rank 0) needs 160.7 GiB (weights 136.7 GiB + KV 15.0 GiB (32768 tokens)")
+    # the 0.5 GiB over weights, KV, activations and runtime: the prefix cache's budget (reuse.budget_mib)
+    assert line.startswith("memory: target (rank 0) needs 161.2 GiB (weights 136.7 GiB + KV 15.0 GiB (32768 tokens)")
+    assert "+ reuse cache 0.5 GiB = 161.2 GiB" in line
     assert line.endswith("but has 141.0 GiB (its GPU's free memory); target.tensor_parallel 2 would fit ranks of 141.0 GiB")
     assert refusal(load_config(BIG), get_method("hippo"), launch_plan(load_config(BIG), get_method("hippo")),
                    Memory(gpu=141 * GIB, host=64 * GIB)) is None

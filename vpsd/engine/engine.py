@@ -34,6 +34,7 @@ import torch
 from vpsd.activity import doing
 from vpsd.config import DecodingConfig, RunConfig
 from vpsd.engine.drafters.protocol import Drafter, Proposal
+from vpsd.engine.prefix_cache import Reuse, reuse_for
 from vpsd.engine.report import EngineReport
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
@@ -83,6 +84,11 @@ class Engine:
         self.report = EngineReport(size=size, pipelined=self.parallel)
         self.eos = frozenset(target.eos_token_ids)
         self.lock = threading.Lock()  # the drafting decision is asked from the prefill thread too
+        # One video, many questions: the target's prefixes kept and reused (engine/prefix_cache.py; one cache per
+        # target model, shared by every engine over it); None: off (reuse.enabled false, a budget of 0, or a target
+        # split over ranks: its followers hold their shards of the cache).
+        budget = cfg.reuse.budget_bytes
+        self.reuse = reuse_for(target, budget) if budget > 0 and target.mirror is None else None
 
     @property
     def full(self) -> bool:
@@ -106,12 +112,17 @@ class Engine:
             self.drafter.start(request, self.window.draft_ahead())  # the draft reads and embeds the video meanwhile
         try:
             with doing("prefill", request.id, inputs.seq_len):  # vision and prefill: what a peer sees it doing
-                with span("vision", item=request.id):
-                    emb = self.target.embed(inputs)
+                reuse = self._reuse_plan(request, inputs)
+                with span("vision", item=request.id, reuse=None if reuse is None else reuse.hit):
+                    # a drafter reads the video features (the draft's input, a strategy's); `ar` needs none on a hit
+                    emb = self.target.embed(inputs) if reuse is None else reuse.embed(self.target, inputs, drafted)
                 request.num_video_tokens = emb.layout.num_tokens
-                with span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted):
-                    request.prefill = (self.drafter.prefill(request, emb, on_engine_thread) if drafted
-                                       else self.target.prefill(emb))
+                with span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted,
+                          reused=None if reuse is None else reuse.reused):
+                    if drafted:  # the drafter's target prefill reuses through emb.reuse (engine/pair_prefill.py)
+                        request.prefill = self.drafter.prefill(request, emb, on_engine_thread)
+                    else:
+                        request.prefill = self.target.prefill(emb) if reuse is None else reuse.prefill(self.target, emb)
         except ValueError as e:
             if drafted and on_engine_thread:
                 self.drafter.finish(request, str(e))  # it was announced: the draft's side lets it go
@@ -121,6 +132,19 @@ class Engine:
             with self.lock:
                 self.means.observe_draft_prefill(request.draft_prefill_s)
         return request
+
+    def _reuse_plan(self, request: Request, inputs) -> Reuse | None:
+        """How the request's prefill reuses kept prefixes (engine/prefix_cache.py), or None: reuse off, or nothing
+        to cut (traced). Every method reuses: a drafted request whose target prefill reads the pruner's signals
+        takes them from the same two forwards (models/signals.py), so it prefills as `ar` with reuse does."""
+        if self.reuse is None:
+            return None
+        return self.reuse.plan(request.id, inputs)
+
+    def reuse_stats(self) -> dict[str, int] | None:
+        """The prefix cache's counters (engine/prefix_cache.py ReuseStats: hits, misses, bytes...), None when off:
+        what summary.json's `run.reuse` and a server's /metrics read."""
+        return None if self.reuse is None else self.reuse.stats()
 
     def join(self, request: Request) -> Request | None:
         """The prefilled request joins the batch; returns it when its first token already ends it (it never

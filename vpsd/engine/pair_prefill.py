@@ -44,8 +44,14 @@ def prefill_for_strategy(
     """
     attention, hidden = signals_needed(cfg)
     if not (attention or hidden):
-        return adapter.prefill(emb)
+        return target_prefill(adapter, emb)
     return prefill_with_signals(adapter, emb, cfg.signal_layers(parallel), attention, hidden, on_ready)
+
+
+def target_prefill(adapter: VideoLMAdapter, emb: SequenceEmbeddings) -> PrefillResult:
+    """The target's full prefill, through the engine's kept prefixes when it planned to reuse them
+    (`emb.reuse`, engine/prefix_cache.py): the same result, only the suffix fed on a hit."""
+    return adapter.prefill(emb) if emb.reuse is None else emb.reuse.prefill(adapter, emb)
 
 
 @dataclass
@@ -90,7 +96,7 @@ def prefill_pair(
     d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
     draft_s = time.perf_counter() - t0
     d_emb.layout.check_same_grid(t_emb.layout.grid)
-    t_pre = (target.prefill(t_emb) if pruning is None
+    t_pre = (target_prefill(target, t_emb) if pruning is None
              else prefill_for_strategy(target, t_emb, pruning, parallel=parallel_signals))
     t0 = time.perf_counter()
     keep = keep_policy(t_emb, t_pre, d_emb, item_seed)

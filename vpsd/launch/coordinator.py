@@ -156,7 +156,7 @@ class Coordinator:
                       "loop_s": runs[i].get("loop_s"),
                       "items_per_hour": 3600 * t.items / runs[i]["loop_s"] if runs[i].get("loop_s") else None,
                       "share": t.items / todo if todo else None, "done_s": t.done_s,
-                      "batching": runs[i].get("batching")}
+                      "batching": runs[i].get("batching"), "reuse": runs[i].get("reuse")}
                      for i, t in self.tally.items()]
         rss = [r["peak_rss_mib"] for r in runs.values() if r.get("peak_rss_mib") is not None]
         captures = [r["capture_s"] for r in runs.values() if r.get("capture_s") is not None]
@@ -164,7 +164,9 @@ class Coordinator:
                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "loop_s": loop_s,
                "peak_rss_mib": max(rss) if rss else None, "batching": runs[0].get("batching"), "stack": versions,
                # captured steps' one-time cost (each graph's first forward), inside loop_s: the pipelines' most
-               "capture_s": max(captures) if captures else None, "pipelines": pipelines}
+               "capture_s": max(captures) if captures else None, "pipelines": pipelines,
+               # the prefix cache of each pipeline's target (engine/prefix_cache.py ReuseStats), summed; None: off
+               "reuse": _summed([r.get("reuse") for r in runs.values()])}
         summary = job_summary(self.out, self.method, run)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         get_logger().info("job_done", **summary)
@@ -174,3 +176,11 @@ class Coordinator:
             say(f"{self.method}: {finished} items done{spread}, {failures} failed{f' ({skipped} done before)' if skipped else ''}, "
                 f"{summary['tokens_per_s']:.1f} tokens/s, {run['total_s']:.1f} s; see {self.out / 'summary.json'}")
         return summary
+
+
+def _summed(stats: list[dict | None]) -> dict | None:
+    """The pipelines' prefix-cache counters added up (peaks and budgets too: each pipeline's target holds its own)."""
+    held = [s for s in stats if s]
+    if not held:
+        return None
+    return {k: sum(s.get(k, 0) for s in held) for k in held[0]}

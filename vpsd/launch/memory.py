@@ -79,6 +79,10 @@ def pipeline_models(cfg: RunConfig, method: Method, k: int | None = None) -> dic
     return out
 
 
+def k_of(cfg: RunConfig, k: int | None) -> int:
+    return k or cfg.target.tensor_parallel
+
+
 def launch_plan(cfg: RunConfig, method: Method, k: int | None = None) -> LaunchPlan:
     models = pipeline_models(cfg, method, k)
     context = cfg.video.context_limit or spec_shape(cfg.family, cfg.target).max_positions
@@ -87,7 +91,10 @@ def launch_plan(cfg: RunConfig, method: Method, k: int | None = None) -> LaunchP
     for (rank, role), held in sorted(models.items()):
         device = {"target": cfg.target.device, FOLLOWER: cfg.target.device,
                   "draft": (cfg.draft or cfg.target).device}.get(role, "cpu")
-        needs.append(rank_need(rank, role, held, context, rows, device))
+        need = rank_need(rank, role, held, context, rows, device)
+        if role == "target" and k_of(cfg, k) == 1 and cfg.reuse.budget_bytes:  # engine/prefix_cache.py
+            need = dataclasses.replace(need, reuse=cfg.reuse.budget_bytes)
+        needs.append(need)
         devices[rank] = device
     return LaunchPlan(needs, devices, context)
 

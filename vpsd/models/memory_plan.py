@@ -7,6 +7,8 @@ A rank holds models (`Held`: a shape, its dtype, the share k of the split layers
                   leader), and the logits of a batch's verify rows
     runtime       the process itself: Python, torch and transformers on a CPU (measured: ~0.35 GiB), a CUDA
                   context and the communicators' buffers on a GPU
+    reuse         the target's prefix cache, at most `reuse.budget_mib` (engine/prefix_cache.py): an unsplit
+                  target's leader only (a split target reuses nothing)
     KV            bytes per token (2 x layers x KV heads / k x head_dim x dtype), times the tokens in flight,
                   times CACHE_SPARE: a cache layer's buffer grows by half when full (models/kv_cache.py)
 `fits(need, has, context)`: the rank's fixed needs plus one item's cache at the full context fit in what it has
@@ -50,10 +52,11 @@ class RankNeed:
     kv_per_token: int  # every model this rank holds
     activations: int
     runtime: int
+    reuse: int = 0  # the target's kept prefixes and vision features: `reuse.budget_mib` (engine/prefix_cache.py)
 
     @property
     def fixed(self) -> int:
-        return self.weights + self.activations + self.runtime
+        return self.weights + self.activations + self.runtime + self.reuse
 
     def with_tokens(self, tokens: int) -> int:
         """Everything, with `tokens` of KV cache in flight."""
@@ -119,5 +122,6 @@ def gib(n: float) -> str:
 def describe(need: RankNeed, context: int) -> str:
     """'weights X + KV Y (N tokens) + activations Z + runtime W = T'"""
     kv = int(context * need.kv_per_token * CACHE_SPARE)
+    reuse = f" + reuse cache {gib(need.reuse)}" if need.reuse else ""
     return (f"weights {gib(need.weights)} + KV {gib(kv)} ({context} tokens) + activations {gib(need.activations)} "
-            f"+ runtime {gib(need.runtime)} = {gib(need.with_tokens(context))}")
+            f"+ runtime {gib(need.runtime)}{reuse} = {gib(need.with_tokens(context))}")

@@ -31,6 +31,16 @@ layers after L are still to run (the target starts the send to the pruner in it)
 
 Text tokens are the non-video tokens after the last video token (the question and the assistant header):
 the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
+
+With prefix reuse (engine/prefix_cache.py, `emb.reuse` set by the engine) the prefill is two forwards cut at
+P = the last video token + 1: [0, P) (system + video; from the cache on a hit, else computed and kept) and
+[P, S), which is exactly the text rows. So the signals come from those forwards, the same tensors by definition:
+the query and row hooks run during the SUFFIX forward (they see exactly the text rows, indexed relative to P),
+the attention hook reads the video keys from the cache, which then holds prefix + suffix at their positions,
+and `on_ready` fires after layer L-1 of the suffix forward. UV-Prune's video rows at layer L come from the
+PREFIX forward: computed there on a miss and kept with the prefix's KV, so a hit has them (layer 0's are the
+embeddings, as here). A hit computes exactly what a miss computes, signals included, bit for bit; against the
+one-forward prefill they differ by float noise only (another split of the same matmuls).
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ def _text_queries(attn: torch.nn.Module, projected: torch.Tensor, cos: torch.Ten
 SignalsReady = Callable[[PrefillSignals], None]
 
 
-def _this_thread_only(hook: Callable) -> Callable:
+def this_thread_only(hook: Callable) -> Callable:
     """The hook, run only for forwards on the thread that registered it: the model is shared, and a batch may
     decode on another thread while this prefill runs (engine/prefill_ahead.py prefills on a spare core)."""
     owner = threading.get_ident()
@@ -102,7 +112,7 @@ def _this_thread_only(hook: Callable) -> Callable:
     return guarded
 
 
-def _layer_output(out) -> torch.Tensor:
+def layer_output(out) -> torch.Tensor:
     """A decoder layer's output hidden states (transformers 5 layers return a tensor; older ones a tuple)."""
     return out[0] if isinstance(out, tuple) else out
 
@@ -128,10 +138,15 @@ def prefill_with_signals(
     in it and the prefill goes on. Hooks, not a forward split at layer L: the model's own forward runs
     unchanged (masks, rotary, Qwen3-VL deepstack injection), so the logits and cache are bit-identical to
     a plain prefill and nothing here re-implements a family's decoder loop.
+
+    With `emb.reuse` (the engine's prefix reuse) the prefill is the reuse's two forwards, the signals taken from
+    them (module docstring, `_prefill_reusing`): the result is what `emb.reuse.prefill` returns, with signals.
     """
     layers = adapter.language_model.layers
     attn_layers = len(layers) if num_layers is None else min(num_layers, len(layers))
     uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, len(layers))
+    if emb.reuse is not None:
+        return _prefill_reusing(adapter, emb, attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
     cache = adapter.new_cache()  # ours: the attention hooks read each layer's keys from it
     device = emb.embeds.device
     hooks = _SignalHooks(text_positions(emb).to(device), emb.layout.seq_positions.to(device), emb.embeds, cache,
@@ -155,17 +170,53 @@ def prefill_with_signals(
     return result
 
 
+def _prefill_reusing(adapter: VideoLMAdapter, emb: SequenceEmbeddings, attn_layers: int, uv_layers: int,
+                     on_ready: SignalsReady | None) -> PrefillResult:
+    """`prefill_with_signals` through the engine's prefix reuse: the prefix [0, P) restored or computed (with the
+    video rows of layer `uv_layers` when UV-Prune reads them, kept with its KV), then the suffix [P, S), exactly
+    the text rows, with the signal hooks installed, indexed relative to P."""
+    if adapter.mirror is not None:  # the engine never reuses over a split target (its followers hold the shards)
+        raise RuntimeError("prefix reuse over a target split over ranks")
+    reuse = emb.reuse
+    device = emb.embeds.device
+    text_pos = text_positions(emb)
+    video_pos = emb.layout.seq_positions
+    cache, start, layer_rows = reuse.prefix(adapter, emb, uv_layers)
+    if text_pos.numel() == 0 or int(text_pos.min()) < start or int(video_pos.max()) >= start:
+        raise RuntimeError(f"the suffix from {start} does not hold exactly the text rows")
+    video_rows = None
+    if uv_layers:  # layer 0: the embeddings the prefix fed (as a full prefill's); layer L: its forward's, kept
+        video_rows = torch.stack([emb.embeds[0, video_pos.to(device)], layer_rows])
+    hooks = _SignalHooks(text_pos.to(device), video_pos.to(device), emb.embeds, cache, attn_layers, uv_layers,
+                         on_ready, offset=start, video_rows=video_rows)
+    handles = hooks.install(adapter.language_model)
+    try:
+        result = reuse.suffix(adapter, emb, cache, start)
+    finally:
+        for h in handles:
+            h.remove()
+    if len(hooks.ready) != 1:
+        raise RuntimeError(f"layer {hooks.last - 1} ran {len(hooks.ready)} times in one suffix; expected once")
+    result.signals = hooks.ready[0]
+    return result
+
+
 class _SignalHooks:
     """The forward hooks of one prefill with signals (`prefill_with_signals`) and what they collect. Each hook
-    runs only on the thread that installed it (`_this_thread_only`)."""
+    runs only on the thread that installed it (`this_thread_only`)."""
 
     def __init__(self, text_pos: torch.Tensor, video_pos: torch.Tensor, embeds: torch.Tensor | None, cache,
-                 attn_layers: int, uv_layers: int, on_ready: SignalsReady | None, last: int | None = None) -> None:
+                 attn_layers: int, uv_layers: int, on_ready: SignalsReady | None, last: int | None = None,
+                 offset: int = 0, video_rows: torch.Tensor | None = None) -> None:
         """text_pos / video_pos: the sequence positions of the text rows and the video tokens (`text_positions`,
-        the layout's); embeds: the prefill's input (UV-Prune's layer-0 rows; None without them)."""
+        the layout's); embeds: the full sequence's embeddings (UV-Prune's layer-0 rows; None without them).
+        offset: the sequence position of the hooked forward's first row (a reuse's suffix: P; else 0); video_rows:
+        UV-Prune's (2, N, D) video rows when the hooked forward does not feed them (a reuse's suffix)."""
         self.embeds, self.cache, self.attn_layers, self.uv_layers, self.on_ready = embeds, cache, attn_layers, uv_layers, on_ready
         self.last = last or max(attn_layers, uv_layers)  # the signals are complete after this layer
         self.text_pos, self.video_pos = text_pos, video_pos
+        self.offset, self.given_video_rows = offset, video_rows
+        self.text_rows_in = text_pos - offset  # the text rows' indices in the hooked forward's rows
         # A split target's: (L, Hkv/k, N) scored here -> (L, Hkv, N) of all its ranks (models/tensor_parallel.py)
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []  # the (cos, sin) of this prefill's rows
@@ -179,7 +230,7 @@ class _SignalHooks:
         layers, handles = language_model.layers, []
 
         def hook(module: torch.nn.Module, fn: Callable) -> None:
-            handles.append(module.register_forward_hook(_this_thread_only(fn)))
+            handles.append(module.register_forward_hook(this_thread_only(fn)))
 
         if self.attn_layers:
             hook(language_model.rotary_emb, lambda module, args, out: self.rotary.append(out))
@@ -188,21 +239,22 @@ class _SignalHooks:
                 hook(attn.q_proj, self._capture_queries(i, attn))
                 hook(attn, self._score_layer(i))
         if self.uv_layers:
-            self._keep_rows(self.embeds)  # layer 0's input: a full prefill feeds the embeddings as they are
-            hook(layers[self.uv_layers - 1], lambda module, args, out: self._keep_rows(_layer_output(out)))
+            self._keep_rows(self.embeds, 0)  # layer 0's input: a prefill feeds the embeddings as they are
+            hook(layers[self.uv_layers - 1], lambda module, args, out: self._keep_rows(layer_output(out), self.offset))
         hook(layers[self.last - 1], self._signals_done)  # after the row capture registered on the same layer
         return handles
 
     def _capture_queries(self, i: int, attn: torch.nn.Module) -> Callable:
         def capture(module, args, out):
-            cos, sin = (t[:, self.text_pos] for t in self.rotary[-1])
-            self.pending[i] = _text_queries(attn, out[:, self.text_pos], cos, sin)
+            cos, sin = (t[:, self.text_rows_in] for t in self.rotary[-1])
+            self.pending[i] = _text_queries(attn, out[:, self.text_rows_in], cos, sin)
 
         return capture
 
     def _score_layer(self, i: int) -> Callable:
         def score(module, args, out):
-            # The module has written this layer's keys to the cache: score, then drop the queries.
+            # The module has written this layer's keys to the cache (a reuse's: the prefix's, then the suffix's,
+            # key j at position j): score, then drop the queries.
             keys = self.cache.layers[i].keys[0]  # (Hkv, S, d), rotary applied
             self.attention_rows[i] = layer_video_attention(self.pending.pop(i), keys, self.video_pos, self.text_pos,
                                                            module.scaling)
@@ -214,9 +266,11 @@ class _SignalHooks:
         return {"attn_layers": self.attn_layers, "last": self.last, "text_pos": self.text_pos.tolist(),
                 "video_pos": self.video_pos.tolist()}
 
-    def _keep_rows(self, h: torch.Tensor) -> None:
-        self.video_rows.append(h[0, self.video_pos])
-        self.text_rows.append(h[0, self.text_pos])
+    def _keep_rows(self, h: torch.Tensor, offset: int) -> None:
+        """h: hidden states of rows [offset, ...) of the sequence."""
+        if self.given_video_rows is None:
+            self.video_rows.append(h[0, self.video_pos - offset])
+        self.text_rows.append(h[0, self.text_pos - offset])
 
     def _signals_done(self, module, args, out) -> None:
         signals = PrefillSignals()
@@ -225,7 +279,8 @@ class _SignalHooks:
             if self.gather is not None:
                 signals.video_attention = self.gather(signals.video_attention)
         if self.uv_layers:
-            signals.video_hidden = torch.stack(self.video_rows)
+            signals.video_hidden = (torch.stack(self.video_rows) if self.given_video_rows is None
+                                    else self.given_video_rows)
             signals.text_hidden = torch.stack(self.text_rows)
         self.ready.append(signals)
         if self.on_ready is not None:
