@@ -133,7 +133,8 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         n = num_frames * self.vision_spec.pooled_side ** 2 + 1
         turns = turns_of(prompt)
         chat = self.render_chat(slotted(turns), "<video>") or llava_chat_template(slotted(turns))
-        return len(encode_chat(self.tokenizer, chat.replace("<video>", "<video>" * n), [t.text for t in turns]))
+        # One <video> control token each: tokenized once, the others counted (a long video has hundreds of thousands).
+        return len(encode_chat(self.tokenizer, chat, [t.text for t in turns])) + n - 1
 
     @torch.inference_mode()
     def embed(self, inputs: VideoInputs) -> SequenceEmbeddings:

@@ -111,7 +111,10 @@ class QwenAdapterMixin:
         """The length of the sequence `prepare` makes, from the frames' count and size alone (no pixel is read:
         a long video's fit to the context is decided before it is decoded, launch/items.py)."""
         texts, text, _ = self._chat(num_frames, prompt, frame_times)
-        return len(encode_chat(self.tokenizer, text(self.token_grid(num_frames, height, width)), texts))
+        groups, rows, columns = self.token_grid(num_frames, height, width)
+        # Each video pad is one control token: the template is tokenized with one a group (an hour at fps 4 is
+        # millions of pads, half a minute to tokenize) and the rest of each group's counted.
+        return len(encode_chat(self.tokenizer, text((groups, 1, 1)), texts)) + groups * (rows * columns - 1)
 
     def _prepare_qwen(
         self, frames: np.ndarray, texts: list[str], chat_text: Callable[[tuple[int, int, int]], str],
