@@ -8,11 +8,13 @@ over the video's length and size, and where a long-video job's wall goes.
   typical H.264 upload; a moving pattern so each frame differs) and kept in --videos (default
   ~/.cache/vpsd/bench_videos) between runs: an hour of 720p takes minutes to encode on two cores.
 - Each cell is a video and a request (N frames uniformly, or one every 1/fps s): vpsd's reader (`read_video`,
-  exact seeks), a full decode (every frame front to back up to the last wanted one, the wanted ones converted:
-  what vpsd read before, and what lmms-eval's PyAV path does), and torchcodec's `get_frames_at` (exact seek
-  mode, one FFmpeg thread) when torchcodec imports. The readers take turns within a repeat (interleaved), each
-  at full size; a table of medians, the spread (max/min - 1) and vpsd's speedup over the full decode. Every
-  cell's frames are checked bit for bit against the full decode's.
+  exact seeks) and torchcodec's `get_frames_at` (exact seek mode, one FFmpeg thread) when torchcodec imports,
+  against a full decode of the video (every frame front to back up to the last wanted one, the wanted ones
+  converted: what vpsd read before, and what lmms-eval's PyAV path does; one pass a video and repeat serves all
+  its requests, since it costs the same whichever frames it keeps). The full decode runs first in even repeats
+  and last in odd ones; a table of medians, the spread (max/min - 1) and vpsd's speedup over the full decode.
+  Every cell's frames are checked bit for bit against the full decode's. Rate requests run on videos up to
+  --fps-max-minutes (fps 2 over an hour is 20 GB of full-size RGB).
 - --job CONFIG: an `ar` job over --job-items of the bench's videos (64 frames each, the config's model) through
   ./torchrun.sh, and its wall split into what the target spent reading (`video_read_s`), waiting for frames
   (`video_wait_s`: the read the pool did not hide), prefill and decode, from the job's own results.
@@ -37,8 +39,7 @@ from typing import Callable
 import av
 import numpy as np
 
-from vpsd.video.decode import read_video
-from vpsd.video.sampling import select_indices
+from vpsd.video.decode import probe_video, read_video
 
 HEIGHTS = {480: 854, 720: 1280, 1080: 1920}  # 16:9
 RATE = 30
@@ -83,20 +84,21 @@ def make_video(path: Path, minutes: float, height: int) -> Path:
     return path
 
 
-def full_decode(path: Path, indices: np.ndarray) -> np.ndarray:
-    """Every frame front to back up to the last wanted one, the wanted ones converted to RGB at full size."""
-    wanted = set(indices.tolist())
-    last = int(indices[-1])
+def full_decode(path: Path, wanted: list[np.ndarray]) -> list[np.ndarray]:
+    """Every frame front to back up to the last wanted one, each request's frames converted to RGB at full size: one
+    pass serves every request of a video (a full decode costs the same whichever frames it keeps)."""
+    union = sorted(set(np.concatenate(wanted).tolist()))
+    last = union[-1]
+    keep = set(union)
     got: dict[int, np.ndarray] = {}
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
-        stream.thread_type = "SLICE"
         for i, frame in enumerate(container.decode(stream)):
-            if i in wanted:
+            if i in keep:
                 got[i] = frame.to_ndarray(format="rgb24")
             if i == last:
                 break
-    return np.stack([got[i] for i in indices.tolist()])
+    return [np.stack([got[i] for i in idx.tolist()]) for idx in wanted]
 
 
 def torchcodec_reader() -> Callable[[Path, np.ndarray], np.ndarray] | None:
@@ -113,9 +115,7 @@ def torchcodec_reader() -> Callable[[Path, np.ndarray], np.ndarray] | None:
 
 
 def request_indices(path: Path, request: dict) -> np.ndarray:
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        return select_indices(stream.frames, float(stream.average_rate), **request, max_frames=None, processor=None)
+    return probe_video(path).indices(**request)
 
 
 def timed(call: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
@@ -124,35 +124,51 @@ def timed(call: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
     return time.perf_counter() - t, out
 
 
-def bench_reads(videos: list[Path], requests: list[dict], repeats: int) -> list[dict]:
-    readers: dict[str, Callable[[Path, np.ndarray, dict], np.ndarray]] = {
-        "vpsd": lambda p, idx, req: read_video(p, **req).frames,
-        "full": lambda p, idx, req: full_decode(p, idx),
-    }
-    if (tc := torchcodec_reader()) is not None:
-        readers["torchcodec"] = lambda p, idx, req: tc(p, idx)
+def bench_reads(videos: list[Path], requests: list[dict], repeats: int, fps_max_minutes: float) -> list[dict]:
+    """Per video and repeat: one full decode serving all its requests, then vpsd's reader (and torchcodec's) on each
+    request, the order flipped every repeat. A rate request runs on videos up to `fps_max_minutes` long (fps 2 over
+    an hour is 7,200 full-size frames: 20 GB of RGB)."""
+    tc = torchcodec_reader()
     rows = []
     for path in videos:
-        for req in requests:
-            idx = request_indices(path, req)
-            times: dict[str, list[float]] = {name: [] for name in readers}
-            identical = True
-            for rep in range(repeats):
-                ref = None
-                order = list(readers) if rep % 2 == 0 else list(reversed(readers))
-                outs = {}
-                for name in order:
-                    seconds, outs[name] = timed(lambda: readers[name](path, idx, req))
-                    times[name].append(seconds)
-                ref = outs["full"]
-                identical &= all(np.array_equal(ref, o) for o in outs.values())
-            rows.append({"video": path.name, "request": req, "frames": len(idx), "identical": identical,
-                         **{f"{n}_s": statistics.median(t) for n, t in times.items()},
-                         **{f"{n}_spread": max(t) / min(t) - 1 for n, t in times.items()}})
-            r = rows[-1]
-            print(f"  {path.name:34s} {describe(req):>9s} {r['frames']:5d} frames  vpsd {r['vpsd_s']:7.2f} s  "
-                  f"full {r['full_s']:7.2f} s  {r['full_s'] / r['vpsd_s']:6.1f}x  "
-                  f"{'identical' if identical else 'FRAMES DIFFER'}", file=sys.stderr, flush=True)
+        info = probe_video(path)
+        mine = [r for r in requests if "fps" not in r or info.duration_s <= fps_max_minutes * 60]
+        idx = [request_indices(path, r) for r in mine]
+        full_s: list[float] = []
+        times: dict[str, list[list[float]]] = {"vpsd": [[] for _ in mine], "torchcodec": [[] for _ in mine]}
+        identical = [True] * len(mine)
+        for rep in range(repeats):
+            def full() -> list[np.ndarray]:
+                seconds, refs = timed(lambda: full_decode(path, idx))
+                full_s.append(seconds)
+                return refs
+
+            refs = full() if rep % 2 == 0 else None
+            outs = []
+            for j, req in enumerate(mine):
+                seconds, out = timed(lambda: read_video(path, **req).frames)
+                times["vpsd"][j].append(seconds)
+                outs.append(out)
+                if tc is not None:
+                    seconds, got = timed(lambda: tc(path, idx[j]))
+                    times["torchcodec"][j].append(seconds)
+                    outs[-1] = (out, got)
+            refs = refs if refs is not None else full()
+            for j, out in enumerate(outs):
+                pair = out if isinstance(out, tuple) else (out,)
+                identical[j] &= all(np.array_equal(refs[j], o) for o in pair)
+            del refs, outs
+        for j, req in enumerate(mine):
+            row = {"video": path.name, "minutes": info.duration_s / 60, "request": req, "frames": len(idx[j]),
+                   "identical": identical[j], "full_s": statistics.median(full_s),
+                   "full_spread": max(full_s) / min(full_s) - 1}
+            for name, t in times.items():
+                if t[j]:
+                    row[f"{name}_s"], row[f"{name}_spread"] = statistics.median(t[j]), max(t[j]) / min(t[j]) - 1
+            rows.append(row)
+            print(f"  {path.name:34s} {describe(req):>9s} {row['frames']:5d} frames  vpsd {row['vpsd_s']:7.2f} s  "
+                  f"full {row['full_s']:7.2f} s  {row['full_s'] / row['vpsd_s']:6.1f}x  "
+                  f"{'identical' if row['identical'] else 'FRAMES DIFFER'}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -204,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="720", help="heights: 480, 720, 1080")
     p.add_argument("--frames", default="16,64,128", help="uniformly sampled frame counts")
     p.add_argument("--fps", default="2", help="sampling rates (frames a second); empty for none")
+    p.add_argument("--fps-max-minutes", type=float, default=10.0, help="rate requests on videos up to this long")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--videos", type=Path, default=None, help="where the bench's videos are kept")
     p.add_argument("--job", metavar="CONFIG", default=None, help="also run an ar job over the videos")
@@ -221,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         {"fps": float(f)} for f in a.fps.split(",") if f]
     print(f"vpsd bench video: {len(videos)} videos x {len(requests)} requests, {a.repeats} interleaved repeats",
           file=sys.stderr)
-    rows = bench_reads(videos, requests, a.repeats)
+    rows = bench_reads(videos, requests, a.repeats, a.fps_max_minutes)
     print(table(rows))
     report = {"reads": rows}
     if a.job:
