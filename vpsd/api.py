@@ -24,8 +24,9 @@ A list of requests runs through the engine's continuous batching when `batch > 1
 
 Bad input: a setting that cannot run (or a config file that is not there) raises `ConfigError` (one line a
 problem, the job's lines) when the `LLM` is made; a request whose video is missing, corrupt or too long, or that
-is malformed (a prompt or video of the wrong type, an empty prompt, chat messages without one user turn: kind
-`bad_request`, the items a job's manifest refuses), does not stop the others: its `Output` carries the error
+is malformed (a prompt or video of the wrong type, an empty prompt, chat messages vpsd cannot answer: no user
+turn or not one video, a video outside a user turn, an unknown role; kind `bad_request`, the items a job's
+manifest refuses), does not stop the others: its `Output` carries the error
 (`error`, `error_kind`), as a job's result row does. `VideoError` is the
 same typed exception the job writes rows from; a child rank that dies is `RanksFailed`, with what it said.
 """
@@ -52,8 +53,9 @@ from vpsd.launch.items import ItemReader, checked_frames
 from vpsd.launch.manifest import ManifestItem
 from vpsd.launch.results import ResultRow, output_of
 from vpsd.launch.served import RanksFailed, ServedPipelines, ServedRanks
-from vpsd.launch.settings import run_config
+from vpsd.launch.settings import auto_method, run_config
 from vpsd.launch.wiring import SharedFrames, build_engine
+from vpsd.models.prompt import chat_prompt, is_chat, parse_messages, turns_of
 from vpsd.models.registry import load_adapter, load_tokenizer
 from vpsd.pipeline.sampling import rule_problems
 from vpsd.pipeline.methods import DraftPlace, get_method
@@ -100,8 +102,10 @@ class VideoRequest:
 
     video: a video file, a folder of frame images (read at `video.fps`, else 1 frame a second), or the frames
     themselves, a (T, H, W, 3) uint8 array (with `frame_times` in seconds; default one a second).
-    prompt: the question, or chat messages ([{"role": "user", "content": "..."}], content a string or a list of
-    {"type": "text", "text": ...} parts; the video goes in the user's turn, as a job's prompt does)."""
+    prompt: the question, or chat messages, rendered as the checkpoint's chat template renders them: [{"role":
+    "system" | "user" | "assistant", "content": "..." or [{"type": "text", "text": ...}, {"type": "video"}]}, ...],
+    an optional system message first, the last message a user's, `video` in the user turn that holds the one
+    {"type": "video"} part (without one, in the first user turn), as a manifest line's `messages`."""
 
     video: str | Path | np.ndarray
     prompt: str | list[dict[str, Any]]
@@ -126,10 +130,24 @@ class Output:
     error_kind: str | None = None
 
 
+def _auto(config: str | Path | RunConfig, batch: int, overrides: dict[str, Any]):
+    """`method="auto"`: the tuned config's choice at `batch`, or its winner's when batch is the default 1 and it was
+    not tuned at 1 (launch/tuned.py); ConfigError when the config holds none."""
+    try:
+        return auto_method(config, batch, overrides)
+    except ConfigError:
+        if batch != 1:
+            raise
+        return auto_method(config, None, overrides)
+    except FileNotFoundError as e:
+        raise ConfigError([f"no such config file: {e.filename}"]) from None
+
+
 class LLM:
     """A target (and draft) loaded once; `generate` as often as needed; `close()` (or a with block) at the end.
 
-    config: a YAML of configs/ (or any path); method: any of vpsd's (`ar` is the baseline); pruning, ratio, gamma,
+    config: a YAML of configs/ (or any path); method: any of vpsd's (`ar` is the baseline), or "auto": the choice of
+    a config `vpsd tune` wrote, at `batch` if it was tuned there (`tuned_choice` says which); pruning, ratio, gamma,
     batch: as the job's --pruning, --ratio, --gamma, --batch; draft_on: where a parallel method's draft and
     pruner run, "rank" (child processes, the default) or "thread" (module docstring); settings: more KEY: VALUE
     overrides, as --set; trace_dir: where the structlog JSON traces go (DIR/traces/, one file a role, readable by
@@ -140,11 +158,19 @@ class LLM:
                  ratio: float | None = None, gamma: int | str | None = None, batch: int = 1,
                  draft_on: str | None = None, settings: dict[str, Any] | None = None,
                  trace_dir: str | Path | None = None, ranks: ServedPipelines | None = None) -> None:
+        overrides = {**({} if draft_on is None else {"draft_on": draft_on}), **(settings or {})}
+        self.tuned_choice = None  # method="auto": what the config's tuned: block chose (launch/tuned.py)
+        if method == "auto":
+            self.tuned_choice = choice = _auto(config, batch, overrides)
+            method, batch = choice.method, batch if batch != 1 else choice.batch
+            pruning, ratio, gamma = (v if v is not None else choice.option(k) for k, v in
+                                     (("pruning", pruning), ("ratio", ratio), ("gamma", gamma)))
+            overrides = {**{k: v for k, v in choice.settings.items() if k in ("draft_on", "batching.pipelined")},
+                         **overrides}
         try:
             self.method = get_method(method)
         except ValueError as e:
             raise ConfigError([str(e)]) from None
-        overrides = {**({} if draft_on is None else {"draft_on": draft_on}), **(settings or {})}
         try:  # a RunConfig is one a launch checked already (its ranks run it: vpsd serve under torchrun)
             self.config: RunConfig = config if isinstance(config, RunConfig) else run_config(
                 config, method, pruning=pruning, ratio=ratio, gamma=gamma, batch=batch, overrides=overrides,
@@ -366,7 +392,7 @@ class LLM:
     def _manifest_item(self, item: _Item, wire_id: str, params: SamplingParams, n: int | str) -> ManifestItem:
         """A request as a job's item: a file or folder by its path; frames in memory written as a frames file
         (video/decode.py) that the ranks read back whole."""
-        prompt = _prompt_text(item.prompt)
+        prompt = _prompt(item.prompt)
         max_new_tokens, stop, seed = params.max_new_tokens, params.stop, self._seed(params, item)
         if not isinstance(item.video, np.ndarray):
             return ManifestItem(wire_id, Path(item.video).absolute(), prompt, max_new_tokens, None, None, {}, 0, stop,
@@ -479,38 +505,30 @@ def _request_problem(r: VideoRequest) -> str | None:
     if not isinstance(video, (str, Path, np.ndarray)):
         return f"video must be a path (str or Path) or a (T, H, W, 3) uint8 array, got {_kind(video)}"
     try:
-        text = _prompt_text(r.prompt)
+        prompt = _prompt(r.prompt)
     except ValueError as e:
         return str(e)
-    if not text.strip():
+    if not any(t.text.strip() for t in turns_of(prompt) if t.role == "user"):
         return "prompt is empty (a job refuses such an item too: vpsd check)"
     if r.seed is not None and (isinstance(r.seed, bool) or not isinstance(r.seed, int) or r.seed < 0):
         return f"seed must be an int >= 0, got {r.seed!r}"
     return None
 
 
-def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
-    """A prompt, or the text of chat messages' one user turn (ValueError for what a video prompt cannot hold)."""
+def _prompt(prompt: str | list[dict[str, Any]]) -> str:
+    """A prompt, or chat messages as a conversation prompt (models/prompt.py: one user turn is its text alone);
+    ValueError for what a video prompt cannot hold."""
     if isinstance(prompt, str):
+        if is_chat(prompt):  # a conversation already (chat_prompt's: the server's requests), checked again
+            turns_of(prompt)
         return prompt
-    if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) for m in prompt):
+    if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt must be a string or chat messages (a list of {{'role': ..., 'content': ...}} "
                          f"dicts), got {_kind(prompt)}")
-    turns = [m for m in prompt if m.get("role") == "user"]
-    others = [m.get("role") for m in prompt if m.get("role") != "user"]
-    if len(turns) != 1 or others:
-        raise ValueError(f"chat messages must hold exactly one user turn (the video goes in it), got roles "
-                         f"{[m.get('role') for m in prompt]}")
-    content = turns[0].get("content")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, (list, tuple)) or not all(isinstance(p, dict) for p in content):
-        raise ValueError(f"the user turn's content must be a string or a list of {{'type': ...}} parts, got "
-                         f"{_kind(content)}")
-    texts = [part.get("text") for part in content if part.get("type") == "text"]
-    if not all(isinstance(t, str) for t in texts):
-        raise ValueError("a text part of the user turn must hold its text as a string")
-    return "\n".join(texts)
+    try:
+        return chat_prompt(parse_messages(prompt))
+    except ValueError as e:
+        raise ValueError(f"chat messages: {e}") from None
 
 
 def _kind(value: Any) -> str:
@@ -529,7 +547,7 @@ class _Events:
     def request(self, item: _Item, nxt: _Item | None) -> Request:
         """The request's frames read and fitted (VideoError, ValueError: its Output carries them)."""
         budget = self.cfg.decoding.max_new_tokens
-        prompt = _prompt_text(item.prompt)
+        prompt = _prompt(item.prompt)
         if isinstance(item.video, np.ndarray):
             loaded = self.reader.load_array(item.id, prompt, item.video, item.frame_times, budget)
         else:

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="the run's YAML (configs/): family, target, draft, video, decoding, ...")
     p.add_argument("--manifest", required=True, help="JSONL, one item a line: id, video, prompt (vpsd check M)")
     p.add_argument("--out", required=True, help="results.jsonl, summary.json, traces/: one job per directory")
-    p.add_argument("--method", default="hippo", help="see the methods below (default hippo)")
+    p.add_argument("--method", default="hippo",
+                   help="see the methods below (default hippo); auto: the choice of a config `vpsd tune` wrote")
     p.add_argument("--pruning", default=None, help="override the method's pruning strategy")
     p.add_argument("--ratio", type=float, default=None, help="share of the video tokens pruned from the draft's input")
     p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
@@ -75,7 +76,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"methods {', '.join(BATCHABLE)}")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no closing line (the bar is off anyway when stderr is not a terminal)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.method == "auto":
+        with_tuned_choice(args)
+    return args
+
+
+def with_tuned_choice(args: argparse.Namespace) -> None:
+    """`--method auto`: the method and settings the config's tuned: block holds for this --batch (launch/tuned.py;
+    ./torchrun.sh tunes on the job's first items first when the config has none), said once; an option given
+    on the command line wins over the choice's. A config without a choice for it is refused."""
+    from vpsd.config import ConfigError
+    from vpsd.launch.settings import auto_method  # the settings' checks import the model stack: only for auto
+
+    try:
+        choice = auto_method(args.config, args.batch, args.set)
+    except FileNotFoundError as e:
+        raise SystemExit(refuse([f"no such config file: {e.filename}"])) from None
+    except ConfigError as e:
+        raise SystemExit(refuse(e.problems)) from None
+    args.method = choice.method
+    for name in ("pruning", "ratio", "gamma", "batch"):
+        if getattr(args, name) is None:
+            setattr(args, name, choice.option(name))
+    args.set = choice.sets() + list(args.set)
+    if os.environ.get("RANK", "0") == "0":
+        say(f"--method auto: {choice.describe()}, the choice of {args.config}'s tuned: block")
 
 
 def _gamma(text: str) -> int | str:

@@ -6,6 +6,7 @@
     vpsd bias DIR [--strategy S] [--band 0.1] [--out PNG]   position bias of the kept tokens per frame
     vpsd acceptance DIR [--item ID] [--out PNG]              accepted draft tokens per verification round
     vpsd bench [methods|throughput|steps|forwards|pruning] ...   the benchmarks (`vpsd bench --help`)
+    vpsd tune --config C --manifest M --out TUNED [--batch 1,8] ...   the fastest lossless settings here, as a config
     vpsd grow SRC DST --width K --layers N [--manifest M]     a function-preserving scale model, checked
     vpsd plan --config C [--method M] [--set K=V] [--gpu-gib G]  each rank's memory, from the configs alone
     vpsd world [--kind short|long] --out DIR --count N [--seed S]   procedural videos and their manifest
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from vpsd.reports.acceptance import main as run
     elif command == "bench":
         from vpsd.bench import main as run
+    elif command == "tune":
+        from vpsd.bench.tune import main as run
     elif command == "grow":
         from vpsd.launch.grow import main as run
     elif command == "plan":

@@ -89,6 +89,12 @@ def main(argv: list[str]) -> int:
     if single_node and out is not None and (busy := out_dir_holder(out)) is not None:
         say(busy)  # at once: no rank started for a directory another job holds (the rank's lock still decides)
         return 2
+    if not serving and ("--method=auto" in job or ["--method", "auto"] in map(list, zip(job, job[1:]))):
+        from vpsd.bench.tune import for_job  # --method auto on a config not tuned yet: tuned on its first items first
+
+        job = for_job(job, out)
+        if isinstance(job, int):
+            return job
     try:
         with launch_directory() as directory:  # removed as the launch ends (after a SIGKILL: by the next launch)
             return launch(torchrun_opts, job, out, single_node, directory, shutdown)

@@ -5,7 +5,8 @@ torchrun job (launch/entry.py, from its command line) and the Python API (vpsd/a
 {key: value} dict) and checks everything that can be checked without loading a model: each setting's type and
 name, the pruning strategy, what only one method reads, the checkpoints, the devices, a split target, and the
 memory plan (launch/memory.py: a layout that cannot fit is refused, and the KV budget defaults to the room it
-leaves). A problem is a `ConfigError`, one line each.
+leaves), and a tuned config's fit to the pair and machine it was tuned on (launch/tuned.py). A problem is a
+`ConfigError`, one line each. `auto_method` turns `--method auto` into a tuned config's choice.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vpsd.config import ConfigError, RunConfig, load_config, nearest, parse_over
 from vpsd.launch.memory import node_plan, with_kv_budget
 from vpsd.launch.preflight import (affinity_problems, checkpoint_problems, device_problems, memory_problems,
                                    tensor_parallel_problems)
+from vpsd.launch.tuned import Choice, auto_choice, tuned_problems
 from vpsd.models.shapes import ShapeError
 from vpsd.pipeline.methods import Method, get_method
 from vpsd.pipeline.pruning.strategies import STRATEGIES
@@ -46,6 +48,7 @@ def run_config(config: str | Path, method: str, *, pruning: str | None = None, r
     gpus = visible_gpus()
     problems = (checkpoint_problems(cfg) + affinity_problems(cfg) + device_problems(cfg, gpus)
                 + tensor_parallel_problems(cfg, m, gpus, local_world))
+    problems = problems or tuned_problems(cfg)  # a tuned config on another pair or machine (launch/tuned.py)
     # What the layout needs of this node's memory, once the settings themselves are sound (launch/memory.py);
     # the KV budget defaults to the room it leaves.
     problems = problems or memory_problems(cfg, m, local_world, gpus)
@@ -66,3 +69,14 @@ def check_method_settings(method: Method, cfg: RunConfig) -> None:
             raise ValueError(f"std picks its own KV entries per head; --pruning {cfg.pruning.strategy} does not apply")
     except (ValueError, TypeError) as e:
         raise ConfigError([f"method {method.name}: {e}"]) from None
+
+
+def auto_method(config: str | Path | RunConfig, batch: int | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] = ()) -> Choice:
+    """`--method auto`: the choice the config's tuned: block holds for --batch `batch` (None: its winner's), read
+    with the run's overrides (`--set tuned=null` leaves none); ConfigError (one line) when there is none, and
+    FileNotFoundError for a missing config file, as run_config."""
+    if isinstance(config, RunConfig):
+        return auto_choice(config, batch)
+    settings = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
+    return auto_choice(load_config(config, settings), batch, str(config))

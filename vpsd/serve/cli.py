@@ -41,7 +41,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vpsd serve", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="the run's YAML (configs/)")
-    p.add_argument("--method", default="hippo", help="any of vpsd's methods (default hippo; ar is the baseline)")
+    p.add_argument("--method", default="hippo", help="any of vpsd's methods (default hippo; ar is the baseline), "
+                                                      "or auto: the choice of a config `vpsd tune` wrote")
     p.add_argument("--pruning", default=None, help="override the method's pruning strategy")
     p.add_argument("--ratio", type=float, default=None, help="share of the video tokens pruned from the draft's input")
     p.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto", help="draft tokens per chunk")
@@ -128,12 +129,14 @@ def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path, ho
     from vpsd.serve.online import OnlineEngine
 
     name = args.served_model_name or Path(args.config).stem
-    settings = ServeSettings(model_name=name, method=args.method, api_key=api_key,
+    settings = ServeSettings(model_name=name, method=llm.method.name, api_key=api_key,
                              max_body_bytes=int(args.max_body_mib * 2**20),
                              limits=MediaLimits(int(args.max_video_mib * 2**20), args.max_frames,
                                                 args.allowed_media_dir), scratch=scratch)
     metrics = Metrics(name)
-    queue = JobQueue(args.max_queue, args.batch, metrics)
+    tuned = getattr(llm, "tuned_choice", None)  # --method auto: the tuned config's choice, its batch included
+    batch = llm.config.batching.size if tuned is not None else args.batch
+    queue = JobQueue(args.max_queue, batch, metrics)
     # A parallel method's roles on child ranks: requests submitted to their batch as they arrive; else the engine in
     # this process, fed from the queue.
     runner = RanksRunner(llm, queue) if llm.served else OnlineEngine(llm, queue)
@@ -155,8 +158,8 @@ def _serve(args: argparse.Namespace, llm, api_key: str | None, scratch: Path, ho
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
     how = how or ("child ranks, continuous batching" if llm.served else "in process, continuous batching")
-    print(f"vpsd serve: {name} ({args.method}, batch {args.batch}, {how}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
+    what = f"--method auto: {tuned.describe()}" if tuned is not None else f"{llm.method.name}, batch {batch}"
+    print(f"vpsd serve: {name} ({what}, {how}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

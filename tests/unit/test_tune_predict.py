@@ -1,0 +1,152 @@
+"""`vpsd tune`'s decisions on hand-made measurements (vpsd/bench/tune/): the rounds a draft's ranks replay, the
+items/hour each candidate is predicted from the measured forwards, which candidates get confirmed within the time
+budget, and the winner: the best measured lossless row, never one whose outputs differ from `ar`'s."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from vpsd.bench.tune.agreement import chain_rounds, tree_rounds, views_rounds
+from vpsd.bench.tune.candidates import Candidate, GridSpec, grid, parse_methods
+from vpsd.bench.tune.confirm import Confirmed, JobPlan, choose_confirmed, within_budget
+from vpsd.bench.tune.measure import DraftItem, ItemMeasure, Measured
+from vpsd.bench.tune.predict import Predictor, interpolate, predict_all
+from vpsd.bench.tune.report import decide
+from vpsd.config import load_config
+from vpsd.pipeline.tree import DraftTree
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", {"decoding.gamma_min": 1})
+
+
+def test_a_chain_accepts_the_run_of_agreeing_positions_and_commits_one_more():
+    # positions 1..7; the draft disagrees at 3 only. gamma 3: [1, 2 accepted, 3 the target's], [4, 5, 6 + 7].
+    r = chain_rounds([0, 0, 1, 0, 0, 0, 0], length=8, max_new=8, gamma=3)
+    assert (r.rounds, r.committed, r.drafted, r.accepted, r.rejections) == (2, 7, 6, 5, 1)
+    assert r.mat == 3.5 and r.tau == 5 / 6
+    # the window shortens before max_new_tokens, as decoders/sd.py's does: 1 + 5 accepted, then 7 plain
+    r = chain_rounds([0] * 7, length=8, max_new=8, gamma=5)
+    assert (r.rounds, r.committed, r.drafted, r.accepted) == (2, 7, 5, 5)
+
+
+def test_a_tree_descends_while_the_reference_is_among_a_nodes_children():
+    tree = DraftTree.from_branching([2, 1])  # depth 2: two candidates, one child each
+    # round 1: position 1 is the draft's second candidate (rank 1), 2 its first: the whole path, 3 the target's;
+    # round 2: 4 is rank 1 under the root, 5 rank 1 under it, where there is one child only: rejected;
+    # round 3: 6 and 7 on the path, 8 the target's (the last token)
+    r = tree_rounds([1, 0, 1, 1, 1, 0, 0, 0], length=9, max_new=9, tree=tree)
+    assert (r.rounds, r.committed, r.accepted, r.rejections) == (3, 8, 5, 1)
+    first = tree_rounds([1, 0], length=3, max_new=9, tree=tree)
+    assert (first.rounds, first.committed, first.accepted) == (1, 2, 2)
+
+
+def test_tabed_moves_its_weights_to_the_view_that_agrees():
+    grid = [[0.0, 1.0], [1.0, 0.0]]  # candidate 0: the second view alone; 1: the first alone
+    view_q = [[0.9, 0.1]] * 9  # the first view puts 0.9 on the reference token, the second 0.1
+    hits = [[False, True]] * 9  # only the first view's ensemble proposes it
+    r = views_rounds(view_q, hits, grid, length=10, max_new=10, gamma=4)
+    # block 1 starts at uniform's nearest (candidate 0, tied): rejected at once; position 1 verified, candidate 1
+    # is the nearer, and accepts everything after: 4 of 4, then 2 of 2 before max_new_tokens
+    assert (r.rounds, r.committed, r.accepted, r.rejections) == (3, 9, 6, 1)
+
+
+def item(ranks: list[int], length: int = 11) -> ItemMeasure:
+    chain = DraftItem(kept=8, select_s=0.0, prefill_s=0.05, step_s={1: 0.002, 2: 0.0025, 4: 0.003, 8: 0.004},
+                      ranks=ranks)
+    return ItemMeasure("a", length, length, 64, 80, 0.1, 0.4, 0.01, {1: 0.01, 2: 0.012, 4: 0.016, 8: 0.024},
+                       draft_vision_s=0.02, drafts={"chain:none@0": chain})
+
+
+def measured(ranks: list[int]) -> Measured:
+    return Measured([item(ranks)], {8: {1: 0.04, 2: 0.05, 4: 0.07, 8: 0.11}}, {8: {"chain@0": 0.006}},
+                    {"rank": 0.001, "thread": 0.0002}, cores=2)
+
+
+def test_predictions_by_hand():
+    """ar: 3600 / (P + N T_ar); sd: its replayed rounds' forwards; pearl: Theorem 6 beside the target, its draft's
+    prefill beside the target's; a batch: the cores bound prefill and decode together, the decode thread decode."""
+    p = Predictor(measured([0] * 10), CFG)
+    assert p.predict(Candidate("ar", "none", 0.0, "auto", 1)).items_per_hour == pytest.approx(3600 / 0.6)
+    sd = p.predict(Candidate("sd", "none", 0.0, 4, 1))  # rounds of 5 + 5 tokens: 8 draft steps, 2 verifies of 5 rows
+    assert interpolate({4: 0.016, 8: 0.024}, 5) == pytest.approx(0.018)
+    assert sd.items_per_hour == pytest.approx(3600 / (0.57 + 8 * 0.002 + 2 * 0.018))
+    assert (sd.mat, sd.tau, sd.gamma_used) == (5.0, 1.0, 4.0)
+    pearl = p.predict(Candidate("pearl", "none", 0.0, 4, 1))  # tau 1: 8 tokens a round pair of 2 max(4 T_q, T_p)
+    assert pearl.items_per_hour == pytest.approx(3600 / (0.5 + 10 * 2 * (0.018 + 0.001) / 8))
+    thread = p.predict(Candidate("pearl", "none", 0.0, 4, 1, draft_on="thread"))
+    assert thread.items_per_hour > pearl.items_per_hour  # a queue's round trip is cheaper than a socket's
+    ar8 = p.predict(Candidate("ar", "none", 0.0, "auto", 8))
+    assert ar8.items_per_hour == pytest.approx(3600 / max((0.5 + 10 * 0.04 / 8) / 2, 10 * 0.04 / 8))
+
+
+def test_auto_and_best_windows_come_from_the_same_costs():
+    p = Predictor(measured([0, 0, 0, 1, 0, 0, 0, 1, 0, 0]), CFG)
+    best = p.predict(Candidate("sd", "none", 0.0, "best", 1))
+    fixed = [p.predict(Candidate("sd", "none", 0.0, g, 1)).items_per_hour
+             for g in range(CFG.decoding.gamma_min, CFG.decoding.gamma_max + 1)]
+    assert isinstance(best.candidate.gamma, int) and best.items_per_hour == max(fixed)
+    assert p.predict(Candidate("sd", "none", 0.0, "auto", 1)).gamma_used == 5  # the baselines' serial window
+    auto = p.predict(Candidate("pearl", "none", 0.0, "auto", 1))
+    assert CFG.decoding.gamma_min <= auto.gamma_used <= CFG.decoding.gamma_max  # ParallelWindow's choice
+    # never drafting beats drafting where the draft never agrees: the serial window falls back to plain rounds
+    plain = Predictor(measured([1] * 10), CFG).predict(Candidate("sd", "none", 0.0, "auto", 8))
+    assert plain.gamma_used == 0.0
+
+
+def test_the_grid_and_what_gets_confirmed():
+    spec = GridSpec(parse_methods("sd,hippo,tabed"), ["hippo", "random"], [0.5, 0.9], ["auto", 3], ["rank", "thread"],
+                    [1, 8])
+    cands = grid(spec)
+    labels = [c.label for c in cands]
+    assert labels[0] == "ar B=1" and "hippo+random@0.5 g=3:thread B=1" in labels and "sd g=auto B=8" in labels
+    assert not any(c.method == "tabed" and c.batch == 8 and not c.pipelined for c in cands)  # batches pipelined only
+    assert Candidate("hippo", "hippo", 0.9, "auto", 1).nproc == 3 and Candidate("sd", "none", 0, 3, 1).nproc == 1
+    preds = predict_all(measured([0] * 10), CFG, [Candidate("ar", "none", 0.0, "auto", 1),
+                                                  Candidate("sd", "none", 0.0, "best", 1),
+                                                  Candidate("pearl", "none", 0.0, "auto", 1)])
+    chosen = choose_confirmed(preds, 1)
+    assert [p.candidate.method for p in chosen[1]] == [preds[0].candidate.method] != ["ar"]
+    # two placements of one draft are told apart least: another draft is confirmed before the second of them
+    preds = predict_all(measured([0] * 10), CFG, [Candidate("pearl", "none", 0.0, 4, 1, draft_on=d)
+                                                  for d in ("rank", "thread")] + [Candidate("sd", "none", 0.0, 4, 1)])
+    assert [p.candidate.label for p in preds] == ["pearl g=4:thread B=1", "pearl g=4 B=1", "sd g=4 B=1"]
+    assert [p.candidate.label for p in choose_confirmed(preds, 2)[1]] == ["pearl g=4:thread B=1", "sd g=4 B=1"]
+
+
+def test_the_time_budget_cuts_the_worst_predicted_first_never_a_batch_sizes_best(tmp_path):
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"id": "a"}\n' * 4)
+    preds = predict_all(measured([0] * 10), CFG, [Candidate("ar", "none", 0.0, "auto", 1),
+                                                  *(Candidate("sd", "none", 0.0, g, 1) for g in (2, 3, 4))])
+    ar = {1: preds[-1]}
+    chosen = choose_confirmed(preds, 3)
+    plan = JobPlan("c", {1: manifest}, tmp_path, [], [], budget_s=1e6)
+    assert len(within_budget(chosen, ar, plan, startup_s=10.0, spent_s=0.0)[1]) == 3
+    plan.budget_s = 10.0 * 2 + 10.0 * 2  # two ar jobs and two candidates' start-ups, roughly
+    assert [p.candidate for p in within_budget(chosen, ar, plan, 10.0, 0.0)[1]] == [chosen[1][0].candidate]
+
+
+def row(method: str, iph: float, identical: int = 2, batch: int = 1, ties: int = 0, code: int = 0) -> Confirmed:
+    return Confirmed(Candidate(method, "none", 0.0, "auto", batch), items_per_hour=iph, x_ar=iph / 100,
+                     items=2, identical=identical, ties=ties, exit_code=code)
+
+
+def test_the_winner_is_the_best_measured_lossless_row():
+    rows = [row("ar", 100), row("sd", 150, identical=1), row("pearl", 120), row("hippo", 119, identical=1, ties=1),
+            row("std", 500, code=1), row("ar", 300, batch=8), row("sd", 310, batch=8)]
+    v = decide(rows)
+    assert v.winner.candidate.method == "sd" and v.winner.candidate.batch == 8  # sd B=1 differs from ar: never
+    assert v.runner_up.candidate.method == "ar"
+    assert v.by_batch[1].candidate.method == "pearl"  # over hippo, whose one difference is a tie: lossless too
+    assert any(d.startswith("sd g=auto B=1 (1/2 same)") for d in v.disqualified)
+    assert any(d.startswith("std") and "exit 1" in d for d in v.disqualified)
+
+
+def test_measurements_survive_their_json(tmp_path):
+    m = measured([0] * 10)
+    back = Measured.from_json(json.loads(json.dumps(asdict(m))))
+    assert back == m
