@@ -6,7 +6,9 @@ Contract:
 - Reading costs what the clip keeps, not what the video holds: the file's packets are indexed once without
   decoding (`vpsd.video.index`), then the reader seeks to the keyframe before a wanted frame whenever one lies
   between the last frame read and it, and decodes forward, never past the last wanted frame
-  (`vpsd.video.seek`). The frames and timestamps are exactly, bit for bit, those a front to back decode gives.
+  (`vpsd.video.seek`). Decoding forward, it has the decoder skip the unwanted frames no other frame references
+  (FFmpeg's skip_frame NONREF: most B-frames), so a dense selection (fps 2 of 30) decodes a fraction of the
+  video. The frames and timestamps are exactly, bit for bit, those a front to back decode gives.
   Where the packets cannot promise that (no timestamps, duplicated ones, an edit list, a stored frame count
   they do not match, a seek that goes astray...), the video is decoded front to back, stopping after the last
   wanted frame, as it always was; `VideoClip.read_mode` says which way it was read and `fallback_reason` why.
