@@ -195,23 +195,31 @@ def test_module_runs_as_a_command(data_dir):
     assert result.stdout == f"{manifest}:1: missing field 'prompt'\n0 items ok, 1 problems\n"
 
 
-def test_shards_deal_every_entry_to_exactly_one_job(tmp_path):
-    """--shard I/N: items and bad lines dealt round-robin in line order; blank and comment lines take no turn."""
-    video = tmp_path / "v.mp4"
-    video.write_bytes(b"x")
+def test_shards_deal_whole_videos_and_every_entry_to_exactly_one_job(tmp_path):
+    """--shard I/N: video groups and bad lines dealt round-robin in the order of their first line; blank and
+    comment lines take no turn; a video's questions stay in one shard, a bad line's problems too."""
+    for name in "abcd":
+        (tmp_path / f"{name}.mp4").write_bytes(b"x")
     lines = []
-    for k in range(7):
-        lines.append(json.dumps({"id": f"i{k}", "video": "v.mp4", "prompt": "p"}))
+    for k, video in enumerate("abacbadd"):
+        lines.append(json.dumps({"id": f"i{k}", "video": f"{video}.mp4", "prompt": "p"}))
         if k == 2:
-            lines += ["", "# a comment", "{not json"]
+            lines += ["", "# a comment", "{not json", json.dumps({"id": 0, "video": "a.mp4", "fps": -1})]
+    lines.append(json.dumps({"id": "i8", "video": "a.mp4", "prompt": "p", "num_frames": 4}))  # other frames
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("\n".join(lines) + "\n")
     items, problems = load_manifest(manifest)
-    assert len(items) == 7 and len(problems) == 1
+    assert len(items) == 9 and len({p.line for p in problems}) == 2 and len(problems) >= 3
     shards = [Shard.parse(f"{i}/3").select(items, problems) for i in range(3)]
-    # Entries in line order: i0 i1 i2 <bad> i3 i4 i5 i6 -> shard 0: i0 <bad> i5, 1: i1 i3 i6, 2: i2 i4.
-    assert [[it.id for it in s[0]] for s in shards] == [["i0", "i5"], ["i1", "i3", "i6"], ["i2", "i4"]]
-    assert [len(s[1]) for s in shards] == [1, 0, 0]
+    # Entries by first line: a(i0 i2 i5) b(i1 i4) <bad 6> <bad 7> c(i3) d(i6 i7) a-at-4-frames(i8), its own group
+    # -> shard 0: a, <bad 7>, a-at-4-frames; 1: b, c; 2: <bad 6>, d (items in manifest order).
+    assert [[it.id for it in s[0]] for s in shards] == [["i0", "i2", "i5", "i8"], ["i1", "i3", "i4"], ["i6", "i7"]]
+    assert [sorted({p.line for p in s[1]}) for s in shards] == [[7], [], [6]]
+    assert sorted(p.message for s in shards for p in s[1]) == sorted(p.message for p in problems)
+    assert sorted(it.id for s in shards for it in s[0]) == sorted(it.id for it in items)
+    # Shards differ by at most one entry (a video group or a bad line), not by items.
+    entries = [len({(str(it.video), it.num_frames) for it in s[0]}) + len({p.line for p in s[1]}) for s in shards]
+    assert max(entries) - min(entries) <= 1
     assert Shard.parse("0/1").select(items, problems) == (items, problems)
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vpsd.launch.video_queue import groups_of
 from vpsd.models.prompt import CHAT_MARK, ControlText, chat_prompt, parse_messages, turns_of
 
 KNOWN_FIELDS = ("id", "video", "prompt", "messages", "max_new_tokens", "num_frames", "fps", "stop", "seed")
@@ -299,9 +300,12 @@ def load_manifest(
 class Shard:
     """Part `index` (0-based) of `count`, for independent jobs that split one manifest (`--shard I/N`).
 
-    The entries of the manifest (its items and its problem lines, in line order) are dealt round-robin:
-    entry j belongs to shard j % count. Every entry lands in exactly one shard, shards differ in size
-    by at most one, and a bad line is reported by the one shard that holds it."""
+    A video stays in one shard: the manifest's entries are its video groups (the items that read the same frames,
+    launch/video_queue.py `groups_of`, so the shard's pipeline prefills the video once for all its questions) and
+    its problem lines (each a unit of its own, all of a line's problems together), in the order of their first
+    line, dealt round-robin: entry j belongs to shard j % count. Every item and every bad line lands in exactly
+    one shard, so a bad line is reported by the one shard that holds it. Shards differ by at most one entry (one
+    video group or one bad line), so their item counts differ by up to the size of a group."""
 
     index: int
     count: int
@@ -321,9 +325,13 @@ class Shard:
     def select(
         self, items: list[ManifestItem], problems: list[ManifestProblem]
     ) -> tuple[list[ManifestItem], list[ManifestProblem]]:
-        entries = sorted([*items, *problems], key=lambda e: e.line)
-        mine = {e.line for j, e in enumerate(entries) if j % self.count == self.index}
-        return [i for i in items if i.line in mine], [p for p in problems if p.line in mine]
+        bad_lines = sorted({p.line for p in problems})
+        entries = sorted([(g[0].line, g) for g in groups_of(items)] + [(line, None) for line in bad_lines],
+                         key=lambda e: e[0])
+        mine = [e for j, e in enumerate(entries) if j % self.count == self.index]
+        my_lines = {line for line, group in mine if group is None}
+        my_items = {item.line for _, group in mine if group is not None for item in group}
+        return [i for i in items if i.line in my_items], [p for p in problems if p.line in my_lines]
 
 
 def check_manifest(path: str | os.PathLike[str], *, check_files: bool = True, open_videos: bool = True) -> int:
