@@ -87,3 +87,20 @@ def test_a_shared_out_sums_each_method_apart_and_the_status_reads_the_last_runs_
     (tmp_path / "summary.json").write_text(json.dumps({"items_done": 3, "run": {"items": 4}}))  # an old one
     assert main([str(tmp_path), "--status"]) == EXIT_ITEMS_FAILED  # all rows, as before
     assert main([str(tmp_path)]) == 0
+
+
+def test_summary_prints_the_prefix_reuse_of_the_run(tmp_path, capsys):
+    """summary.json's run.reuse (the targets' prefix caches): hits, misses, hit rate and bytes held, on one line."""
+    from vpsd.reports.summary import job_summary
+
+    ResultsFile(tmp_path).append(ResultRow.from_json(_row("a", [1, 2], 2, 0.5, 1.0)))
+    reuse = {"requests": 12, "hits": 8, "misses": 4, "skipped": 0, "bytes": 210 * 2**20, "peak_bytes": 300 * 2**20}
+    (tmp_path / "summary.json").write_text(json.dumps(job_summary(tmp_path, "m", {"items": 1, "reuse": reuse})))
+    assert cli_main(["summary", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(None, 2)[2] for line in lines if line.startswith("prefix reuse")] == [
+        "8 hits / 12 prefills (67%), 4 misses, 210 MiB held"]
+    assert not any("requests=" in line for line in lines)  # not repeated in the run's line
+    (tmp_path / "summary.json").write_text(json.dumps(job_summary(tmp_path, "m", {"items": 1, "reuse": None})))
+    assert cli_main(["summary", str(tmp_path)]) == 0
+    assert "prefix reuse" not in capsys.readouterr().out  # reuse off: no line

@@ -18,6 +18,8 @@ every method's sums when several share the directory (a bench's runs, ar beside 
 run of each method (its total time, items run, failures, restarts: the `run` section is the last of them).
 So one method's failures never count against another's, and `--status` reads the last run's method alone. A
 summary.json written before it had `methods` and `runs` still reads: its top level is all the rows'.
+The run's prefix reuse (`run.reuse`, the targets' prefix caches summed; absent or null when off) prints as one
+line: `prefix reuse  8 hits / 12 prefills (67%), 4 misses, 210 MiB held`.
 """
 
 from __future__ import annotations
@@ -137,6 +139,16 @@ def compare_rows(baseline: list[dict], rows: list[dict]) -> dict:
     }
 
 
+def reuse_line(reuse: dict) -> str:
+    """summary.json's `run.reuse` (the targets' prefix caches, engine/prefix_cache.py ReuseStats) in words:
+    `8 hits / 12 prefills (67%), 4 misses, 210 MiB held`; prefills are the requests that went through the cache."""
+    hits, misses = int(reuse.get("hits") or 0), int(reuse.get("misses") or 0)
+    prefills = max(int(reuse.get("requests") or 0), hits + misses)
+    rate = f"{100 * hits / prefills:.0f}%" if prefills else "-"
+    return (f"{hits} hits / {prefills} prefills ({rate}), {misses} misses, "
+            f"{(reuse.get('bytes') or 0) / 2**20:.0f} MiB held")
+
+
 def recorded_stack(run_dir: Path) -> dict | None:
     """The software stack the last run in `run_dir` recorded (summary.json's run section), if any."""
     path = Path(run_dir) / "summary.json"
@@ -181,14 +193,17 @@ def main(argv: list[str] | None = None) -> int:
             v = "-"
         if k in ("methods", "runs"):
             continue  # a line per method below
-        if k == "run" and isinstance(v, dict):
-            v = {name: x for name, x in v.items() if name != "stack"}  # printed on its own line below
+        if k == "run" and isinstance(v, dict):  # stack and reuse: printed on their own lines below
+            v = {name: x for name, x in v.items() if name not in ("stack", "reuse")}
         if isinstance(v, dict):
             v = " ".join(f"{name}={x:.3f}" if isinstance(x, float) else f"{name}={x}" for name, x in v.items())
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     for m, sums in (summary.get("methods") or {}).items():
         print(f"{'method ' + m:<{width}}  items {sums['items_done']} done, {sums['items_failed']} failed, "
               f"{sums['tokens_per_s']:.1f} tokens/s, MAT {sums['mean_accepted_tokens']:.2f}")
+    reuse = (summary.get("run") or {}).get("reuse")
+    if isinstance(reuse, dict):
+        print(f"{'prefix reuse':<{width}}  {reuse_line(reuse)}")
     mine = (summary.get("run") or {}).get("stack")
     print(f"{'stack':<{width}}  {describe(mine) if mine else 'not recorded (a run before vpsd recorded it)'}")
     if args.baseline is not None:
