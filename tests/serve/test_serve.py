@@ -225,6 +225,43 @@ def test_the_engine_stops_a_request_whose_client_left_and_serves_the_next(ar_llm
         assert engine.close(30)
 
 
+def test_metrics_count_a_second_question_about_a_video_as_a_prefix_hit(ar_llm, tmp_path):
+    """In process: the target's prefix cache (engine/prefix_cache.py) on /metrics; two questions about one video
+    (frames no other test sends) -> one more miss, then one more hit; bytes held."""
+    import asyncio
+
+    from vpsd.serve.app import ServeSettings, create_app
+    from vpsd.serve.jobs import Job, JobQueue
+    from vpsd.serve.metrics import Metrics
+    from vpsd.serve.online import OnlineEngine
+
+    def counts() -> dict[str, float]:
+        text = asyncio.run(service.prometheus()).body.decode()
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("vpsd_prefix_reuse_")}
+
+    metrics = Metrics("world_qwen2_5_vl")
+    queue = JobQueue(max_queue=4, batch=1, observer=metrics)
+    engine = OnlineEngine(ar_llm, queue)
+    app = create_app(ar_llm, engine, ServeSettings("world_qwen2_5_vl", "ar", scratch=tmp_path), metrics)
+    service = app.state.service
+    frames = _frames()[:, ::-1].copy()  # mirrored: a video no other test sends
+    seen = []
+    try:
+        for k, question in enumerate(["What moves?", "What color is the square?"]):
+            job = queue.submit(Job(vpsd.VideoRequest(frames, question, id=f"q{k}"),
+                                   vpsd.SamplingParams(max_new_tokens=4)))
+            assert job.future.result(timeout=60).output.finish_reason != "error"
+            seen.append(counts())
+    finally:
+        assert engine.close(30)
+    first, second = seen  # the cache is the model's: earlier tests' counts are in both
+    assert first["vpsd_prefix_reuse_misses_total"] >= 1
+    assert second["vpsd_prefix_reuse_hits_total"] - first["vpsd_prefix_reuse_hits_total"] == 1
+    assert second["vpsd_prefix_reuse_misses_total"] == first["vpsd_prefix_reuse_misses_total"]
+    assert second["vpsd_prefix_reuse_bytes"] > 0
+
+
 def _status(client, **kw) -> tuple[int, dict]:
     try:
         client.chat.completions.create(model=kw.pop("model", "world_qwen2_5_vl"), **kw)

@@ -70,6 +70,7 @@ class HTTPError(Exception):
 def create_app(llm: Any, runner: Runner, settings: ServeSettings, metrics: Metrics) -> FastAPI:
     """llm: what the runner decodes with (its tokenizer counts prompt tokens)."""
     service = ChatService(llm, runner, settings, metrics)
+    metrics.watch_reuse(getattr(runner, "reuse_stats", None))  # the prefix cache's counters, where the runner has them
     app = FastAPI(title="vpsd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
 

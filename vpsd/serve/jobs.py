@@ -204,3 +204,5 @@ class Runner(Protocol):
     samples_per_request: bool  # whether a job's num_frames / fps are honoured (else only the config's run)
 
     def close(self, grace_s: float) -> bool: ...
+
+    def reuse_stats(self) -> dict[str, int] | None: ...  # the prefix cache's counters for /metrics; None: none here

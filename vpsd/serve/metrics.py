@@ -5,11 +5,21 @@ its first round's commit), its time in the queue, its MAT and the mean time of o
 decoding round (decode_s / rounds: a target verification round, or one `ar` step), and how many requests were
 decoding together when its first token committed (on child ranks: at most, over its decoding). Requests whose
 client left, by where they were stopped. Gauges: the queue's depth and the requests decoding now.
+
+The target's prefix cache (engine/prefix_cache.py: one video, many questions), read from the runner when scraped
+(`watch_reuse`): `vpsd_prefix_reuse_hits_total` and `vpsd_prefix_reuse_misses_total` (prefills whose video prefix
+was found, or not) and `vpsd_prefix_reuse_bytes` (held now). The cache is the target model's, shared by every
+engine the server builds over it, so the counts run over the server's life. Absent when reuse is off, and on child
+ranks (serve/on_ranks.py): there the cache lives in the target rank's process, whose round reports carry only
+tokens; that rank's trace, where one is kept (`trace_dir`), has its `prefix_reuse` events.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -44,6 +54,13 @@ class Metrics:
                                           ["where"], registry=r)
         self.queue_depth = Gauge("vpsd_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("vpsd_requests_running", "requests decoding now", registry=r)
+        self._reuse: Callable[[], dict | None] | None = None
+        r.register(_ReuseCollector(lambda: self._reuse() if self._reuse is not None else None))
+
+    def watch_reuse(self, stats: Callable[[], dict | None] | None) -> None:
+        """Where /metrics reads the prefix cache's counters (a runner's `reuse_stats`: ReuseStats as a dict, or
+        None when it has none)."""
+        self._reuse = stats
 
     # Observer (serve/jobs.py)
     def queue(self, depth: int, running: int) -> None:
@@ -64,3 +81,24 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ReuseCollector:
+    """The prefix cache's counters as they are when scraped (module docstring); nothing when there are none."""
+
+    def __init__(self, stats: Callable[[], dict | None]) -> None:
+        self.stats = stats
+
+    def describe(self) -> list:
+        return []  # read at scrape time only (the registry must not call collect() to learn the names)
+
+    def collect(self):
+        stats = self.stats()
+        if not stats:
+            return
+        yield CounterMetricFamily("vpsd_prefix_reuse_hits", "prefills whose video prefix was in the prefix cache",
+                                  value=stats.get("hits", 0))
+        yield CounterMetricFamily("vpsd_prefix_reuse_misses", "prefills whose video prefix was not in the cache",
+                                  value=stats.get("misses", 0))
+        yield GaugeMetricFamily("vpsd_prefix_reuse_bytes", "bytes the prefix cache holds now (KV and vision "
+                                "features)", value=stats.get("bytes", 0))

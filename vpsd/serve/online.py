@@ -13,6 +13,10 @@ After every round (`Scheduler.on_round`) each streamed request's newly committed
 the engine drops it at its next round and frees its KV cache (the path a drafter's failed item takes). A request
 that cannot be decoded (its video missing, corrupt, too long) answers with the job's error; an engine that fails
 fails the requests it holds (503) and the next request builds it again.
+
+The target's prefix cache (engine/prefix_cache.py) is the model's, shared by every engine built over it, so a later
+question about a video prefills only its text whichever engine answers it; `reuse_stats` (what /metrics reads) gives
+its counters.
 """
 
 from __future__ import annotations
@@ -55,8 +59,14 @@ class OnlineEngine:
     def __init__(self, llm, queue: JobQueue) -> None:
         """llm: a `vpsd.LLM` whose method decodes in this process (`llm.served` False)."""
         self.llm, self.queue = llm, queue
+        self._reuse = None  # the target's prefix cache, as the last engine holds it (None: off, or none built yet)
         self._thread = threading.Thread(target=self._loop, name="vpsd-engine", daemon=True)
         self._thread.start()
+
+    def reuse_stats(self) -> dict[str, int] | None:
+        """The target's prefix cache's counters (engine/prefix_cache.py ReuseStats; over every engine built)."""
+        reuse = self._reuse
+        return None if reuse is None else reuse.stats()
 
     def _loop(self) -> None:
         # This thread decodes: where the config pins the target, as a job's target rank runs there (its prefill
@@ -82,6 +92,7 @@ class OnlineEngine:
             events = _Events(self.llm.target, cfg, frames, self.queue)
             wired = build_engine(cfg, self.llm.method, self.llm.target, draft=self.llm._load_draft(cfg), videos=frames,
                                  timeout_s=cfg.timeout_s, job_id="serve")
+            self._reuse = wired.engine.reuse  # the cache alone: a stopped engine is not kept for it
             wired.ready(cfg.startup_timeout_s)
             wired.scheduler.on_round = lambda: events.after_round(wired.engine)
             wired.scheduler.run(_QueueSource(self.queue, key, events), events)
