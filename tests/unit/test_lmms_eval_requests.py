@@ -1,8 +1,9 @@
 """The lmms-eval backend's pure parts, without lmms-eval (tests/torchrun/test_lmms_eval_backend.py runs it for real).
 
-- a task document's chat messages become one VideoRequest (its video, its user text) or a BadRequest naming what
-  vpsd cannot take; generation kwargs become SamplingParams, greedy unless sampling is on, with what would decode
-  another distribution refused as a ConfigError for the whole group;
+- a task document's chat messages become one VideoRequest (its video, its user text, a system prompt with it) or
+  a BadRequest naming what vpsd cannot take; one video's requests decode together, answered in lmms-eval's order;
+- generation kwargs become SamplingParams, greedy unless sampling is on, with what would decode another
+  distribution refused as a ConfigError for the whole group;
 - the speed file: the job's sums over a task's rows, the comparison with an `ar` file of the same task when one
   lies in the same folder.
 """
@@ -35,12 +36,48 @@ def test_one_video_and_the_user_text_make_the_request():
     (user(VIDEO, VIDEO), "holds 2"),
     (user(VIDEO, {"type": "image", "url": "a.png"}), "also holds image"),
     (user({"type": "video", "url": {"video": "clip.mp4", "video_start": 1.0}}), "video_start"),
-    ([{"role": "system", "content": "be brief"}, *user(VIDEO)], "one user turn"),
+    ([*user(VIDEO), {"role": "assistant", "content": "x"}], "one user turn"),
+    ([*user(VIDEO), {"role": "system", "content": "late"}], "optional system message"),
+    ([{"role": "system", "content": [{"type": "image", "url": "a.png"}]}, *user(VIDEO)], "text only"),
     ([{"role": "user", "content": "text only"}], "no video"),
 ])
 def test_what_vpsd_cannot_take_is_a_bad_request(messages, says):
     with pytest.raises(BadRequest, match=says):
         video_request(messages, "t:0")
+
+
+def test_a_system_message_makes_the_prompt_a_conversation():
+    """A task's system prompt goes with the request (the chat template renders it); without one, the plain text."""
+    from vpsd.models.prompt import Turn, turns_of
+
+    text = {"type": "text", "text": "Describe it."}
+    for content in ("Be brief.", [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]):
+        req = video_request([{"role": "system", "content": content}, *user(VIDEO, text)], "t:0")
+        assert req.video == "clip.mp4"
+        assert turns_of(req.prompt) == [Turn("system", "Be brief." if isinstance(content, str) else "Be\nbrief."),
+                                        Turn("user", "Describe it.", True)]
+    assert video_request(user(VIDEO, text), "t:0").prompt == "Describe it."
+
+
+def test_one_videos_requests_decode_together_and_answer_in_lmms_evals_order():
+    """generate_by_video: each video's requests next to each other (videos by their first request, a video's
+    requests in order), so the engine prefills a video once for all of them; the answers in the requests' order."""
+    from vpsd.api import VideoRequest
+    from vpsd.integrations.lmms_eval.requests import generate_by_video, video_order
+
+    videos = ["a.mp4", "b.mp4", "a.mp4", "c.mp4", "b.mp4", "a.mp4"]
+    requests = [VideoRequest(v, f"q{i}", id=str(i)) for i, v in enumerate(videos)]
+    assert video_order(requests) == [0, 2, 5, 1, 4, 3]
+    calls = []
+
+    def generate(batch):
+        calls.append([r.id for r in batch])
+        return [f"answer {r.id} about {r.video}" for r in batch]
+
+    answers = generate_by_video(generate, requests)
+    assert calls == [["0", "2", "5", "1", "4", "3"]]  # one call, one video's requests adjacent
+    assert answers == [f"answer {i} about {v}" for i, v in enumerate(videos)]
+    assert generate_by_video(generate, []) == []
 
 
 def test_generation_kwargs_as_sampling_params():

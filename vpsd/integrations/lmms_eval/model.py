@@ -10,8 +10,10 @@ the speed files go: default lmms-eval's results folder), and any `KEY=VALUE` set
 loads, naming them.
 
 `generate_until`: each request's document goes through the task's `doc_to_messages`; its one video and the
-user's text are the request (requests.py). Requests with equal generation kwargs run through one `LLM.generate`
-call, so `batch > 1` batches them in the engine. A request vpsd cannot take, or whose video fails to read, is
+user's text (after the system message, if the task gives one) are the request (requests.py). Requests with equal
+generation kwargs run through one `LLM.generate` call, so `batch > 1` batches them in the engine, each video's
+requests next to each other (requests.py `generate_by_video`: the target reads and prefills a video once for all
+its questions), answered in lmms-eval's order. A request vpsd cannot take, or whose video fails to read, is
 answered with an empty string and a warning naming it: the evaluation goes on and scores it as wrong.
 `loglikelihood` and the multi-round form are refused with a NotImplementedError saying why.
 
@@ -40,8 +42,8 @@ from lmms_eval.api.model import lmms
 from loguru import logger as eval_logger
 
 import vpsd
-from vpsd.integrations.lmms_eval.requests import (BadRequest, group_key, request_seed, sampling_params,
-                                                   video_request)
+from vpsd.integrations.lmms_eval.requests import (BadRequest, generate_by_video, group_key, request_seed,
+                                                   sampling_params, video_request)
 from vpsd.integrations.lmms_eval.speed import SpeedLog, speed_file
 
 REFUSED = ("vpsd answers generate_until requests only: {kind} requests score given continuations by the "
@@ -118,7 +120,8 @@ class VpsdLmms(lmms):
                 except BadRequest as e:
                     self._failed(task, rid, f"BadRequest: {e}")
             started = time.perf_counter()
-            outs = self.llm.generate([r for _, r in todo], params) if todo else []
+            # One video's questions together (its prefix prefilled once), answered in lmms-eval's order.
+            outs = generate_by_video(lambda rs: self.llm.generate(rs, params), [r for _, r in todo]) if todo else []
             self.speed.add_wall({requests[i].args[4] for i, _ in todo}, time.perf_counter() - started)
             for (i, req), out in zip(todo, outs):
                 task = requests[i].args[4]

@@ -5,10 +5,17 @@ Pure (no lmms_eval import): the messages are the plain dicts a task's `doc_to_me
 (`[{"role": "user", "content": [{"type": "video", "url": PATH}, {"type": "text", "text": ...}]}]`), so vpsd's
 own suite tests this without lmms-eval.
 
-What vpsd takes: one user turn holding one video (a file or a folder of frames) and text; the text parts joined
-by newlines are the prompt, as `vpsd.LLM` joins a chat turn's. Anything else (images, audio, several videos, a
-clip's start/end times, system or assistant turns) is a `BadRequest` for that request alone: the backend answers
-it with an empty string and a warning, as it does a request whose video fails to read.
+What vpsd takes: one user turn holding one video (a file or a folder of frames) and text, after an optional system
+message (its text parts): the user's text parts joined by newlines are the prompt, as `vpsd.LLM` joins a chat
+turn's; with a system message the prompt is that conversation (models/prompt.py `chat_prompt`), rendered by the
+checkpoint's chat template. Anything else (images, audio, several videos, a clip's start/end times, assistant
+turns) is a `BadRequest` for that request alone: the backend answers it with an empty string and a warning, as it
+does a request whose video fails to read.
+
+One video, many questions: `video_order` puts the requests about one video next to each other (videos in the order
+of their first request), so a task's questions about a video decode one after another (in one engine batch, or
+adjacent ones) and the target reads and prefills the video once for all of them (engine/prefix_cache.py);
+`generate_by_video` decodes in that order and answers in the requests' own.
 
 Generation kwargs follow transformers' `generate`: greedy unless `do_sample` is not false and `temperature > 0`;
 `until` (a string or a list) are stop strings; `top_k`, `top_p` and `min_p` filter the target's distribution (and
@@ -21,11 +28,15 @@ for.
 from __future__ import annotations
 
 import json
+import os
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from vpsd.api import SamplingParams, VideoRequest
 from vpsd.config import ConfigError
+from vpsd.models.prompt import Turn, chat_prompt
+
+T = TypeVar("T")
 
 # Keys that only shape how transformers runs (not what it samples), or that greedy decoding ignores anyway.
 NEUTRAL_KEYS = frozenset({"max_new_tokens", "temperature", "do_sample", "until", "top_p", "top_k", "min_p",
@@ -40,11 +51,13 @@ class BadRequest(ValueError):
 
 
 def video_request(messages: Sequence[Mapping[str, Any]], request_id: str) -> VideoRequest:
-    """The video and the user's text of one task document's chat messages."""
+    """The video and the user's text (after the system message, if any) of one task document's chat messages."""
     roles = [m.get("role") for m in messages]
-    if roles != ["user"]:
-        raise BadRequest(f"vpsd takes one user turn (the video goes in it), got roles {roles}")
-    content = messages[0].get("content")
+    if roles not in (["user"], ["system", "user"]):
+        raise BadRequest(f"vpsd takes one user turn (the video goes in it), after an optional system message; got "
+                         f"roles {roles}")
+    system = [Turn("system", _system_text(messages[0].get("content")))] if roles[0] == "system" else []
+    content = messages[-1].get("content")
     if isinstance(content, str):
         raise BadRequest("the user turn holds no video (its content is text only)")
     videos, texts, others = [], [], []
@@ -65,7 +78,40 @@ def video_request(messages: Sequence[Mapping[str, Any]], request_id: str) -> Vid
         raise BadRequest("a clip of a video (video_start / video_end) is not supported: vpsd reads the whole file")
     if not isinstance(video, str):
         raise BadRequest(f"the video must be a path (a file or a folder of frames), got {type(video).__name__}")
-    return VideoRequest(video, "\n".join(texts), id=request_id)
+    return VideoRequest(video, chat_prompt([*system, Turn("user", "\n".join(texts), True)]), id=request_id)
+
+
+def _system_text(content: Any) -> str:
+    """A system message's text: a string, or its text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    parts = content or []
+    others = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in parts
+              if not (isinstance(p, dict) and p.get("type") == "text")]
+    if others:
+        raise BadRequest(f"a system message holds text only; this one also holds {', '.join(map(str, others))}")
+    return "\n".join(p.get("text") or "" for p in parts)
+
+
+def video_order(requests: Sequence[VideoRequest]) -> list[int]:
+    """The requests' indices with each video's together: videos in the order of their first request, a video's
+    requests in theirs (module docstring)."""
+    groups: dict[Any, list[int]] = {}
+    for i, r in enumerate(requests):
+        key = str(r.video) if isinstance(r.video, (str, os.PathLike)) else ("array", id(r.video))
+        groups.setdefault(key, []).append(i)
+    return [i for group in groups.values() for i in group]
+
+
+def generate_by_video(generate: Callable[[list[VideoRequest]], Sequence[T]],
+                      requests: Sequence[VideoRequest]) -> list[T]:
+    """`generate`'s outputs of `requests`, decoded in `video_order`, returned in the requests' own order."""
+    order = video_order(requests)
+    outputs = generate([requests[i] for i in order])
+    answers: list[Any] = [None] * len(requests)
+    for i, out in zip(order, outputs, strict=True):
+        answers[i] = out
+    return answers
 
 
 def sampling_params(gen_kwargs: Mapping[str, Any]) -> tuple[SamplingParams, list[str]]:
