@@ -104,7 +104,14 @@ def main(argv: list[str] | None = None) -> None:
         with launch_directory() as directory:
             from torch.distributed.run import main as torchrun
 
-            torchrun(with_log_dir(argv, directory))
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+            try:
+                torchrun(with_log_dir(argv, directory))
+            except ChildFailedError:
+                # torchrun's agent has printed its failure summary (the rank, its exit code, its error file); a
+                # traceback of this wrapper on top would read as a fault of vpsd's own.
+                raise SystemExit(1) from None
     except _Signalled as s:  # the directory is gone: end as the signal would have ended torchrun
         signal.signal(s.signum, signal.SIG_DFL)
         os.kill(os.getpid(), s.signum)
