@@ -137,7 +137,7 @@ class Engine:
         """How the request's prefill reuses kept prefixes (engine/prefix_cache.py), or None: reuse off, or nothing
         to cut (traced). Every method reuses: a drafted request whose target prefill reads the pruner's signals
         takes them from the same two forwards (models/signals.py), so it prefills as `ar` with reuse does."""
-        if self.reuse is None:
+        if self.reuse is None or not request.reuse:
             return None
         return self.reuse.plan(request.id, inputs)
 

@@ -40,6 +40,9 @@ class Request:
     next_video: dict | None = None  # the next item's, so a draft rank reads it ahead
     stop: tuple[str, ...] = ()  # stop strings: decoding ends once the committed text holds one (pipeline/stopping.py)
     seed: int | None = None  # its draws' seed (pipeline/seeds.py); None: the run's decoding.seed, set at its prefill
+    # Keep and reuse its video prefix (engine/prefix_cache.py) where reuse is on; False: one forward, nothing kept (a
+    # job's item that no other item asks about the same video: launch/manifest.py shares_video).
+    reuse: bool = True
 
     # ---- what the engine fills ----
     drafted: bool = True  # False: decoded plain, one token a round (the drafting policy's decision)

@@ -22,15 +22,17 @@ whose rank dies takes the launch down (torchrun stops every rank); the items in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from vpsd.launch.say import say
-from vpsd.launch.video_queue import VideoQueue
+from vpsd.launch.video_queue import VideoQueue, video_key
 from vpsd.launch.job_identity import record as record_job
 from vpsd.launch.layout import Layout
 from vpsd.launch.manifest import load_manifest
@@ -117,7 +119,11 @@ class Coordinator:
                                 ItemError("ManifestError", f"{self.args.manifest}:{p.line}: {p.message}"))
                 results.append(row)
                 progress.item_done(0, failed=True)
-        queue = VideoQueue(it for it in items if it.id not in done)
+        # Whether another item reads an item's frames, over the whole (sharded) manifest, done items included: the
+        # same on every rerun, and in the ar job it is compared with.
+        sharing = Counter(video_key(it) for it in items)
+        queue = VideoQueue(dataclasses.replace(it, shares_video=sharing[video_key(it)] > 1)
+                           for it in items if it.id not in done)
         todo = len(queue)
         open_pipelines = set(self.tally)
         first_grant: float | None = None

@@ -163,4 +163,4 @@ class ItemReader:
         """The item as the engine takes it: its frames, and how a draft rank reads them and the next item's."""
         return Request(item.id, item.prompt, self.max_new_tokens(item), loaded.frames, loaded.times, loaded.video,
                        self.frame_request(nxt).to_wire(nxt.id) if nxt is not None else None, item.stop,
-                       seed=item.seed)
+                       seed=item.seed, reuse=item.shares_video)

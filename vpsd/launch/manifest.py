@@ -62,19 +62,23 @@ class ManifestItem:
     line: int  # 1-based line in the manifest
     stop: tuple[str, ...] = ()  # stop strings
     seed: int | None = None  # its sampling seed (pipeline/seeds.py); None: the run's decoding.seed
+    # Another item of the job reads the same frames (the coordinator sets it, launch/video_queue.py): only then is
+    # its video prefix kept for reuse (engine/prefix_cache.py). An item asked alone prefills in one forward, as
+    # before reuse, so a parallel method's pruner gets the signals mid-prefill (HIPPO's synchronous prefill).
+    shares_video: bool = True
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for a control message (the coordinator hands items to pipelines with it)."""
         return {"id": self.id, "video": str(self.video), "prompt": str(self.prompt),
                 "prompt_special_tokens": isinstance(self.prompt, ControlText), "max_new_tokens": self.max_new_tokens,
                 "num_frames": self.num_frames, "fps": self.fps, "extra": self.extra, "line": self.line,
-                "stop": list(self.stop), "seed": self.seed}
+                "stop": list(self.stop), "seed": self.seed, "shares_video": self.shares_video}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "ManifestItem":
         prompt = ControlText(data["prompt"]) if data["prompt_special_tokens"] else data["prompt"]
         return cls(data["id"], Path(data["video"]), prompt, data["max_new_tokens"], data["num_frames"], data["fps"],
-                   dict(data["extra"]), data["line"], tuple(data["stop"]), data["seed"])
+                   dict(data["extra"]), data["line"], tuple(data["stop"]), data["seed"], data.get("shares_video", True))
 
 
 @dataclass(frozen=True)
