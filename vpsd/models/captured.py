@@ -17,6 +17,14 @@ every item it decodes:
     step     k tokens through the captured language model: a recorded graph a distinct k and bucket, from two
              traces a bucket (a decode step's, and one for every verify width: models/step_graphs.py), none
              traced again as the cache fills or rolls back (its length is a tensor)
+    check    a graph's first replay is checked against the trace it was recorded from: the step is cropped
+             back and run again uncaptured, and a replay that differs (a CUDA graph fed stale inputs,
+             holding stale outputs, or corrupted by what it shares: its pool, its stream's workspaces) is
+             dropped, with the difference in the rank's trace, its shape running uncaptured from then on (a
+             graph that replays wrong turns a draft's proposals to noise while the target keeps the output
+             lossless: issue 60 item 2); a graph is checked again after every later recording into the
+             model's shared pool (a shape's first forward, its warm-up, runs the trace itself: the first replay
+             is the graph's first run, its inputs copied in)
     crop     a rollback moves the length back in place (the graph reads it from its fixed address)
     release  the entries copied back into a growing cache when a second item joins the batch (a batch of
              several rows steps eagerly, models/batch.py) or the sequence outgrows the largest bucket
@@ -52,6 +60,11 @@ RECORDED_MODES = ("cudagraphs", "trace")  # dynamo's trace, recorded by vpsd (mo
 # step, every verify width), for a target and its draft in one process; torch's default limit (8 a code object)
 # would send the rest back to eager without a word.
 RECOMPILE_LIMIT = 512
+# How far a graph's first replay may stray from the trace it was recorded from, relative to the trace's largest
+# output: the same kernels on the same inputs, so float noise at most (cuBLAS may pick another algorithm on the
+# recording stream's workspace); a replay that computes something else is off by order one.
+REPLAY_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
+HALF_REPLAY_TOLERANCE = 5e-2  # bfloat16, float16
 
 
 class FixedLayer(StaticLayer):
@@ -100,6 +113,12 @@ class FixedCache(Cache):
         """Each layer's held (keys, values), (1, H, n, d) views of the buffers."""
         n = self.length()
         return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.layers]
+
+    def rewind(self, length: int) -> None:
+        """Every layer holds its first `length` entries, in place (a replay's check re-runs a step over them)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)
 
 
 def held_entries(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,9 +192,14 @@ class CapturedLanguageModel:
         self.capture_s = 0.0  # the one-time cost: the first forward of each graph (its compilation or recording)
         self._graphs: dict[tuple, RecordedStep | None] = {}
         self.unrecorded: dict[tuple, str] = {}  # shapes whose recording failed (they run the trace), and why
+        self.checked = 0  # replays checked against the trace (a graph's first, and after a later recording)
+        self._unchecked: set[tuple] = set()  # recorded shapes whose next replay is checked
         cuda = self.recorded and self.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if cuda else None  # one pool for a model's graphs
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        # The graphs share one memory pool (and the recording stream's cuBLAS workspace): a new recording puts
+        # every recorded graph back to be checked at its next replay.
+        self.shares_pool = cuda
 
     def __call__(self, **inputs: Any) -> Any:
         self.steps += 1
@@ -183,11 +207,44 @@ class CapturedLanguageModel:
                     for name, v in sorted(inputs.items()))
         if key in self._graphs:
             step = self._graphs[key]
+            if step is not None and key in self._unchecked:
+                return self._checked(key, step, inputs)
             return step(inputs) if step is not None else self.compiled(**as_traced(inputs) if self.recorded
                                                                        else inputs)
         t0 = settled_clock(self.device)  # a new graph: timed whole, once (the only synchronisation it adds)
         out = self.compiled(**as_traced(inputs)) if self.recorded else self.compiled(**inputs)
-        self._graphs[key] = self._record(key, inputs) if self.recorded else None
+        step = self._graphs[key] = self._record(key, inputs) if self.recorded else None
+        if step is not None:
+            if self.shares_pool:
+                self._unchecked.update(k for k, s in self._graphs.items() if s is not None)
+            self._unchecked.add(key)
+        self.capture_s += settled_clock(self.device) - t0
+        return out
+
+    def _checked(self, key: tuple, step: RecordedStep, inputs: dict[str, Any]) -> Any:
+        """The recorded step's replay, checked (module docstring, "check"): the step cropped back and run again by
+        the trace, uncaptured; the trace's outputs are returned, and its cache entries kept, either way. A replay
+        that differs is dropped for good (`unrecorded`, a RuntimeWarning and `step_unrecorded` in the rank's
+        trace, with the difference), its shape running the trace from then on."""
+        self._unchecked.discard(key)
+        cache = next((v for v in inputs.values() if isinstance(v, FixedCache)), None)
+        if cache is None:  # vpsd's steps always pass their fixed cache; nothing to crop back otherwise
+            return step(inputs)
+        t0 = settled_clock(self.device)
+        before = cache.length()
+        replayed = step(inputs)
+        cache.rewind(before)  # the same step again, over the same entries, by the trace the graph was recorded from
+        out = self.compiled(**as_traced(inputs))
+        self.checked += 1
+        error, tolerance = _replay_error(replayed, out)
+        if not error <= tolerance:  # NaN included
+            self._graphs[key] = None
+            why = (f"its replay differs from the trace it was recorded from by {error:.3g} of the trace's largest "
+                   f"output (tolerance {tolerance:g})")
+            self.unrecorded[key] = why
+            get_logger().warning("step_unrecorded", shapes=repr(key), error=why)  # the rank's trace
+            warnings.warn(f"captured steps: a step of shapes {key} runs uncaptured: {why}", RuntimeWarning,
+                          stacklevel=3)
         self.capture_s += settled_clock(self.device) - t0
         return out
 
@@ -210,3 +267,21 @@ def _identity(value: Any) -> Any:
     """A non-tensor argument as part of a step's key: a fixed cache by identity (its buffers' addresses are the
     graph's), anything else by value."""
     return ("cache", id(value), value.capacity) if isinstance(value, FixedCache) else value
+
+
+def _replay_error(replayed: Any, traced: Any) -> tuple[float, float]:
+    """(largest |difference| of the two steps' first outputs relative to the trace's largest, the tolerance for
+    their dtype). A step's first output is its last hidden state."""
+    a, b = _first_tensor(replayed), _first_tensor(traced)
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf"), 0.0
+    scale = float(b.detach().abs().max().float()) if b.numel() else 0.0
+    error = float((a.detach().float() - b.detach().float()).abs().max()) if b.numel() else 0.0
+    return error / max(scale, 1e-6), REPLAY_TOLERANCE.get(b.dtype, HALF_REPLAY_TOLERANCE)
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)

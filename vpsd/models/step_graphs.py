@@ -25,6 +25,10 @@ meta device for every family):
   (`timing.RECORDING`): the draft records on its own thread (`draft_on: thread`).
 - A recording that fails (an op CUDA refuses in a capture) leaves that shape to run the trace uncaptured, with a
   RuntimeWarning that says why (`CapturedLanguageModel.unrecorded`): a slow step, not a lost job.
+- A recorded step's first replay (and its next one after any later recording into the model's pool) is checked
+  against the trace it was recorded from, over the same cache entries; one that differs goes the same way
+  (models/captured.py, "check"). A target verifies whatever it is given, so a draft graph that replays wrong
+  costs only acceptance, silently (issue 60 item 2): the check is what says so.
 
 Mode "trace" runs the same object with the graph replaced by the trace run over the copies: on a CPU, where
 there are no CUDA graphs, every test of captured steps takes the path a GPU takes (copies in, clones out, one

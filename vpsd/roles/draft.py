@@ -296,8 +296,11 @@ def draft_role(link: Link, draft: VideoLMAdapter, cfg: RunConfig, drafts_from: s
         if own:
             videos.close()
         if draft.captured is not None:  # its one-time cost, which the target waited through in part (bench)
+            # `checked`: replays checked against their trace; `why`: what sent a shape back to the trace (a failed
+            # recording, or a replay that differed: models/captured.py, "check")
             log.info("captured_steps", capture_s=round(draft.captured.capture_s, 3),
-                     graphs=len(draft.captured._graphs), unrecorded=len(draft.captured.unrecorded))
+                     graphs=len(draft.captured._graphs), unrecorded=len(draft.captured.unrecorded),
+                     checked=draft.captured.checked, why=sorted(set(draft.captured.unrecorded.values()))[:4])
 
 
 def run_draft(ctx: RoleContext, draft: VideoLMAdapter) -> None:
