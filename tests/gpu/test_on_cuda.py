@@ -171,6 +171,8 @@ def test_recorded_steps_copy_the_ids_and_positions_not_the_weights(dtype):
     graphs = [g for g in target.captured._graphs.values() if g is not None]
     assert len(graphs) == 2 and target.captured.unrecorded == {}
     assert all(sorted(name for name, _ in g.tensors) == ["input_ids", "position_ids"] for g in graphs)
+    # Replays score as the eager step first: the H200's run failed the memory bound below and never read this.
+    assert worst < (1e-4 if dtype == "float32" else 0.25), worst
     if DEVICE == "cuda":
         # The recordings run on the model's own stream, and a stream's first cuBLAS call allocates its workspace
         # through torch's allocator: 32 MiB on Hopper (torch's default ":4096:8"), once, whatever the model. The
@@ -179,7 +181,6 @@ def test_recorded_steps_copy_the_ids_and_positions_not_the_weights(dtype):
         # is a quarter of the weights beyond that one workspace (and cuBLASLt's, as large at most).
         workspace = 2 * 32 * 2**20
         assert torch.cuda.memory_allocated() - before < weights / 4 + workspace
-    assert worst < (1e-4 if dtype == "float32" else 0.25), worst
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
