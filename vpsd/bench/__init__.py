@@ -13,6 +13,7 @@ repeated, medians and the noise printed), never in a test; those that decode che
     vpsd bench serve      --config C --method M [--requests N --clients C --batch B] [--job]   `vpsd serve` under load
     vpsd bench sampling   --config C --manifest M [--temperatures 0.7,1.0]   position-keyed against rejection sampling
     vpsd bench video      [--lengths 1,10,60 --sizes 720 --frames 16,64,128] [--job C]   reading real-length videos
+    vpsd bench reuse      --config C --videos M [--count 4 --questions 3 --batch 1] [--chat]   one video, many questions
 
 The first two (and `sampling`) run real torchrun jobs (the launcher users run); `serve` a real server and its clients (and, with
 --job, the batch job beside it); the others measure forwards in this process.
@@ -28,7 +29,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("methods", "throughput", "steps", "forwards", "pruning", "trees", "signals", "signal_memory", "cache",
-               "serve", "sampling", "video")  # each a module of this package
+               "serve", "sampling", "video", "reuse")  # each a module of this package
 
 
 def main(argv: list[str] | None = None) -> int:
