@@ -20,6 +20,7 @@ class VideoClip:
     read_mode: str = "sequential"
     fallback_reason: str | None = None  # why a video was read front to back instead of by seeking
     frames_decoded: int = 0  # frames the decoder produced (images read, for a folder): the work done
+    parts: int = 1  # pieces between keyframes read at once (read_video's `parts`); 1: read whole
 
     @property
     def num_frames(self) -> int:

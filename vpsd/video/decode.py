@@ -18,6 +18,12 @@ Contract:
   or `max_side` for the longest side; bicubic when it scales: `vpsd.video.frames`), so memory grows with the
   clip, not the video, and no full-size RGB frame is made. Frames come back upright (a display matrix's
   rotation applied) and at display aspect (non-square pixels stretched).
+- A dense read may be split (`parts`, `map_parts`: `vpsd.video.pool.ReaderPool.map_parts`): the wanted frames
+  are cut at keyframe stretches into contiguous parts of about equal decoding work (`split_wanted`), each part
+  read on its own container and decoder (`read_part`), the parts at once, the rows put back in order. Each part
+  starts at a stretch the whole read would seek to as well, so the frames, timestamps and frames decoded are the
+  whole read's, bit for bit. Only exact reads by a trusted index split; a part that finds the index untrusted
+  makes the whole video read front to back, as an unsplit read would.
 - `probe_video` says, before decoding anything, how many frames a read selects from, at which rate, and the
   size they come back at (`vpsd.video.info`), so that a caller can count a clip's tokens before reading it.
 - Every failure is a `VideoError` whose `kind` tells callers what happened; no PyAV exception
@@ -42,6 +48,7 @@ import math
 import os
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import av
 import numpy as np
@@ -57,9 +64,16 @@ from vpsd.video.seek import Convert, Untrusted, read_exact, read_keyframes
 from vpsd.video.stills import (FRAMES_SUFFIX, folder_files, load_frames_file, read_folder, read_frames_file,
                                stills_info, write_frames_file)
 
-__all__ = ["FRAMES_SUFFIX", "VideoClip", "open_video", "probe_video", "read_video", "write_frames_file"]
+__all__ = ["FRAMES_SUFFIX", "VideoClip", "open_video", "probe_video", "read_part", "read_video", "split_wanted",
+           "write_frames_file"]
 
 SEEK_MODES = ("exact", "keyframe")
+
+# map_parts(fn, parts) -> [fn(p) for p in parts], run at once (`vpsd.video.pool.ReaderPool.map_parts`).
+MapParts = Callable[[Callable[[Any], Any], Sequence[Any]], list]
+# A read splits only when it keeps more frames than this many keyframe intervals (on average) hold: fps 2 over an
+# hour does, 64 frames of an hour do not (those are a seek each; the pool's readers read the next items instead).
+SPLIT_MIN_INTERVALS = 4
 
 
 def read_video(
@@ -73,6 +87,8 @@ def read_video(
     size: tuple[int, int] | None = None,
     max_side: int | None = None,
     seek: str = "exact",
+    parts: int = 1,
+    map_parts: MapParts | None = None,
 ) -> VideoClip:
     """Decode the frames of `path` that the request selects.
 
@@ -85,9 +101,13 @@ def read_video(
     longest side is at most this (`vpsd.video.frames.max_side_size`). Neither: the display size.
     seek: "exact" (the frames a front to back decode gives) or "keyframe" (approximate: the keyframe shown
     nearest to each wanted frame; a folder or a frames file is read exactly either way).
+    parts, map_parts: read a dense exact read in up to `parts` parts between keyframes, run by `map_parts`
+    (`split_wanted` says when it splits); the same clip as read whole, bit for bit (`VideoClip.parts`: how many).
     """
     _check_request(path, num_frames=num_frames, fps=fps, max_frames=max_frames, folder_fps=folder_fps,
                    size=size, max_side=max_side, seek=seek)
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
+        raise VideoError("bad_request", path, f"parts must be positive, got {parts!r}")
     if processor is not None and (num_frames is not None or fps is not None):
         raise VideoError("bad_request", path, "give num_frames, fps or a processor rule, not two")
     path = _checked_path(path)
@@ -97,7 +117,49 @@ def read_video(
         return read_folder(path, folder_fps, request, shape)
     if path.suffix == FRAMES_SUFFIX:
         return read_frames_file(path, request, shape)
-    return _read_container(path, request, shape, seek)
+    return _read_container(path, request, shape, seek, int(parts) if map_parts is not None else 1, map_parts)
+
+
+def split_wanted(index: PacketIndex, wanted: np.ndarray, parts: int,
+                 min_intervals: float | None = None) -> list[np.ndarray]:
+    """The sorted, unique `wanted` cut into at most `parts` contiguous pieces, each starting at the first wanted
+    frame of a keyframe stretch (between two seek points), of about equal decoding work (a stretch touched costs
+    the frames from its seek point to its last wanted frame); one piece when the read is not dense enough to pay
+    (no more wanted frames than `min_intervals`, default SPLIT_MIN_INTERVALS, average keyframe intervals hold) or
+    touches one stretch."""
+    wanted = np.asarray(wanted, dtype=np.int64)
+    if min_intervals is None:
+        min_intervals = SPLIT_MIN_INTERVALS
+    if parts < 2 or len(wanted) < 2 or not len(index.seek_points):
+        return [wanted]
+    if len(wanted) <= min_intervals * len(index) / len(index.seek_points):
+        return [wanted]
+    stretch = np.searchsorted(index.seek_points, wanted, side="right") - 1
+    firsts = np.flatnonzero(np.diff(stretch, prepend=-1))  # where each stretch touched starts in `wanted`
+    if len(firsts) < 2:
+        return [wanted]
+    lasts = np.append(firsts[1:], len(wanted)) - 1
+    work = np.cumsum(wanted[lasts] - index.seek_points[stretch[firsts]] + 1)
+    total = int(work[-1])
+    cuts: list[int] = []  # group numbers a new piece starts at
+    for k in range(1, min(parts, len(firsts))):
+        share = total * k / parts
+        g = int(np.searchsorted(work, share))  # the group where the k-th share of work ends
+        if g + 1 < len(firsts) and (g == 0 or work[g] - share <= share - work[g - 1]):
+            g += 1  # cut after the group ending nearer the share
+        if g >= len(firsts):
+            g = len(firsts) - 1
+        if g > (cuts[-1] if cuts else 0):
+            cuts.append(g)
+    return np.split(wanted, firsts[cuts])
+
+
+def read_part(path: Path, index: PacketIndex, wanted: np.ndarray, coded: tuple[int, int],
+              convert: Convert) -> tuple[dict[int, np.ndarray], int]:
+    """(frame index -> converted frame, frames decoded) for the sorted, unique `wanted` (a piece of
+    `split_wanted`), on a container of its own: the rows the whole read gives for them; raises Untrusted."""
+    with open_container(path) as container:
+        return read_exact(container, index, wanted, coded, convert)
 
 
 def probe_video(path: str | os.PathLike[str], *, folder_fps: float = 1.0) -> VideoInfo:
@@ -220,7 +282,8 @@ def _decode(path: Path, wanted: np.ndarray, source_fps: float,
     return frames, times, count
 
 
-def _read_container(path: Path, request: dict, shape: dict, seek: str) -> VideoClip:
+def _read_container(path: Path, request: dict, shape: dict, seek: str, parts: int = 1,
+                    map_parts: MapParts | None = None) -> VideoClip:
     num_source, source_fps = _probe(path)
     info, index = inspect_video(path)
     if num_source <= 0:
@@ -233,20 +296,29 @@ def _read_container(path: Path, request: dict, shape: dict, seek: str) -> VideoC
     if reason is None:
         indices = select_indices(num_source, source_fps, **request)
         try:
-            return _read_by_seeking(path, index, indices, g, convert, seek, num_source, source_fps)
+            return _read_by_seeking(path, index, indices, g, convert, seek, num_source, source_fps, parts, map_parts)
         except Untrusted as err:
             reason = str(err)
     return _read_front_to_back(path, request, convert, num_source, source_fps, reason)
 
 
 def _read_by_seeking(path: Path, index: PacketIndex, indices: np.ndarray, g: Geometry, convert: Convert, seek: str,
-                     num_source: int, source_fps: float) -> VideoClip:
-    with open_container(path) as container:
-        if seek == "keyframe":
-            frames, chosen, decoded = read_keyframes(container, index, np.unique(indices), g.coded, convert)
-            indices = np.array([chosen[i] for i in indices.tolist()], dtype=np.int64)
+                     num_source: int, source_fps: float, parts: int = 1,
+                     map_parts: MapParts | None = None) -> VideoClip:
+    pieces = [np.unique(indices)]
+    if seek == "keyframe":
+        with open_container(path) as container:
+            frames, chosen, decoded = read_keyframes(container, index, pieces[0], g.coded, convert)
+        indices = np.array([chosen[i] for i in indices.tolist()], dtype=np.int64)
+    else:
+        if map_parts is not None and parts > 1:
+            pieces = split_wanted(index, pieces[0], parts)
+        if len(pieces) > 1:
+            read = map_parts(partial(read_part, path, index, coded=g.coded, convert=convert), pieces)
+            frames = {i: f for part, _ in read for i, f in part.items()}
+            decoded = sum(n for _, n in read)
         else:
-            frames, decoded = read_exact(container, index, np.unique(indices), g.coded, convert)
+            frames, decoded = read_part(path, index, pieces[0], g.coded, convert)
     start = index.time(0)
     return VideoClip(
         frames=np.stack([frames[i] for i in indices.tolist()]),
@@ -257,6 +329,7 @@ def _read_by_seeking(path: Path, index: PacketIndex, indices: np.ndarray, g: Geo
         indices=indices,
         read_mode=seek,
         frames_decoded=decoded,
+        parts=len(pieces),
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from vpsd.tracing import span
-from vpsd.video.decode import read_video
+from vpsd.video.decode import MapParts, read_video
 from vpsd.video.frames import max_side_size
 from vpsd.video.resize import resize_frames
 from vpsd.video.sampling import ProcessorSampling, uniform_indices
@@ -91,18 +91,23 @@ def timed(name: str, timings: dict[str, float], **fields: Any) -> Iterator[dict[
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
-def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
+def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float], *, parts: int = 1,
+                map_parts: MapParts | None = None) -> tuple[np.ndarray, np.ndarray]:
     """((T, H, W, 3) uint8, (T,) float64 seconds) of the request; raises VideoError with the path and
-    what is wrong.
+    what is wrong. parts, map_parts: a dense read's stretches between keyframes read at once (read_video's; the
+    same frames).
 
     Traced as `video_read` (demux, decode, and conversion to RGB at the request's size; with how it was read:
-    `read_mode`, `frames_decoded`, and `fallback` when it could not seek) and `preprocess`, both added to
-    `timings`.
+    `read_mode`, `frames_decoded`, `parts` when it was split, and `fallback` when it could not seek) and
+    `preprocess`, both added to `timings`.
     """
     with timed("video_read", timings, item=item_id) as traced:
         clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps, processor=request.processor,
-                          max_side=request.max_side, seek=request.seek, max_frames=request.max_frames)
+                          max_side=request.max_side, seek=request.seek, max_frames=request.max_frames,
+                          parts=parts, map_parts=map_parts)
         traced.update(read_mode=clip.read_mode, frames_decoded=clip.frames_decoded)
+        if clip.parts > 1:
+            traced["parts"] = clip.parts
         if clip.fallback_reason is not None:
             traced["fallback"] = clip.fallback_reason
     with timed("preprocess", timings, item=item_id, step="resize"):

@@ -21,9 +21,9 @@ read N videos at once while the role's own thread runs its model. What the pool 
   `cores`, the cores no role runs on (`spare_cores`), so decoding never competes with the role's thread (with
   none, the caller's choice, or where the thread was started: `cores` None), and runs below the roles in
   priority (nice 10).
-- `map_parts(fn, parts)`: the hook for one video decoded by several readers at once (the stretches between
-  keyframes of a dense read, once the reader's seek index can read a stretch on its own): a load running on a
-  reader hands it its parts, and idle readers take them before any new read; the caller works on them too.
+- `map_parts(fn, parts)`: one video decoded by several readers at once (the stretches between keyframes of a
+  dense read: `vpsd.video.prefetch.FramePool`, `vpsd.video.decode.split_wanted`): a load running on a reader
+  hands it its parts, and idle readers take them before any new read; the caller works on them too.
 
 Threads start at the first read asked for, so a pool that is never used (a draft whose frames the target sends:
 roles/draft.py) costs nothing.

@@ -9,7 +9,10 @@ memory budget for frames read and not yet taken).
 - `FramePool`: frames by (item id, `FrameRequest`), each read with its timings (`video_read_s`, `preprocess_s`),
   its size known before it is read (`frames_bytes`: the probe's frame count and size, so the budget holds);
   `frame_pool(video, cpu_affinity)` sizes one from the config (`video.readers`, `video.read_ahead`,
-  `video.frames_budget_mib`). The target's reads (launch/items.py ItemReader) go through one.
+  `video.frames_budget_mib`). With more than one reader, a dense read is split between keyframes into up to one
+  part a reader, which the idle readers and the reading one decode at once (`ReaderPool.map_parts`,
+  `vpsd.video.decode.split_wanted`): the same frames, bit for bit. The target's reads (launch/items.py
+  ItemReader) go through one.
 - `FramePrefetcher`: the draft's side, loads by the wire-form `FrameRequest` the target sends, when the target
   does not send the frames themselves (`video.share_frames`, roles/draft.py).
 """
@@ -60,10 +63,13 @@ def frames_bytes(request: FrameRequest) -> int | None:
     return count * (height * width * 3 + 8)
 
 
-def _load_frames(key: FrameKey) -> Frames:
+def _load_frames(key: FrameKey, pool: ReaderPool | None = None) -> Frames:
+    """The frames of `key`; read on `pool`'s reader, a dense read in one part a reader (the reading one among
+    them), the idle ones taking the others."""
     item_id, request = key
     timings: dict[str, float] = {}
-    frames, times = load_frames(request, item_id, timings)
+    split = {} if pool is None or pool.readers < 2 else {"parts": pool.readers, "map_parts": pool.map_parts}
+    frames, times = load_frames(request, item_id, timings, **split)
     return frames, times, timings
 
 
@@ -73,8 +79,8 @@ class FramePool:
     def __init__(self, readers: int = 1, budget_bytes: int | None = None, cores: Sequence[int] | None = None,
                  name: str = "frames") -> None:
         self.pool: ReaderPool[FrameKey, Frames] = ReaderPool(
-            _load_frames, readers=readers, budget_bytes=budget_bytes, estimate=lambda key: frames_bytes(key[1]),
-            cores=cores, name=name)
+            lambda key: _load_frames(key, self.pool), readers=readers, budget_bytes=budget_bytes,
+            estimate=lambda key: frames_bytes(key[1]), cores=cores, name=name)
 
     def ahead(self, item_id: str, request: FrameRequest) -> None:
         self.pool.ahead((item_id, request))
