@@ -3,6 +3,11 @@ every server answer is held to."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from typing import Iterator
+
 import pytest
 
 import vpsd
@@ -28,3 +33,22 @@ def ar(ar_llm):
     assert "square" not in cut and plain[ITEMS[0]["id"]].startswith(cut) and cut != plain[ITEMS[0]["id"]]
     assert sampled[1] != sampled[2]  # the seed matters
     return {**plain, "stopped": cut, **{f"sampled{seed}": text for seed, text in sampled.items()}}
+
+
+@contextlib.contextmanager
+def app_in_thread(app, runner) -> Iterator[str]:
+    """The app served by uvicorn on 127.0.0.1 (a free port) in a thread of this process; yields its /v1 base URL, then
+    stops the server and its runner (which must close within 10 s)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert runner.close(10)

@@ -6,19 +6,18 @@ same conversation through `vpsd.LLM.generate` answers the same."""
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.serve.conftest import app_in_thread
 from tests.torchrun_jobs import ROOT
 from vpsd.models.prompt import Turn, turns_of
 from vpsd.serve.media import MediaError, MediaLimits, parse_messages
 from vpsd.serve.schema import ChatCompletionRequest
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 CONFIG = ROOT / "configs" / "world_qwen2_5_vl.yaml"
 VIDEOS = ROOT / "examples" / "world" / "videos"
@@ -95,14 +94,7 @@ def test_a_chat_is_answered_as_ar_decodes_its_rendering(tmp_path):
         runner = OnlineEngine(llm, JobQueue(4, 1, metrics))
         settings = ServeSettings("world_qwen2_5_vl", "ar", limits=MediaLimits(allowed_media_dir=VIDEOS),
                                  scratch=tmp_path)
-        server = uvicorn.Server(uvicorn.Config(create_app(llm, runner, settings, metrics), host="127.0.0.1", port=0,
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.01)
-        base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
-        try:
+        with app_in_thread(create_app(llm, runner, settings, metrics), runner) as base:
             client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
             answer = client.chat.completions.create(model="world_qwen2_5_vl", messages=CHAT, max_tokens=MAX_TOKENS)
             assert answer.choices[0].message.content == expected
@@ -115,7 +107,3 @@ def test_a_chat_is_answered_as_ar_decodes_its_rendering(tmp_path):
             error = refused.value.body
             assert error["code"] == "unsupported_content" and error["param"] == "messages"
             assert error["type"] == "invalid_request_error" and "goes in a user turn" in error["message"]
-        finally:
-            server.should_exit = True
-            thread.join(10)
-            assert runner.close(10)

@@ -92,7 +92,11 @@ def test_sixteen_clients_with_faults_among_them_each_get_one_right_answer(server
           f"p99 {latencies[int(0.99 * (len(latencies) - 1))]:.2f} s, {sum(r['waited'] for r in results)} 429s")
     metrics = _get(f"{server.base}/metrics")[1].decode()
     counted = {s: float(v) for s, v in re.findall(r'vpsd_requests_total\{status="(\d+)"\} ([\d.]+)', metrics)}
-    assert counted.get("200") == len(good) and counted.get("429") == sum(r["waited"] for r in results)
+    # A client that leaves after its first text is counted once: 499 where the server noticed before it had sent the
+    # rest, 200 where the answer was out first (a prefix kept for its video makes that common).
+    left = sum(r["status"] == "left" for r in results)
+    assert counted.get("200", 0) + counted.get("499", 0) == len(good) + left and counted.get("200") >= len(good)
+    assert counted.get("429") == sum(r["waited"] for r in results)
     assert counted.get("401") == counted.get("413") == counted.get("400") == CALLS // len(KINDS)
     assert json.loads(_get(f"{server.base}/health")[1]) == {"status": "ok", "queue": 0, "running": 0}
 

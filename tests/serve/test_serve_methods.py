@@ -7,16 +7,16 @@ pipelines)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 import vpsd
+from tests.serve.conftest import app_in_thread
 from tests.serve.test_serve import CONFIG, ITEMS, MAX_TOKENS, SAMPLED, _messages, _video_part
 from vpsd.pipeline.methods import METHODS
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -32,18 +32,8 @@ def test_every_method_answers_as_ar_plain_streamed_and_sampled(method, ar, tmp_p
         metrics = Metrics("world_qwen2_5_vl")
         runner = OnlineEngine(llm, JobQueue(8, batch, metrics))
         app = create_app(llm, runner, ServeSettings("world_qwen2_5_vl", method, scratch=tmp_path), metrics)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.01)
-        base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
-        try:
+        with app_in_thread(app, runner) as base:
             _check(openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120), method, ar)
-        finally:
-            server.should_exit = True
-            thread.join(10)
-            assert runner.close(10)
 
 
 def _check(client, method: str, ar: dict) -> None:

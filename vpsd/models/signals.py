@@ -152,20 +152,29 @@ def prefill_with_signals(
     hooks = _SignalHooks(text_positions(emb).to(device), emb.layout.seq_positions.to(device), emb.embeds, cache,
                          attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
     mirror = adapter.mirror  # a split target: its other ranks score their heads in the same forward
-    handles = hooks.install(adapter.language_model)
-    try:
+
+    def prefill() -> PrefillResult:
         if mirror is not None and hooks.attn_layers:
             with mirror.lock:
                 mirror.score_next_forward(hooks.spec())
                 hooks.gather = mirror.gather_heads
-                result = adapter.prefill(emb, cache=cache)
-        else:
-            result = adapter.prefill(emb, cache=cache)
+                return adapter.prefill(emb, cache=cache)
+        return adapter.prefill(emb, cache=cache)
+
+    return _hooked(hooks, adapter, prefill)
+
+
+def _hooked(hooks: "_SignalHooks", adapter: VideoLMAdapter, forward: Callable[[], PrefillResult]) -> PrefillResult:
+    """`forward()` with the signal hooks installed on the language model, its result carrying what they measured
+    (layer L-1 must have run exactly once)."""
+    handles = hooks.install(adapter.language_model)
+    try:
+        result = forward()
     finally:
         for h in handles:
             h.remove()
     if len(hooks.ready) != 1:
-        raise RuntimeError(f"layer {hooks.last - 1} ran {len(hooks.ready)} times in one prefill; expected once")
+        raise RuntimeError(f"layer {hooks.last - 1} ran {len(hooks.ready)} times in one forward; expected once")
     result.signals = hooks.ready[0]
     return result
 
@@ -189,16 +198,7 @@ def _prefill_reusing(adapter: VideoLMAdapter, emb: SequenceEmbeddings, attn_laye
         video_rows = torch.stack([emb.embeds[0, video_pos.to(device)], layer_rows])
     hooks = _SignalHooks(text_pos.to(device), video_pos.to(device), emb.embeds, cache, attn_layers, uv_layers,
                          on_ready, offset=start, video_rows=video_rows)
-    handles = hooks.install(adapter.language_model)
-    try:
-        result = reuse.suffix(adapter, emb, cache, start)
-    finally:
-        for h in handles:
-            h.remove()
-    if len(hooks.ready) != 1:
-        raise RuntimeError(f"layer {hooks.last - 1} ran {len(hooks.ready)} times in one suffix; expected once")
-    result.signals = hooks.ready[0]
-    return result
+    return _hooked(hooks, adapter, lambda: reuse.suffix(adapter, emb, cache, start))
 
 
 class _SignalHooks:
