@@ -158,6 +158,14 @@ def test_arrays_chat_messages_seeds_and_stop_strings():
         assert llm.generate(vpsd.VideoRequest(frames, "Describe the video."), sampled)[0].token_ids == first.token_ids
 
 
+def _gone_within(seconds: float) -> bool:
+    """Whether this process's ranks have all exited within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _children()
+
+
 def _children() -> set[int]:
     """The vpsd ranks this process started and that still run (zombies, reaped or not, are gone)."""
     found = set()
@@ -209,7 +217,7 @@ def test_child_ranks_stop_on_close_an_interrupt_and_a_death_and_sample_as_thread
         timer.join()
     finally:
         signal.signal(signal.SIGINT, default)
-    assert not _children()
+    assert _gone_within(10)  # the interrupt may land while they start: each is stopped, and exits within seconds
     # Once more, whole: ar's tokens and text, bad requests failed alone, among the good ones ...
     outs = {o.id: o for o in llm.generate([items[0], *BAD, *items[1:]], vpsd.SamplingParams(max_new_tokens=24))}
     assert {o.id: (o.token_ids, o.text) for o in outs.values() if o.id in ar_outputs} == \
