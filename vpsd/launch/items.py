@@ -65,6 +65,7 @@ class ItemReader:
         """frames: the readers that read items ahead (`ahead`, vpsd/video/pool.py); None: each item is read on the
         thread that loads it."""
         self.target, self.cfg, self.frames = target, cfg, frames
+        self._planned: dict[str, FrameRequest] = {}  # read ahead: the request planned then, taken by `load`
         self.limit = context_limit(target, cfg)
         # video.sampling: checkpoint: the target processor's rule (checked at launch by preflight).
         self.processor = (read_frame_sampling(cfg.target.path, cfg.family)
@@ -85,7 +86,8 @@ class ItemReader:
             try:
                 request = self.planned_request(item, {})
             except VideoError:
-                return
+                return  # `load` plans again and raises it
+            self._planned[item.id] = request
             self.frames.ahead(item.id, request)
 
     def planned_request(self, item: ManifestItem, timings: dict[str, float]) -> FrameRequest:
@@ -120,7 +122,7 @@ class ItemReader:
 
     def load(self, item: ManifestItem) -> LoadedItem:
         timings: dict[str, float] = {}
-        request = self.planned_request(item, timings)
+        request = self._planned.pop(item.id, None) or self.planned_request(item, timings)
         if self.frames is not None:  # read ahead (or now) by the readers; the item's video_wait is its admission's
             frames, times, read = self.frames.take(item.id, request)
             timings.update({k: v for k, v in read.items() if k != "video_wait_s"})
