@@ -2,10 +2,13 @@
 the video, and a chat's second turn against its first.
 
     vpsd bench reuse --config C --videos DIR_OR_MANIFEST [--count 4] [--questions 3] [--methods ar,hippo]
-                     [--batch 1] [--repeats 2] [--max-new-tokens 32] [--out DIR]
+                     [--batch 1] [--repeats 2] [--max-new-tokens N] [--generic] [--out DIR]
 
-- A VideoMME-shaped manifest: --count videos (the first of a manifest's, or a folder's), --questions questions each
-  (short answers, --max-new-tokens), a video's questions in a row as a benchmark's file lists them. Beside it the
+- A VideoMME-shaped manifest: --count videos (the first of a manifest's, or a folder's), --questions questions each,
+  a video's questions in a row as a benchmark's file lists them. From a manifest the questions are its own prompts
+  (each distinct one, in order, cycled) at its own answer lengths, so the pair answers what it was made for (the
+  world's captions and event questions); from a folder, or with --generic, fixed English questions. --max-new-tokens
+  caps every answer (32: VideoMME-like short answers). Beside it the
   same items with each question on a copy of its video (a hard link under another name: a job then keeps no prefix,
   since no other item asks about that file, launch/manifest.py shares_video).
 - Every (method, manifest) is a real job (vpsd bench's run_one, torchrun), the cells interleaved and repeated;
@@ -33,13 +36,18 @@ QUESTIONS = ["What happens in this video, and when?", "How many objects are ther
              "What colour is the background?", "Which object moves first?", "Describe the video."]
 
 
-def manifests(source: Path, count: int, questions: int, max_new: int, out: Path) -> tuple[Path, Path]:
+def manifests(source: Path, count: int, questions: int, max_new: int | None, out: Path,
+              generic: bool = False) -> tuple[Path, Path]:
     """(shared, copies): `count` videos x `questions` questions; in `copies` every item has its own hard link."""
+    asks: list[tuple[str, int | None]] = [(q, None) for q in QUESTIONS]
     if source.is_dir():
         videos = sorted(p for p in source.iterdir() if p.suffix in (".mp4", ".mkv", ".webm", ".mov"))[:count]
     else:
         rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
         videos = [(source.parent / r["video"]).resolve() for r in rows][:count]
+        if not generic:
+            own = {r["prompt"]: r.get("max_new_tokens") for r in rows if isinstance(r.get("prompt"), str)}
+            asks = list(own.items()) or asks
     if len(videos) < count:
         raise SystemExit(f"vpsd bench reuse: {source} has {len(videos)} videos, --count asks for {count}")
     links = out / "copies"
@@ -48,7 +56,10 @@ def manifests(source: Path, count: int, questions: int, max_new: int, out: Path)
     with open(shared, "w") as a, open(copies, "w") as b:
         for v, video in enumerate(videos):
             for q in range(questions):
-                item = {"id": f"v{v}-q{q}", "prompt": QUESTIONS[q % len(QUESTIONS)], "max_new_tokens": max_new}
+                prompt, own_max = asks[q % len(asks)]
+                item = {"id": f"v{v}-q{q}", "prompt": prompt}
+                if max_new or own_max:
+                    item["max_new_tokens"] = min(n for n in (max_new, own_max) if n)
                 a.write(json.dumps({**item, "video": str(video)}) + "\n")
                 link = links / f"v{v}-q{q}{video.suffix}"
                 if not link.exists():
@@ -123,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ar,hippo")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap every answer (default: the manifest's own lengths, else the config's)")
+    p.add_argument("--generic", action="store_true", help="fixed English questions, not the manifest's prompts")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--chat", action="store_true", help="also a two-turn chat's time to first token")
     p.add_argument("--out", type=Path, default=Path("runs/bench_reuse"))
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    shared, copies = manifests(a.videos, a.count, a.questions, a.max_new_tokens, a.out)
+    shared, copies = manifests(a.videos, a.count, a.questions, a.max_new_tokens, a.out, a.generic)
     methods = a.methods.split(",")
     if "ar" not in methods:
         p.error("--methods must include ar (every output is checked against it)")
