@@ -357,3 +357,25 @@ def test_without_synchronous_prefill_the_draft_hears_of_an_item_after_the_target
             one = dataclasses.replace(pipe.cfg.decoding, max_new_tokens=it.max_new_tokens)
             assert got[it.id].token_ids == batch1_ar(pipe.target, it, one).token_ids, (sync, it.id)
         assert pipe.draft_idle()
+
+
+def test_seconds_per_token_weigh_each_item_by_its_tokens():
+    """A drafted job's rate is its decode seconds over its tokens: two 85-token captions at 12 and 14 ms a token
+    and a 5-token answer whose 0.35 s is mostly the draft's start rate about 14.7 ms a token as a ratio of the
+    means (a mean of per-item rates put it at 27 ms, over a plain item's 30 ms / 2 guess, and turned drafting off
+    for the rest of the job in a run that drafted at 2x)."""
+    from vpsd.pipeline.drafting_policy import ItemMeans
+    from vpsd.pipeline.cost import running_mean
+
+    means = ItemMeans()
+    items = [(85, 84 * 0.0118), (85, 84 * 0.0143), (5, 0.35)]
+    for tokens, decode_s in items:
+        means.observe_item(True, tokens, decode_s, rounds=10)
+    spent = decoded = None
+    for tokens, decode_s in items:  # the same running means, by hand
+        spent, decoded = running_mean(spent, decode_s), running_mean(decoded, tokens - 1)
+    assert means.token_s[True] == pytest.approx(spent / decoded)
+    assert means.token_s[True] < 0.016
+    means.observe_item(False, 85, 84 * 0.030, rounds=84)
+    assert means.token_s[False] == pytest.approx(0.030)
+    assert means.token_s[True] < means.token_s[False]  # drafting pays

@@ -46,12 +46,22 @@ class ItemMeans:
     draft_prefill_s: float | None = None  # D: what drafting adds to an item's prefill (serial engine)
     token_s: dict[bool, float] = field(default_factory=dict)  # drafted? -> seconds per decoded token (batch 1)
     drafted_rate: float | None = None  # tokens a drafted item commits per round in flight (pipelined batch)
+    # drafted? -> running means of an item's decode seconds and of its decoded tokens, whose ratio is `token_s`
+    spent_s: dict[bool, float] = field(default_factory=dict)
+    decoded: dict[bool, float] = field(default_factory=dict)
 
     def observe_item(self, drafted: bool, tokens: int, decode_s: float, rounds: int) -> None:
-        """An item that finished: `tokens` committed (the prefill's first included) over `rounds` rounds."""
+        """An item that finished: `tokens` committed (the prefill's first included) over `rounds` rounds.
+        Seconds per token are a ratio of running means (decode seconds over tokens decoded), so each item weighs
+        by its tokens: a 4-token answer, whose decode is mostly the draft's start, moves the rate by 4 tokens'
+        worth, not as much as a 300-token caption (a mean of per-item rates did, and a few short answers then
+        turned drafting off for a whole job at 2x its decode speed). What decides is time per item, i.e. the
+        ratio of the means."""
         self.tokens = running_mean(self.tokens, tokens)
         if tokens > 1:
-            self.token_s[drafted] = running_mean(self.token_s.get(drafted), decode_s / (tokens - 1))
+            self.spent_s[drafted] = running_mean(self.spent_s.get(drafted), decode_s)
+            self.decoded[drafted] = running_mean(self.decoded.get(drafted), tokens - 1)
+            self.token_s[drafted] = self.spent_s[drafted] / self.decoded[drafted]
         if drafted and rounds > 0:
             self.drafted_rate = running_mean(self.drafted_rate, tokens / rounds)
 
