@@ -150,3 +150,21 @@ def test_measurements_survive_their_json(tmp_path):
     m = measured([0] * 10)
     back = Measured.from_json(json.loads(json.dumps(asdict(m))))
     assert back == m
+
+
+def test_a_jobs_per_item_overhead_from_ar_is_added_to_every_prediction_at_its_batch_size():
+    from vpsd.bench.tune.predict import job_overhead, with_job_overhead
+
+    # ar predicted 600 items/hour (6 s an item), its first job ran 400 (9 s): 3 s an item beside the forwards
+    assert job_overhead(600.0, 400.0) == pytest.approx(3.0)
+    assert job_overhead(0.0, 400.0) == 0.0
+    preds = predict_all(measured([0] * 10), CFG, [Candidate("ar", "none", 0.0, "auto", 1),
+                                                  Candidate("sd", "none", 0.0, 4, 1),
+                                                  Candidate("ar", "none", 0.0, "auto", 8)])
+    raw = {p.candidate: p.items_per_hour for p in preds}
+    out = with_job_overhead(preds, {1: 0.5})
+    for p in out:
+        ovh = 0.5 if p.candidate.batch == 1 else 0.0
+        assert p.job_overhead_s == ovh
+        assert 3600 / p.items_per_hour == pytest.approx(3600 / raw[p.candidate] + ovh)
+    assert [p.candidate.batch for p in out] == sorted(p.candidate.batch for p in out)

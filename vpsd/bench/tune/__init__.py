@@ -126,7 +126,23 @@ def tune(a: argparse.Namespace) -> Path | None:
     plan = JobPlan(str(a.config), manifests, work / "jobs", a.torchrun.split(), sets, a.repeats, a.time_budget,
                    started)
     rows, noise = confirm(plan, choose_confirmed(predictions, a.confirm), ar, say)
+    predictions, ar = _calibrated(predictions, ar, rows)
     return _conclude(a, cfg, work, measured, predictions, ar, rows, noise, started)
+
+
+def _calibrated(predictions, ar, rows):
+    """The predictions with each batch size's per-item job overhead, from its first `ar` job (predict.py
+    job_overhead), and `ar`'s own again."""
+    from vpsd.bench.tune.confirm import ar_at
+    from vpsd.bench.tune.predict import job_overhead, with_job_overhead
+
+    overhead = {}
+    for b, pred in ar.items():
+        row = next((r for r in rows if r.candidate == ar_at(b) and r.cells), None)
+        if row is not None:
+            overhead[b] = job_overhead(pred.items_per_hour, row.cells[0].items_per_hour)
+    predictions = with_job_overhead(predictions, overhead)
+    return predictions, {p.candidate.batch: p for p in predictions if p.candidate.method == "ar"}
 
 
 def _target_widths(cfg, candidates) -> list[int]:
@@ -151,6 +167,10 @@ def _conclude(a, cfg, work: Path, measured, predictions, ar, rows, noise, starte
     head = (f"vpsd tune: {a.config} on {len(measured.items)} items of {a.manifest} at B={','.join(map(str, a.batch))}, "
             f"{measured.cores} cores; measured in {measured.seconds:.0f} s, {len(predictions)} candidates predicted, "
             f"{sum(r.candidate.method != 'ar' for r in rows)} confirmed; {time.time() - started:.0f} s in all")
+    ovh = {p.candidate.batch: p.job_overhead_s for p in ar.values()}
+    head += ("\nper-item job overhead (the first ar job's seconds per item less ar's predicted, added to every "
+             "prediction at its B; ar's pred/meas is 1 by it): "
+             + ", ".join(f"B={b}: {1e3 * v:.0f} ms" for b, v in sorted(ovh.items())))
     text = "\n\n".join([head, "predicted (App. C and the engine's cost model, from the measured forwards):\n"
                         + report.predictions_table(predictions, ar),
                         "confirmed as jobs, interleaved with ar:\n" + report.confirmed_table(rows, preds, noise),
