@@ -368,6 +368,14 @@ class LLM:
         return {self._submitted[w][0]: list(self._ranks.committed(w)) for w in self._ranks.fresh()
                 if w in self._submitted}
 
+    def reuse_stats(self) -> dict[str, int] | None:
+        """On ranks (`served`): their targets' prefix-cache counters (engine/prefix_cache.py ReuseStats: hits,
+        misses, reused tokens, bytes...), as the latest results carried them, summed over the pipelines; None before
+        any result, with reuse off, with the ranks stopped, and in process (there the cache is the target model's,
+        shared by every call's engine: `Engine.reuse_stats`). Safe from any thread (a server's /metrics)."""
+        ranks = self._ranks
+        return None if ranks is None else ranks.reuse_stats()
+
     def cancel(self, request_id: str) -> None:
         """Stops a submitted request (its client left): dropped before it starts, or at the ranks' next round,
         its KV freed; its Output from `results` is an error. One that has finished keeps its Output."""

@@ -212,28 +212,52 @@ class BatchingConfig:
         return None if self.kv_budget_mib is None else int(self.kv_budget_mib * 2**20)
 
 
+def draft_reuse_budget(target_budget_bytes: int) -> int:
+    """A draft model's kept vision features: a quarter of the target's reuse budget. A draft keeps no KV (its
+    pruned prefill depends on the question), only each video's features, a few MiB; the whole budget on every
+    draft rank would plan memory it never holds."""
+    return target_budget_bytes // 4
+
+
 @dataclass
 class ReuseConfig:
     """One video, many questions (engine/prefix_cache.py): the target keeps the KV cache of each prompt's prefix up
     to the end of its video block (and the vision tower's output) and prefills only what follows, for every later
     question or turn about the same video. Keyed by the video as the model sees it (its pixel tensors and grid) and
-    the prefix's token ids, so a video that changed on disk never hits; least recently used evicted first."""
+    the prefix's token ids, so a video that changed on disk never hits; least recently used evicted first. The
+    decoded frames are kept too (video/frame_cache.py), so a later question does not read its video again."""
 
     enabled: bool = True
     # Bytes of cached prefixes and vision features this target keeps, in MiB, on the target's device; the memory
     # plan counts them (launch/memory.py). 0 keeps nothing (as enabled: false).
     budget_mib: float = 512.0
+    # Bytes of decoded frames kept, in MiB of host memory, by the rank that reads the videos (the target's; a draft
+    # rank's too when it reads them itself, video.share_frames: false), keyed by the file's identity and the frames
+    # asked for; the memory plan counts them. 0 keeps none (as enabled: false).
+    frames_mib: float = 128.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"reuse.enabled must be true or false, got {self.enabled!r}")
-        if isinstance(self.budget_mib, bool) or not isinstance(self.budget_mib, (int, float)) or self.budget_mib < 0:
-            raise ValueError(f"reuse.budget_mib must be a number >= 0, got {self.budget_mib!r}")
+        for name in ("budget_mib", "frames_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"reuse.{name} must be a number >= 0, got {value!r}")
 
     @property
     def budget_bytes(self) -> int:
         """What the cache may hold (0 when reuse is off)."""
         return int(self.budget_mib * 2**20) if self.enabled else 0
+
+    @property
+    def draft_budget_bytes(self) -> int:
+        """What a draft model's kept vision features may hold (engine/prefix_cache.py embed_reusing)."""
+        return draft_reuse_budget(self.budget_bytes)
+
+    @property
+    def frames_bytes(self) -> int:
+        """What the frame cache may hold (0 when reuse is off)."""
+        return int(self.frames_mib * 2**20) if self.enabled else 0
 
 
 @dataclass

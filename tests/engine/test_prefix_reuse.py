@@ -308,7 +308,10 @@ def test_the_reuse_settings_are_checked():
     with pytest.raises(ConfigError, match="did you mean 'budget_mib'"):
         load_config(config_path("qwen2_5_vl"), {"reuse.budget": 1})
     assert ReuseConfig().enabled and ReuseConfig(enabled=False).budget_bytes == 0
-    assert load_config(config_path("qwen2_5_vl")).to_dict()["reuse"] == {"enabled": True, "budget_mib": 512.0}
+    assert ReuseConfig(enabled=False).frames_bytes == ReuseConfig(enabled=False).draft_budget_bytes == 0
+    assert ReuseConfig(budget_mib=8).draft_budget_bytes == 2 * 2**20  # a draft keeps features only: a quarter
+    assert load_config(config_path("qwen2_5_vl")).to_dict()["reuse"] == {"enabled": True, "budget_mib": 512.0,
+                                                                         "frames_mib": 128.0}
 
 
 def test_every_engine_over_one_target_shares_its_cache():

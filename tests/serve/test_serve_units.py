@@ -86,6 +86,10 @@ class GatedRanks:
         self.cancelled: list[str] = []  # request ids the runner cancelled
         self.committing: set[str] = set()  # prompts whose requests report a token at each look (progress)
         self.committed: dict[str, int] = {}
+        self.reuse: dict[str, int] | None = None  # the targets' prefix-cache counters, as their results carried them
+
+    def reuse_stats(self) -> dict[str, int] | None:
+        return self.reuse
 
     def joins(self, params) -> bool:
         return True
@@ -233,7 +237,8 @@ def test_a_request_sent_while_another_decodes_on_the_ranks_joins_it_and_is_answe
 
 def test_the_ranks_tokens_stream_as_they_commit_and_a_client_that_leaves_is_cancelled_on_them(gated_server):
     """serve/on_ranks.py: each round's tokens the ranks report (LLM.progress) go out as text at once; a client that
-    closes its stream has its request cancelled on the ranks (LLM.cancel), counted as stopped in the engine."""
+    closes its stream has its request cancelled on the ranks (LLM.cancel), counted as stopped in the engine; the
+    targets' prefix-cache counters their results carried (LLM.reuse_stats) are on /metrics."""
     import urllib.request
 
     llm, queue, base, clip = gated_server
@@ -252,6 +257,13 @@ def test_the_ranks_tokens_stream_as_they_commit_and_a_client_that_leaves_is_canc
     _until(lambda: llm.cancelled and queue.running == 0)
     metrics = urllib.request.urlopen(f"{base.removesuffix('/v1')}/metrics", timeout=10).read().decode()
     assert 'vpsd_requests_cancelled_total{where="engine"} 1.0' in metrics
+    assert "vpsd_prefix_reuse" not in metrics  # no result has carried the ranks' counters yet
+    llm.reuse = {"hits": 3, "misses": 2, "reused_tokens": 210, "evicted": 1, "bytes": 4096, "budget_bytes": 8192}
+    metrics = urllib.request.urlopen(f"{base.removesuffix('/v1')}/metrics", timeout=10).read().decode()
+    for line in ("vpsd_prefix_reuse_hits_total 3.0", "vpsd_prefix_reuse_misses_total 2.0",
+                 "vpsd_prefix_reuse_reused_tokens_total 210.0", "vpsd_prefix_reuse_evictions_total 1.0",
+                 "vpsd_prefix_reuse_bytes 4096.0", "vpsd_prefix_reuse_budget_bytes 8192.0"):
+        assert line in metrics.splitlines(), line
     llm.released.add("next")
     assert _ask(base, clip, "next").choices[0].message.content == "answer to next"
 

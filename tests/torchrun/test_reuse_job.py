@@ -1,7 +1,7 @@
 """One video, many questions through real torchrun jobs (engine/prefix_cache.py): three questions about one video,
 prefilled as one prefix (system + video) and three suffixes. `ar` with reuse equals `ar` without it and hippo
-with it, whose signals come from the suffix's forward, so it reuses too; the target's trace and summary.json say
-what was reused."""
+with it, whose signals come from the suffix's forward, so it reuses too, and whose draft rank keeps its vision
+features; the traces and summary.json say what was reused."""
 
 from __future__ import annotations
 
@@ -51,3 +51,7 @@ def test_three_questions_about_one_video_prefill_it_once_and_decode_as_ar(tmp_pa
     assert events[1]["reused_tokens"] == events[2]["reused_tokens"] > 64 and events[1]["vision"] != "skipped"
     reuse = json.loads((outs["hippo"] / "summary.json").read_text())["run"]["reuse"]
     assert (reuse["hits"], reuse["misses"], reuse["skipped"]) == (2, 1, 0)
+    # the draft rank runs its vision tower once for the video, not once a question (roles/draft.py)
+    lines = (outs["hippo"] / "traces" / "rank1_draft.jsonl").read_text().splitlines()
+    draft = [e for e in map(json.loads, lines) if e.get("event") == "draft_vision_reuse"]
+    assert [e["vision"] for e in draft] == ["computed", "cached", "cached"], draft

@@ -41,6 +41,8 @@ EXAMPLES: list[m.Message] = [
     m.WorkGrant(None, False),
     m.ItemResult(1, {"id": "item-7", "method": "hippo", "token_ids": [1, 2], "text": "a b", "stats": {"wall_s": 0.5},
                      "error": None}),
+    m.ItemResult(0, {"id": "item-8#2", "method": "ar", "token_ids": [3], "text": "c", "stats": {}, "error": None},
+                 {"hits": 1, "misses": 1, "reused_tokens": 70, "bytes": 2_500_000, "budget_bytes": 2**29}),
     m.PipelineDone(1, {"loop_s": 3.5, "batching": None, "peak_rss_mib": 512.0}),
     m.ItemProgress(0, {"item-7#3": [11, 12, 13], "b": [5]}),
     m.CancelItem("item-7#3"),

@@ -14,9 +14,10 @@ repeated, medians and the noise printed), never in a test; those that decode che
     vpsd bench sampling   --config C --manifest M [--temperatures 0.7,1.0]   position-keyed against rejection sampling
     vpsd bench video      [--lengths 1,10,60 --sizes 720 --frames 16,64,128] [--job C]   reading real-length videos
     vpsd bench reuse      --config C --videos M [--count 4 --questions 3 --batch 1] [--chat]   one video, many questions
+    vpsd bench reuse-soak [--config C --requests 1000 --videos 50 --budget-mib 4]   a server's memory as its cache evicts
 
-The first two (and `sampling`) run real torchrun jobs (the launcher users run); `serve` a real server and its clients (and, with
---job, the batch job beside it); the others measure forwards in this process.
+The first two (and `sampling`) run real torchrun jobs (the launcher users run); `serve` and `reuse-soak` a real server and
+its clients (and, with --job, the batch job beside it); the others measure forwards in this process.
 Not here: scripts/load_memory.py (a load over torchrun ranks of its own) and scripts/api_vs_job.py (the Python API
 against the job), which measure a launch, not a forward.
 Without a subcommand, `vpsd bench` is `methods`, or `throughput` when given --batch or --report-only (the form
@@ -29,7 +30,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("methods", "throughput", "steps", "forwards", "pruning", "trees", "signals", "signal_memory", "cache",
-               "serve", "sampling", "video", "reuse")  # each a module of this package
+               "serve", "sampling", "video", "reuse", "reuse-soak")  # each a module of this package ("-" as "_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,5 +43,5 @@ def main(argv: list[str] | None = None) -> int:
     else:
         batched = any(a in ("--batch", "--report-only") or a.startswith("--batch=") for a in argv)
         name, rest = ("throughput" if batched else "methods"), argv
-    module = importlib.import_module(f"vpsd.bench.{name}")  # only the one asked for: each is heavy
+    module = importlib.import_module(f"vpsd.bench.{name.replace('-', '_')}")  # only the one asked for: each is heavy
     return module.main(rest)

@@ -12,7 +12,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vpsd.config import PruningConfig
+from vpsd.config import PruningConfig, draft_reuse_budget
+from vpsd.engine.prefix_cache import embed_reusing, reuse_for
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import SignalsReady, prefill_with_signals
 from vpsd.pipeline.pruning.strategies import STRATEGIES
@@ -74,6 +75,15 @@ class PairPrefill:
         return self.keep if self.keep is not None else torch.arange(self.num_video_tokens)
 
 
+def draft_embeddings(draft: VideoLMAdapter, inputs, t_emb: SequenceEmbeddings) -> SequenceEmbeddings:
+    """The draft's embeddings; where the target's request reuses its video prefix (`t_emb.reuse`), the draft's
+    vision features are kept and reused too, in the draft model's own cache (engine/prefix_cache.py)."""
+    if t_emb.reuse is None:
+        return draft.embed(inputs)
+    store = reuse_for(draft, draft_reuse_budget(t_emb.reuse.store.budget)).cache
+    return embed_reusing(draft, inputs, store, t_emb.reuse.item)
+
+
 def prefill_pair(
     target: VideoLMAdapter,
     draft: VideoLMAdapter,
@@ -93,7 +103,7 @@ def prefill_pair(
     random pruning's selection derives from (pipeline/seeds.py)."""
     t_emb = target_emb if target_emb is not None else target.embed(target.prepare(frames, prompt, frame_times))
     t0 = time.perf_counter()
-    d_emb = t_emb if draft is target else draft.embed(draft.prepare(frames, prompt, frame_times))
+    d_emb = t_emb if draft is target else draft_embeddings(draft, draft.prepare(frames, prompt, frame_times), t_emb)
     draft_s = time.perf_counter() - t0
     d_emb.layout.check_same_grid(t_emb.layout.grid)
     t_pre = (target_prefill(target, t_emb) if pruning is None

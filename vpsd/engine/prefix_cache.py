@@ -1,5 +1,5 @@
 """One video, many questions: the target's KV cache of a prompt's shared prefix, and its vision features, kept and
-reused (issue 62, items 1 and 5).
+reused (issue 62, items 1, 3 and 5).
 
 Every prompt is system, then the user turn with the video block first, then the question, then the assistant
 header (models/qwen2_5_vl.py, qwen3_vl.py, llava_onevision.py). So every question about one video shares the
@@ -12,12 +12,24 @@ token sequence (`segment_ends`: the end of the video block), one forward each, e
     [P, L)   the question and the assistant header: always computed, after the prefix's cache, each token at its
              own position in the full sequence (`VideoLMAdapter.prefill_after`)
 
+A conversation (models/prompt.py: earlier questions and answers, then the user turn being answered) is also cut
+where each user turn after the video begins (ChatML's `<|im_start|>user`, a control token no text can encode to:
+`user_turn_ids`), i.e. at the end of each completed exchange, one cut a turn:
+
+    [0, P) video | [P, U2) question 1 + answer 1 | [U2, U3) question 2 + answer 2 | ... | [Un, L) question n + header
+
+A follow-up's tokens are the earlier turn's prompt, its answer, then the new turn (models/prompt.py), so turn n
+shares every segment but the last two with turn n - 1: turn 3 copies [video] and [question 1 + answer 1], which
+turn 2 computed and kept, and prefills question 2 + answer 2 (kept for turn 4) and its own question. The last
+segment is always the request's own, never kept: the pruning signals are read from its rows. A single question has
+no user turn after its video: one cut, as before.
+
 Lossless by construction: the segments are cut by the request's tokens alone, never by what the cache holds, so a
 hit and a miss run the same forwards on the same numbers (a hit copies the very tensors the miss computed). An
 item's output is therefore the same whatever was asked before, in which order, on which thread, or what was
 evicted; every method's output with reuse equals `ar`'s with reuse, token for token (and `decoding.exact_verify`
 stays bit-identical to `ar` with reuse). Against `ar` WITHOUT reuse it may differ only where a full prefill's
-one forward and the two segments' forwards round differently (another reduction order, as a verify's rows
+one forward and the segments' forwards round differently (another reduction order, as a verify's rows
 against `ar`'s): at float near-ties, which `python -m vpsd.launch.lossless` names with their margin.
 
 Keys. A segment's key is a hash of the video as the model sees it (its pixel tensors, grid and times: every
@@ -32,14 +44,16 @@ Bounded: every kept tensor counts its bytes against `reuse.budget_mib` (the memo
 target's rank, launch/memory.py), least recently used evicted first (a segment with its later segments). An entry
 larger than the whole budget is not kept. Evicted work is recomputed, never failed.
 
-Pruning signals (hippo, specvlm, parallelvlm, std and the signal strategies) come from the same two forwards
-(models/signals.py): the text rows are exactly the last segment [P, L), so the text-to-video attention and the
-text rows are measured during the suffix forward (the video keys read from the cache, prefix and suffix at their
-positions), and the pruner is handed its signals after layer L-1 of it. UV-Prune's video rows at layer L come
-from the prefix forward: a segment keeps them beside its KV (`Segment.rows`, counted in the budget), computed
-with it on a miss; a held segment without the rows a request needs is recomputed as on a miss (the same
-forward: the same KV) and kept with them. So a drafted request reuses as `ar`'s does, and every method's output
-with reuse equals `ar`'s with reuse token for token, by construction.
+Pruning signals (hippo, specvlm, parallelvlm, std and the signal strategies) come from the same forwards
+(models/signals.py): the text rows are exactly the last segment [P, L) (a conversation's: its final user turn and
+the assistant header, the question being answered, where a prefill without reuse reads every turn after the
+video), so the text-to-video attention and the text rows are measured during the suffix forward (the video keys
+read from the cache, prefix and suffix at their positions), and the pruner is handed its signals after layer L-1
+of it. UV-Prune's video rows at layer L come from the prefix forward: a segment keeps them beside its KV
+(`Segment.rows`, counted in the budget), computed with it on a miss; a held segment without the rows a request
+needs is recomputed as on a miss (the same forward: the same KV) and kept with them. A conversation's later
+segments hold no video token: they keep no rows and need none. So a drafted request reuses as `ar`'s does, and
+every method's output with reuse equals `ar`'s with reuse token for token, by construction.
 
 Where it does not apply (traced `prefix_reuse` with `reuse: false` and the reason): a target split over ranks (its
 followers hold their shards of the cache: the engine keeps no cache for it), a request with no token after its
@@ -54,12 +68,13 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter, VisionFeatures
 from vpsd.models.kv_cache import MIN_SPARE, GrowingLayer
+from vpsd.models.prompt import tokenizer_lock
 from vpsd.models.signals import layer_output, this_thread_only
 from vpsd.tracing import get_logger
 
@@ -79,11 +94,47 @@ def video_key(inputs: VideoInputs) -> bytes:
     return h.digest()
 
 
-def segment_ends(inputs: VideoInputs) -> list[int]:
-    """Where a request's prefill is cut, from its own tokens alone: after the last video token (every question
-    about a video shares what comes before). The last segment, up to the end, is the request's own."""
-    end = int(inputs.layout.seq_positions.max()) + 1
-    return [end] if 0 < end < inputs.seq_len else []
+CHATML_OPEN = "<|im_start|>"  # every family's template (ChatML) opens each message with this control token
+USER_ROLE = "user"
+
+
+def user_turn_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The token ids that open a user message as the families' templates render it (`<|im_start|>user`), or ()
+    where `<|im_start|>` is not a control token of `tokenizer` (then a text could spell those ids: no turn cuts).
+    A control token is what a prompt's text can never encode to (models/prompt.py encode_chat splits special
+    tokens in every text), so only the template's own markers match."""
+    if tokenizer is None:
+        return ()
+    with tokenizer_lock(tokenizer):
+        control = tokenizer.encode(CHATML_OPEN, add_special_tokens=False)
+        as_text = tokenizer.encode(CHATML_OPEN, add_special_tokens=False, split_special_tokens=True)
+        role = tokenizer.encode(USER_ROLE, add_special_tokens=False)
+    if len(control) != 1 or as_text == control or not role:
+        return ()
+    return (control[0], *role)
+
+
+def segment_ends(inputs: VideoInputs, user_turn: Sequence[int] = ()) -> list[int]:
+    """Where a request's prefill is cut, from its own token ids alone (never from what the cache holds: module
+    docstring): after the last video token (every question about a video shares what comes before), then, in a
+    conversation, where each user turn after the video begins (`user_turn`: the ids that open one,
+    `user_turn_ids`), i.e. at the end of each completed exchange, so a follow-up finds the earlier turns' KV. The
+    last segment, the final user turn and the assistant header, is the request's own. A single question has no
+    user turn after its video: one cut, as it always had."""
+    video_end = int(inputs.layout.seq_positions.max()) + 1
+    if not 0 < video_end < inputs.seq_len:
+        return []
+    return [video_end, *_turn_starts(inputs.input_ids[0], user_turn, video_end)]
+
+
+def _turn_starts(ids: torch.Tensor, opener: Sequence[int], after: int) -> list[int]:
+    """Positions p > `after` where `opener` begins in `ids` (each is < len(ids): never a cut at the very end)."""
+    n = len(opener)
+    if n == 0 or ids.numel() < n:
+        return []
+    windows = ids.to("cpu", torch.int64).unfold(0, n, 1)  # (L - n + 1, n): the n ids from each position
+    found = (windows == torch.tensor(list(opener), dtype=torch.int64)).all(dim=1).nonzero().flatten().tolist()
+    return [p for p in found if p > after]
 
 
 def segment_key(vkey: bytes, input_ids: torch.Tensor, end: int) -> bytes:
@@ -278,11 +329,18 @@ def _restore(adapter: VideoLMAdapter, segments: list[Segment], capacity: int):
     return cache
 
 
+def _holds_video(seg: Segment, video_pos: torch.Tensor) -> bool:
+    """Whether any video token lies in the segment (a conversation's later turns hold none: no rows to keep)."""
+    return bool(((video_pos >= seg.start) & (video_pos < seg.end)).any())
+
+
 def _video_rows(segments: list[Segment], video_pos: torch.Tensor, layer: int) -> torch.Tensor:
     """(N, D) rows of every video token at `layer`, in layout order, from the segments that hold them."""
     parts, count = [], 0
     for seg in segments:
         inside = (video_pos >= seg.start) & (video_pos < seg.end)
+        if not bool(inside.any()):
+            continue  # an earlier turn's text: it has no video rows (and keeps none)
         count += int(inside.sum())
         parts.append((inside, seg.rows[layer]))
     if count != video_pos.numel():
@@ -326,11 +384,7 @@ class Reuse:
             self.vision = "skipped"
             emb = adapter.embed_with(inputs, None)
         else:
-            feats = self.store.features(self.vkey)
-            self.vision = "cached" if feats is not None else "computed"
-            if feats is None:
-                feats = adapter.vision_features(inputs)
-                self.store.put_features(self.vkey, feats)
+            feats, self.vision = kept_features(self.store, adapter, inputs, self.vkey)
             emb = adapter.embed_with(inputs, feats)
         emb.reuse = self
         return emb
@@ -353,8 +407,9 @@ class Reuse:
         if rows_layer:
             if self.vision == "skipped":  # a request that reads signals always embeds its video (`embed`)
                 raise RuntimeError("video rows asked for, but the embeddings hold no video features")
-            usable = 0
-            while usable < len(self.held) and rows_layer in self.held[usable].rows:
+            usable = 0  # a segment without video tokens needs no rows
+            while usable < len(self.held) and (rows_layer in self.held[usable].rows
+                                               or not _holds_video(self.held[usable], emb.layout.seq_positions)):
                 usable += 1
             self.held = self.held[:usable]
         segments = list(self.held)
@@ -367,7 +422,7 @@ class Reuse:
             rows = {}
             inside = video_pos[(video_pos >= start) & (video_pos < end)]
             handle = None
-            if rows_layer:
+            if rows_layer and inside.numel():  # only a segment with video tokens has UV-Prune rows to keep
                 where = (inside - start).to(emb.embeds.device)
 
                 def keep_rows(module, args, out, where=where, rows=rows):
@@ -396,19 +451,51 @@ class Reuse:
                 vision_skipped=int(self.vision == "skipped"), vision_misses=int(self.vision == "computed"))
         stats = c.stats()
         log.info("prefix_reuse", item=self.item, reuse=True, hit=self.hit, reused_tokens=self.reused,
+                 segments=len(self.ends) + 1, reused_segments=len(self.held),
                  prefilled_tokens=emb.seq_len - self.reused, vision=self.vision, cache_bytes=stats["bytes"],
                  hits=stats["hits"], misses=stats["misses"], evicted=stats["evicted"])
         return pre
 
 
+def kept_features(store: PrefixCache, adapter: VideoLMAdapter, inputs: VideoInputs, vkey: bytes | None = None
+                  ) -> tuple[VisionFeatures, str]:
+    """The vision tower's output for `inputs` from `store` where kept (keyed by the pixels, `video_key`), else
+    computed and kept; and which ("cached" or "computed"). The target's `Reuse.embed` and a draft's side of one
+    video, many questions take features this one way (the features do not depend on the question)."""
+    vkey = video_key(inputs) if vkey is None else vkey
+    feats = store.features(vkey)
+    if feats is not None:
+        return feats, "cached"
+    feats = adapter.vision_features(inputs)
+    store.put_features(vkey, feats)
+    return feats, "computed"
+
+
+def embed_reusing(adapter: VideoLMAdapter, inputs: VideoInputs, store: PrefixCache | None, item: str = ""
+                  ) -> SequenceEmbeddings:
+    """A draft's embeddings of a request whose video other requests share: its vision features through
+    `kept_features` (counted as the target's are: vision_hits / vision_misses), or simply `adapter.embed` when
+    `store` is None. The draft's input depends on the question only through what the pruner keeps of it, so its
+    vision tower runs once a video; its pruned prefill still runs per question (what it keeps differs)."""
+    if store is None:
+        return adapter.embed(inputs)
+    feats, how = kept_features(store, adapter, inputs)
+    store.count(vision_hits=int(how == "cached"), vision_misses=int(how == "computed"))
+    log.info("draft_vision_reuse", item=item, vision=how, cache_bytes=store.stats()["bytes"])
+    return adapter.embed_with(inputs, feats)
+
+
 class PrefixReuse:
     """The engine's side: plans each request's reuse (or says why not) over one `PrefixCache`."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, user_turn: Sequence[int] = ()) -> None:
+        """user_turn: the ids that open a user turn in the target's prompts (`user_turn_ids`): a conversation is
+        cut there too (`segment_ends`); () cuts after the video only."""
         self.cache = PrefixCache(budget_bytes)
+        self.user_turn = tuple(user_turn)
 
     def plan(self, item: str, inputs: VideoInputs) -> Reuse | None:
-        ends = segment_ends(inputs)
+        ends = segment_ends(inputs, self.user_turn)
         if not ends:
             self.skip(item, "no video prefix")
             return None
@@ -434,7 +521,8 @@ def reuse_for(target: VideoLMAdapter, budget_bytes: int) -> PrefixReuse:
     with _BY_TARGET_LOCK:
         reuse = _BY_TARGET.get(target)
         if reuse is None:
-            reuse = _BY_TARGET[target] = PrefixReuse(budget_bytes)
+            turns = user_turn_ids(getattr(target, "tokenizer", None))  # a conversation is cut at its turns too
+            reuse = _BY_TARGET[target] = PrefixReuse(budget_bytes, turns)
         elif reuse.cache.budget != budget_bytes:
             reuse.cache.resize(budget_bytes)
         return reuse

@@ -162,7 +162,8 @@ class Coordinator:
                       "loop_s": runs[i].get("loop_s"),
                       "items_per_hour": 3600 * t.items / runs[i]["loop_s"] if runs[i].get("loop_s") else None,
                       "share": t.items / todo if todo else None, "done_s": t.done_s,
-                      "batching": runs[i].get("batching"), "reuse": runs[i].get("reuse")}
+                      "batching": runs[i].get("batching"), "reuse": runs[i].get("reuse"),
+                      "frames_cache": runs[i].get("frames_cache")}
                      for i, t in self.tally.items()]
         rss = [r["peak_rss_mib"] for r in runs.values() if r.get("peak_rss_mib") is not None]
         captures = [r["capture_s"] for r in runs.values() if r.get("capture_s") is not None]
@@ -172,7 +173,9 @@ class Coordinator:
                # captured steps' one-time cost (each graph's first forward), inside loop_s: the pipelines' most
                "capture_s": max(captures) if captures else None, "pipelines": pipelines,
                # the prefix cache of each pipeline's target (engine/prefix_cache.py ReuseStats), summed; None: off
-               "reuse": _summed([r.get("reuse") for r in runs.values()])}
+               "reuse": _summed([r.get("reuse") for r in runs.values()]),
+               # the decoded frames each pipeline's target kept (video/frame_cache.py FrameCacheStats), summed
+               "frames_cache": _summed([r.get("frames_cache") for r in runs.values()])}
         summary = job_summary(self.out, self.method, run)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         get_logger().info("job_done", **summary)
@@ -185,7 +188,8 @@ class Coordinator:
 
 
 def _summed(stats: list[dict | None]) -> dict | None:
-    """The pipelines' prefix-cache counters added up (peaks and budgets too: each pipeline's target holds its own)."""
+    """The pipelines' prefix-cache (or frame-cache) counters added up (peaks and budgets too: each pipeline's
+    target holds its own)."""
     held = [s for s in stats if s]
     if not held:
         return None

@@ -3,8 +3,10 @@ context, and the request a draft rank reads the same frames by.
 
 Runs on the prefill thread; touches the target only through `prepare` (no model forward). A job's reader pool
 (`frames`, vpsd/video/pool.py) reads the videos: `ahead` starts an item's read as the scheduler takes it, `load`
-takes its frames. Per item the timings (`video_read_s`, `preprocess_s`) go into its result's stats; the same
-spans are in the target's trace.
+takes its frames. A video's frames read for one question are kept for the next (`cache`: the target's frame
+cache, video/frame_cache.py, shared by every reader over the target: a job's, each API call's, each server
+engine's), so a second question about it neither decodes nor re-reads it. Per item the timings (`video_read_s`,
+`preprocess_s`) go into its result's stats; the same spans are in the target's trace (with `frames_cache`).
 An item whose prompt + video + max_new_tokens exceeds `video.context_limit` (default the target's
 max_position_embeddings) fails as `too_long`, or is subsampled to fit when `video.subsample_to_fit` is set: decided
 from the video's metadata before it is read (`planned_request`), and checked again on the frames read.
@@ -27,6 +29,7 @@ from vpsd.tracing import get_logger
 from vpsd.video.decode import FRAMES_SUFFIX, probe_video
 from vpsd.video.fit import fit_count, fit_to_context
 from vpsd.video.errors import VideoError
+from vpsd.video.frame_cache import cache_for
 from vpsd.video.frames import max_side_size
 from vpsd.video.item import FrameRequest, cap_frames, load_frames, scale_to_max_side, timed
 from vpsd.video.prefetch import FramePool
@@ -65,6 +68,9 @@ class ItemReader:
         """frames: the readers that read items ahead (`ahead`, vpsd/video/pool.py); None: each item is read on the
         thread that loads it."""
         self.target, self.cfg, self.frames = target, cfg, frames
+        # The target's decoded frames kept for a video's next question (None: reuse off); a pool's readers use the
+        # same one (`frame_pool(cache=...)`, launch/job.py).
+        self.cache = cache_for(target, cfg.reuse.frames_bytes)
         self._planned: dict[str, FrameRequest] = {}  # read ahead: the request planned then, taken by `load`
         self.limit = context_limit(target, cfg)
         # video.sampling: checkpoint: the target processor's rule (checked at launch by preflight).
@@ -127,7 +133,7 @@ class ItemReader:
             frames, times, read = self.frames.take(item.id, request)
             timings.update({k: v for k, v in read.items() if k != "video_wait_s"})
         else:
-            frames, times = load_frames(request, item.id, timings)
+            frames, times = load_frames(request, item.id, timings, cache=self.cache)
         # Checked again on the frames read (their real times; a count the container overstated), as in memory.
         frames, times, max_frames = self._fit(item.id, item.prompt, frames, times, self.max_new_tokens(item),
                                               item.video, timings)

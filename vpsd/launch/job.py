@@ -12,8 +12,9 @@ Contract (the README's "Batch jobs" section says it for users; the job as a whol
 
 Served (the API's child ranks, launch/served.py): after every round the tokens each item committed go to the
 coordinator (`ItemProgress`), so a server streams them as they commit, and an item the coordinator cancels
-(`CancelItem`: its client left) is dropped at the next round, its KV freed, its result an error row. A job's
-pipelines do neither: their results come whole.
+(`CancelItem`: its client left) is dropped at the next round, its KV freed, its result an error row. Each result
+carries the target's prefix-cache counters as they are then (`ItemResult.reuse`), which the server's /metrics
+shows. A job's pipelines do none of it: their results come whole, their counters with their run (`PipelineDone`).
 
 Wiring: `Method.draft_place` says where the method's draft runs; launch/wiring.py builds the engine
 (engine/engine.py) with that drafter, and the scheduler's loop (engine/scheduler.py) runs every item.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
+from typing import Callable
 
 from vpsd.activity import START, doing
 from vpsd.config import RunConfig
@@ -45,6 +47,7 @@ from vpsd.roles.target import serve_target
 from vpsd.tracing import get_logger
 from vpsd.transport.control import PeerTimeout
 from vpsd.video.errors import VideoError
+from vpsd.video.frame_cache import cache_for
 from vpsd.video.prefetch import frame_pool
 
 
@@ -72,6 +75,9 @@ class CoordinatorLink:
     def __init__(self, ctx: RoleContext, pipeline: int, coordinator: int, served: bool = False) -> None:
         self.ctx, self.pipeline, self.coordinator, self.served = ctx, pipeline, coordinator, served
         self._cancels: list[str] = []  # CancelItems that came while an answer was awaited
+        # A served target's prefix-cache counters (Engine.reuse_stats), sent with each result for the server's
+        # /metrics; set once the engine is built.
+        self.reuse_stats: Callable[[], dict[str, int] | None] | None = None
 
     def take(self, needed: bool) -> tuple[ManifestItem | None, bool]:
         """The next item the coordinator grants this pipeline, and whether more may come (engine ItemSource)."""
@@ -80,7 +86,8 @@ class CoordinatorLink:
         return (None if grant.item is None else ManifestItem.from_wire(grant.item)), grant.more
 
     def result(self, row: ResultRow) -> None:
-        self.ctx.ctrl.send(self.coordinator, ItemResult(self.pipeline, row.to_json()))
+        reuse = self.reuse_stats() if self.served and self.reuse_stats is not None else None
+        self.ctx.ctrl.send(self.coordinator, ItemResult(self.pipeline, row.to_json(), reuse))
 
     def done(self, run: dict) -> None:
         """After the last result: this pipeline's run; returns once the coordinator has written every result."""
@@ -217,12 +224,16 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
         if target_group is not None:
             target.mirror = Mirror(target_group, ctx.rank, target.device)
         frames = SharedFrames()  # what a draft thread takes instead of reading the file again
-        # The videos, read ahead on the cores no role is pinned to (none left: the prefill thread's, the draft's)
-        readers = frame_pool(cfg.video, cfg.cpu_affinity, (cfg.cpu_affinity or {}).get("draft"), "reader")
+        # The videos, read ahead on the cores no role is pinned to (none left: the prefill thread's, the draft's);
+        # a video's frames kept for its next question (video/frame_cache.py: the target's, as ItemReader's)
+        frames_cache = cache_for(target, cfg.reuse.frames_bytes)
+        readers = frame_pool(cfg.video, cfg.cpu_affinity, (cfg.cpu_affinity or {}).get("draft"), "reader",
+                             frames_cache)
         events = ItemEvents(ctx, cfg, ItemReader(target, cfg, readers), target, link, frames)
         wired = build_engine(cfg, ctx.method, target, rank_link=lambda: RankLink(ctx), out=ctx.out, job_id=ctx.job_id,
                              timeout_s=ctx.timeout_s, videos=frames, shared_items=pipelines > 1)
         engine, scheduler, stop_drafter = wired.engine, wired.scheduler, wired.stop
+        link.reuse_stats = engine.reuse_stats  # sent with a served pipeline's results (CoordinatorLink.result)
     profile = None
     if cfg.profile_rounds > 0 and ctx.out is not None:
         profile = RoundProfile(ctx.out, ctx.role, ctx.rank, cfg.profile_rounds, target.device.type == "cuda")
@@ -239,7 +250,8 @@ def run_pipeline(ctx: RoleContext, cfg: RunConfig, link: CoordinatorLink, pipeli
         get_logger().info("batching_done", **report)
     link.done({"loop_s": loop_s, "peak_rss_mib": peak_rss_mib(), "batching": report,
                "items": events.finished_items, "failed": events.failures, "capture_s": capture_s(engine),
-               "reuse": engine.reuse_stats()})  # the prefix cache's hits, misses, bytes (engine/prefix_cache.py)
+               "reuse": engine.reuse_stats(),  # the prefix cache's hits, misses, bytes (engine/prefix_cache.py)
+               "frames_cache": None if frames_cache is None else frames_cache.stats()})  # video/frame_cache.py
 
 
 def capture_s(engine: Engine) -> float | None:

@@ -92,8 +92,16 @@ def launch_plan(cfg: RunConfig, method: Method, k: int | None = None) -> LaunchP
         device = {"target": cfg.target.device, FOLLOWER: cfg.target.device,
                   "draft": (cfg.draft or cfg.target).device}.get(role, "cpu")
         need = rank_need(rank, role, held, context, rows, device)
-        if role == "target" and k_of(cfg, k) == 1 and cfg.reuse.budget_bytes:  # engine/prefix_cache.py
+        # engine/prefix_cache.py: the target's kept prefixes; a draft rank's kept vision features (roles/draft.py)
+        if role == "target" and k_of(cfg, k) == 1 and cfg.reuse.budget_bytes:
             need = dataclasses.replace(need, reuse=cfg.reuse.budget_bytes)
+        elif role == "draft" and cfg.reuse.draft_budget_bytes:
+            need = dataclasses.replace(need, reuse=cfg.reuse.draft_budget_bytes)
+        # video/frame_cache.py: decoded frames, kept by the ranks that read videos (the target's leader; a draft
+        # rank reading its own, video.share_frames false) in host memory: counted where that is the rank's
+        reads = role == "target" or (role == "draft" and not cfg.video.share_frames)
+        if cfg.reuse.frames_bytes and reads and not device.startswith("cuda"):
+            need = dataclasses.replace(need, frames=cfg.reuse.frames_bytes)
         needs.append(need)
         devices[rank] = device
     return LaunchPlan(needs, devices, context)

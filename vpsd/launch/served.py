@@ -11,7 +11,9 @@ to a target that waits with nothing decoding, else at its next request, when its
 `poll(timeout_s)` answers the target meanwhile and returns each item's result line (`ItemResult`) as it finishes;
 `run(items)` is both, for the API's `generate` calls. The target reports each round's committed tokens
 (`ItemProgress`: `committed(id)` holds them, `fresh()` says whose grew), and `cancel(id)` drops an item: one not
-granted yet here, one decoding at the target's next round (`CancelItem`); either ends as an error row. A target
+granted yet here, one decoding at the target's next round (`CancelItem`); either ends as an error row. Each result
+carries its target's prefix-cache counters as they were then (`ItemResult.reuse`): `reuse_stats()` holds each
+pipeline's latest, summed (a server's /metrics). A target
 with nothing decoding and nothing submitted waits here, unanswered, with the models loaded; one that asks with
 items decoding is told "not now" and asks again after its next round. With several pipelines an item goes to
 whichever asks first. `close()` ends the pipelines as a job's end does (no more items, runs reported, `Shutdown`).
@@ -81,6 +83,9 @@ class ServedPipelines:
         self._done: dict[str, ResultRow] = {}  # finished, not taken by poll or run yet
         self._ended = 0  # pipelines that reported their run (PipelineDone) and were told to stop
         self._closed = False
+        # Each pipeline's target's prefix-cache counters, as its latest result carried them (ItemResult.reuse).
+        # Replaced whole on each update: another thread (a server's /metrics) reads it without a lock.
+        self._reuse: dict[int, dict[str, int]] = {}
 
     def attach(self, ctrl: ControlChannel, startup_timeout_s: float) -> None:
         """Coordinates over `ctrl` (its identity the layout's coordinator); returns once every pipeline's target
@@ -141,6 +146,8 @@ class ServedPipelines:
             self._reports += 1
         elif isinstance(msg, ItemResult):
             row = ResultRow.from_json(msg.row)
+            if msg.reuse is not None:
+                self._reuse = {**self._reuse, msg.pipeline: dict(msg.reuse)}
             self._granted.pop(row.id, None)
             self._committed.pop(row.id, None)
             self._fresh.discard(row.id)
@@ -207,6 +214,15 @@ class ServedPipelines:
     def committed(self, item_id: str) -> list[int]:
         """The tokens a granted item has committed so far (its target's rounds' reports)."""
         return self._committed.get(item_id, [])
+
+    def reuse_stats(self) -> dict[str, int] | None:
+        """The pipelines' targets' prefix-cache counters (engine/prefix_cache.py ReuseStats), each as its latest
+        result carried them, summed over the pipelines (bytes, peaks and budgets too: each target holds its own
+        cache); None before any result carried them (none yet, reuse off, or a split target). Any thread."""
+        held = list(self._reuse.values())
+        if not held:
+            return None
+        return {k: sum(s.get(k, 0) for s in held) for k in held[0]}
 
     def fresh(self) -> set[str]:
         """The items whose committed tokens grew since the last call."""

@@ -9,6 +9,9 @@ A rank holds models (`Held`: a shape, its dtype, the share k of the split layers
                   context and the communicators' buffers on a GPU
     reuse         the target's prefix cache, at most `reuse.budget_mib` (engine/prefix_cache.py): an unsplit
                   target's leader only (a split target reuses nothing)
+    frames        the decoded frames kept for a video's next question, at most `reuse.frames_mib`
+                  (video/frame_cache.py), on the ranks that read videos: host memory, so counted where the rank's
+                  memory is the host's (a GPU rank's host memory is not planned)
     KV            bytes per token (2 x layers x KV heads / k x head_dim x dtype), times the tokens in flight,
                   times CACHE_SPARE: a cache layer's buffer grows by half when full (models/kv_cache.py)
 `fits(need, has, context)`: the rank's fixed needs plus one item's cache at the full context fit in what it has
@@ -53,10 +56,11 @@ class RankNeed:
     activations: int
     runtime: int
     reuse: int = 0  # the target's kept prefixes and vision features: `reuse.budget_mib` (engine/prefix_cache.py)
+    frames: int = 0  # decoded frames kept on a host rank that reads videos: `reuse.frames_mib` (video/frame_cache.py)
 
     @property
     def fixed(self) -> int:
-        return self.weights + self.activations + self.runtime + self.reuse
+        return self.weights + self.activations + self.runtime + self.reuse + self.frames
 
     def with_tokens(self, tokens: int) -> int:
         """Everything, with `tokens` of KV cache in flight."""
@@ -123,5 +127,6 @@ def describe(need: RankNeed, context: int) -> str:
     """'weights X + KV Y (N tokens) + activations Z + runtime W = T'"""
     kv = int(context * need.kv_per_token * CACHE_SPARE)
     reuse = f" + reuse cache {gib(need.reuse)}" if need.reuse else ""
+    reuse += f" + frames cache {gib(need.frames)}" if need.frames else ""
     return (f"weights {gib(need.weights)} + KV {gib(kv)} ({context} tokens) + activations {gib(need.activations)} "
             f"+ runtime {gib(need.runtime)}{reuse} = {gib(need.with_tokens(context))}")

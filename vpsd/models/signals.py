@@ -34,10 +34,12 @@ the queries whose attention HIPPO, SpecVLM and Sparse-to-Dense read.
 
 With prefix reuse (engine/prefix_cache.py, `emb.reuse` set by the engine) the prefill is two forwards cut at
 P = the last video token + 1: [0, P) (system + video; from the cache on a hit, else computed and kept) and
-[P, S), which is exactly the text rows. So the signals come from those forwards, the same tensors by definition:
-the query and row hooks run during the SUFFIX forward (they see exactly the text rows, indexed relative to P),
-the attention hook reads the video keys from the cache, which then holds prefix + suffix at their positions,
-and `on_ready` fires after layer L-1 of the suffix forward. UV-Prune's video rows at layer L come from the
+[P, S), which is exactly the text rows (a conversation's prefix is cut at its turns too, a forward a segment;
+its text rows are then the last segment's: the final user turn and the assistant header, the question being
+answered, where a prefill without reuse reads every text row after the video). So the signals come from those
+forwards, the same tensors by definition: the query and row hooks run during the SUFFIX forward (they see
+exactly the text rows, indexed relative to P), the attention hook reads the video keys from the cache, which
+then holds prefix + suffix at their positions, and `on_ready` fires after layer L-1 of the suffix forward. UV-Prune's video rows at layer L come from the
 PREFIX forward: computed there on a miss and kept with the prefix's KV, so a hit has them (layer 0's are the
 embeddings, as here). A hit computes exactly what a miss computes, signals included, bit for bit; against the
 one-forward prefill they differ by float noise only (another split of the same matmuls).
@@ -182,16 +184,20 @@ def _hooked(hooks: "_SignalHooks", adapter: VideoLMAdapter, forward: Callable[[]
 def _prefill_reusing(adapter: VideoLMAdapter, emb: SequenceEmbeddings, attn_layers: int, uv_layers: int,
                      on_ready: SignalsReady | None) -> PrefillResult:
     """`prefill_with_signals` through the engine's prefix reuse: the prefix [0, P) restored or computed (with the
-    video rows of layer `uv_layers` when UV-Prune reads them, kept with its KV), then the suffix [P, S), exactly
-    the text rows, with the signal hooks installed, indexed relative to P."""
+    video rows of layer `uv_layers` when UV-Prune reads them, kept with its KV), then the suffix [P, S), the text
+    rows (a conversation's final user turn and the assistant header: its earlier turns are segments of the
+    prefix), with the signal hooks installed, indexed relative to P."""
     if adapter.mirror is not None:  # the engine never reuses over a split target (its followers hold the shards)
         raise RuntimeError("prefix reuse over a target split over ranks")
     reuse = emb.reuse
     device = emb.embeds.device
-    text_pos = text_positions(emb)
     video_pos = emb.layout.seq_positions
     cache, start, layer_rows = reuse.prefix(adapter, emb, uv_layers)
-    if text_pos.numel() == 0 or int(text_pos.min()) < start or int(video_pos.max()) >= start:
+    # Only the last segment's rows are fed now: a conversation's earlier turns came from the cache (or were
+    # computed as it is kept), so the text rows read are those of the turn being answered, hit or miss alike.
+    text_pos = text_positions(emb)
+    text_pos = text_pos[text_pos >= start]
+    if text_pos.numel() == 0 or int(video_pos.max()) >= start:
         raise RuntimeError(f"the suffix from {start} does not hold exactly the text rows")
     video_rows = None
     if uv_layers:  # layer 0: the embeddings the prefix fed (as a full prefill's); layer L: its forward's, kept

@@ -148,9 +148,9 @@ def _check_plain(value: Any, path: str, depth: int) -> None:
 # which a chunk of draft tokens begins.
 
 
-class JobStart(Message, tag="JobStart/4"):
+class JobStart(Message, tag="JobStart/5"):
     """Target -> draft and pruner: decode one item.
-    v4: typed fields for the video requests and the prompt."""
+    v4: typed fields for the video requests and the prompt. v5: `reuse`."""
 
     job_id: str
     item_id: str
@@ -164,6 +164,9 @@ class JobStart(Message, tag="JobStart/4"):
     next_video: dict[str, Any] | None
     prompt: str
     prompt_special_tokens: bool  # the prompt is control text: its special tokens are tokens (models/prompt.py)
+    # Another item asks about the same video (the target keeps its prefix): the draft keeps its vision features
+    # too (engine/prefix_cache.py kept_features), since they do not depend on the question.
+    reuse: bool = False
 
 
 class TensorAnnounce(Message, tag="TensorAnnounce/2"):
@@ -283,11 +286,15 @@ class WorkGrant(Message, tag="WorkGrant/1"):
     more: bool
 
 
-class ItemResult(Message, tag="ItemResult/1"):
-    """A pipeline's target -> the coordinator: an item's results line (launch/results.py ResultRow.to_json)."""
+class ItemResult(Message, tag="ItemResult/2"):
+    """A pipeline's target -> the coordinator: an item's results line (launch/results.py ResultRow.to_json).
+    v2: `reuse`."""
 
     pipeline: Int
     row: dict[str, Any]
+    # A served pipeline's target: its prefix cache's counters as they are when the line is sent (engine/prefix_cache.py
+    # ReuseStats), for the server's /metrics; None in a job (its run's come with PipelineDone), or reuse off.
+    reuse: dict[str, Int] | None = None
 
 
 class PipelineDone(Message, tag="PipelineDone/1"):

@@ -19,7 +19,8 @@ run of each method (its total time, items run, failures, restarts: the `run` sec
 So one method's failures never count against another's, and `--status` reads the last run's method alone. A
 summary.json written before it had `methods` and `runs` still reads: its top level is all the rows'.
 The run's prefix reuse (`run.reuse`, the targets' prefix caches summed; absent or null when off) prints as one
-line: `prefix reuse  8 hits / 12 prefills (67%), 4 misses, 210 MiB held`.
+line: `prefix reuse  8 hits / 12 prefills (67%), 4 misses, 210 MiB held`; the decoded frames kept beside it
+(`run.frames_cache`, video/frame_cache.py) as another: `frames cache  8 hits / 12 reads (67%), 4 misses, 30 MiB held`.
 """
 
 from __future__ import annotations
@@ -149,6 +150,16 @@ def reuse_line(reuse: dict) -> str:
             f"{(reuse.get('bytes') or 0) / 2**20:.0f} MiB held")
 
 
+def frames_cache_line(stats: dict) -> str:
+    """summary.json's `run.frames_cache` (the targets' frame caches, video/frame_cache.py FrameCacheStats) in words:
+    `8 hits / 12 reads (67%), 4 misses, 30 MiB held`; a read that waited for the same frames being read counts as
+    a hit (it decoded nothing)."""
+    hits, misses = int(stats.get("hits") or 0) + int(stats.get("joined") or 0), int(stats.get("misses") or 0)
+    reads = max(int(stats.get("reads") or 0), hits + misses)
+    rate = f"{100 * hits / reads:.0f}%" if reads else "-"
+    return f"{hits} hits / {reads} reads ({rate}), {misses} misses, {(stats.get('bytes') or 0) / 2**20:.0f} MiB held"
+
+
 def recorded_stack(run_dir: Path) -> dict | None:
     """The software stack the last run in `run_dir` recorded (summary.json's run section), if any."""
     path = Path(run_dir) / "summary.json"
@@ -193,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             v = "-"
         if k in ("methods", "runs"):
             continue  # a line per method below
-        if k == "run" and isinstance(v, dict):  # stack and reuse: printed on their own lines below
-            v = {name: x for name, x in v.items() if name not in ("stack", "reuse")}
+        if k == "run" and isinstance(v, dict):  # stack and the caches: printed on their own lines below
+            v = {name: x for name, x in v.items() if name not in ("stack", "reuse", "frames_cache")}
         if isinstance(v, dict):
             v = " ".join(f"{name}={x:.3f}" if isinstance(x, float) else f"{name}={x}" for name, x in v.items())
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
@@ -204,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     reuse = (summary.get("run") or {}).get("reuse")
     if isinstance(reuse, dict):
         print(f"{'prefix reuse':<{width}}  {reuse_line(reuse)}")
+    frames_cache = (summary.get("run") or {}).get("frames_cache")
+    if isinstance(frames_cache, dict):
+        print(f"{'frames cache':<{width}}  {frames_cache_line(frames_cache)}")
     mine = (summary.get("run") or {}).get("stack")
     print(f"{'stack':<{width}}  {describe(mine) if mine else 'not recorded (a run before vpsd recorded it)'}")
     if args.baseline is not None:

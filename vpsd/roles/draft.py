@@ -36,6 +36,7 @@ import torch
 from vpsd.activity import doing
 from vpsd.config import RunConfig
 from vpsd.engine.drafters.chain import feed_rows, lacking
+from vpsd.engine.prefix_cache import embed_reusing, reuse_for
 from vpsd.engine.proposers import ModelProposer, TabedProposer
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.timing import Stopwatch
@@ -54,6 +55,7 @@ from vpsd.roles.link import Link, RankLink, recv_announced
 from vpsd.roles.starting import job_prompt
 from vpsd.tracing import get_logger, mark, span
 from vpsd.video.errors import VideoError
+from vpsd.video.frame_cache import cache_for
 from vpsd.video.prefetch import FramePrefetcher, frame_pool
 
 log = get_logger()
@@ -102,6 +104,10 @@ class DraftWorker:
         self._watch: Stopwatch | None = None  # the last step's, until read
         self.steps = 0
         self.stopped = False
+        # One video, many questions: the draft's vision features of a video other items ask about, kept (the
+        # draft's pruned prefill still runs per question: what the pruner keeps depends on it)
+        budget = cfg.reuse.draft_budget_bytes
+        self.kept = reuse_for(draft, budget).cache if budget > 0 else None
 
     # ---- events -------------------------------------------------------------------------------------
 
@@ -142,7 +148,8 @@ class DraftWorker:
             self.videos.ahead(job.next_video)
         if frames is not None:
             with span("vision", item=job.item_id):
-                emb = self.draft.embed(self.draft.prepare(frames, job_prompt(job), times))
+                inputs = self.draft.prepare(frames, job_prompt(job), times)
+                emb = embed_reusing(self.draft, inputs, self.kept if job.reuse else None, job.item_id)
         self.waiting[job.item_id] = (job, emb)
         if job.item_id in self.early:
             self._join(job.item_id, *self.early.pop(job.item_id))
@@ -287,8 +294,10 @@ def draft_role(link: Link, draft: VideoLMAdapter, cfg: RunConfig, drafts_from: s
     loaded), then the worker's loop until the target's Shutdown; videos read ahead from their files unless
     `videos` hands them over (frames already in memory)."""
     own = videos is None
-    # Its own readers (started only if a video is read here: not while the target sends the frames)
-    videos = FramePrefetcher(frame_pool(cfg.video, cfg.cpu_affinity, name="draft_reader")) if own else videos
+    # Its own readers (started only if a video is read here: not while the target sends the frames), keeping a
+    # video's frames for its next question as the target's do (video/frame_cache.py; empty unless it reads)
+    videos = FramePrefetcher(frame_pool(cfg.video, cfg.cpu_affinity, name="draft_reader",
+                                        cache=cache_for(draft, cfg.reuse.frames_bytes))) if own else videos
     try:
         link.send("target", Ready("draft", link.rank, time.monotonic() - started))
         serve_draft(link, DraftWorker(link, draft, cfg, videos, drafts_from=drafts_from))

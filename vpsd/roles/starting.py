@@ -22,7 +22,8 @@ def job_start(job_id: str, item: Request, seed: int, gamma: int, target: VideoLM
     read ahead), its prompt, its budget and the target's EOS set, the window to draft with."""
     return JobStart(job_id=job_id, item_id=item.id, seed=seed, max_new_tokens=item.max_new_tokens, gamma=gamma,
                     eos_token_ids=list(target.eos_token_ids), video=item.video, next_video=item.next_video,
-                    prompt=str(item.prompt), prompt_special_tokens=isinstance(item.prompt, ControlText))
+                    prompt=str(item.prompt), prompt_special_tokens=isinstance(item.prompt, ControlText),
+                    reuse=bool(item.reuse))
 
 
 def job_prompt(job: JobStart) -> str:

@@ -1,7 +1,8 @@
 """A chat request's messages as vpsd's one video and its prompt (a `VideoRequest`), within the server's limits.
 
 The video comes in one of the forms OpenAI-compatible clients send:
-- one `video_url` part: a `data:video/...;base64,` URL (written to a temporary file the caller deletes), or a
+- one `video_url` part: a `data:video/...;base64,` URL (written to a temporary file the caller deletes, keyed by
+  its bytes for the frames kept of a video asked about again: vpsd/video/identity.py), or a
   local path / `file://` URL, read only when it lies under the server's `--allowed-media-dir` (vLLM's rule for
   `--allowed-local-media-path`); remote http(s) URLs are not fetched;
 - `image_url` parts, one per frame, as data URLs (what lmms-eval's `openai_compatible` backend sends for a
@@ -29,6 +30,7 @@ import numpy as np
 
 from vpsd.models.prompt import ROLES, Turn, chat_prompt, check_turns
 from vpsd.serve.schema import ChatCompletionRequest, ContentPart
+from vpsd.video.identity import forget_content, note_content
 
 
 ROLE_NAMES = {"developer": "system"}  # OpenAI's newer name of the system message (its o-series clients send it)
@@ -55,6 +57,7 @@ class ParsedRequest:
 
     def cleanup(self) -> None:
         for path in self.temp_files:
+            forget_content(path)
             path.unlink(missing_ok=True)
 
 
@@ -121,6 +124,9 @@ def _video(url: str, prompt: str, limits: MediaLimits, scratch: Path) -> ParsedR
         fd, name = tempfile.mkstemp(suffix=_suffix(mime), dir=scratch)
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
+        # Keyed by its bytes, not its temporary file: the next request sending the same video finds its frames kept
+        # (video/frame_cache.py), though written to a file of its own
+        note_content(name, payload)
         return ParsedRequest(prompt, name, [Path(name)])
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):

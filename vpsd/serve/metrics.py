@@ -7,11 +7,14 @@ decoding together when its first token committed (on child ranks: at most, over 
 client left, by where they were stopped. Gauges: the queue's depth and the requests decoding now.
 
 The target's prefix cache (engine/prefix_cache.py: one video, many questions), read from the runner when scraped
-(`watch_reuse`): `vpsd_prefix_reuse_hits_total` and `vpsd_prefix_reuse_misses_total` (prefills whose video prefix
-was found, or not) and `vpsd_prefix_reuse_bytes` (held now). The cache is the target model's, shared by every
-engine the server builds over it, so the counts run over the server's life. Absent when reuse is off, and on child
-ranks (serve/on_ranks.py): there the cache lives in the target rank's process, whose round reports carry only
-tokens; that rank's trace, where one is kept (`trace_dir`), has its `prefix_reuse` events.
+(`watch_reuse`; `REUSE_METRICS`): `vpsd_prefix_reuse_hits_total` and `vpsd_prefix_reuse_misses_total` (prefills
+whose video prefix was found, or not), `vpsd_prefix_reuse_reused_tokens_total` (prefix tokens taken from the cache
+instead of prefilled), `vpsd_prefix_reuse_evictions_total`, and the gauges `vpsd_prefix_reuse_bytes` (held now),
+`vpsd_prefix_reuse_peak_bytes` and `vpsd_prefix_reuse_budget_bytes`. In process the cache is the target model's,
+shared by every engine the server builds over it, so the counts run over the server's life. On ranks (child ranks,
+or a launch's under torchrun: serve/on_ranks.py) the cache lives in each target rank's process, and each result
+carries its counters as they were then: these are the latest, summed over the pipelines, and start again from zero
+when the ranks do. Absent when reuse is off (and on ranks before the first answer).
 """
 
 from __future__ import annotations
@@ -83,6 +86,26 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+# The prefix cache's counters on /metrics: ReuseStats field -> (name, help, a counter or a gauge).
+REUSE_METRICS = (
+    ("hits", "vpsd_prefix_reuse_hits", "prefills whose video prefix was in the prefix cache", True),
+    ("misses", "vpsd_prefix_reuse_misses", "prefills whose video prefix was not in the cache", True),
+    ("skipped", "vpsd_prefix_reuse_skipped", "prefills that could not reuse (nothing after the video)", True),
+    ("reused_tokens", "vpsd_prefix_reuse_reused_tokens", "prefix tokens taken from the cache instead of prefilled",
+     True),
+    ("prefilled_tokens", "vpsd_prefix_reuse_prefilled_tokens", "tokens prefilled by prefills through the cache",
+     True),
+    ("vision_hits", "vpsd_prefix_reuse_vision_hits", "vision features taken from the cache", True),
+    ("stored", "vpsd_prefix_reuse_stored", "entries kept", True),
+    ("evicted", "vpsd_prefix_reuse_evictions", "entries evicted for room (least recently used first)", True),
+    ("evicted_bytes", "vpsd_prefix_reuse_evicted_bytes", "bytes of the entries evicted", True),
+    ("too_large", "vpsd_prefix_reuse_too_large", "entries larger than the whole budget, not kept", True),
+    ("bytes", "vpsd_prefix_reuse_bytes", "bytes the prefix cache holds now (KV and vision features)", False),
+    ("peak_bytes", "vpsd_prefix_reuse_peak_bytes", "the most bytes the prefix cache has held", False),
+    ("budget_bytes", "vpsd_prefix_reuse_budget_bytes", "the prefix cache's budget (reuse.budget_mib)", False),
+)
+
+
 class _ReuseCollector:
     """The prefix cache's counters as they are when scraped (module docstring); nothing when there are none."""
 
@@ -96,9 +119,6 @@ class _ReuseCollector:
         stats = self.stats()
         if not stats:
             return
-        yield CounterMetricFamily("vpsd_prefix_reuse_hits", "prefills whose video prefix was in the prefix cache",
-                                  value=stats.get("hits", 0))
-        yield CounterMetricFamily("vpsd_prefix_reuse_misses", "prefills whose video prefix was not in the cache",
-                                  value=stats.get("misses", 0))
-        yield GaugeMetricFamily("vpsd_prefix_reuse_bytes", "bytes the prefix cache holds now (KV and vision "
-                                "features)", value=stats.get("bytes", 0))
+        for field, name, help_text, counter in REUSE_METRICS:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            yield family(name, help_text, value=stats.get(field, 0))

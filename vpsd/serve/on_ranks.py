@@ -9,9 +9,10 @@ config): a request with others waits until those in flight leave, and the API st
 released as they commit (serve/stream_text.py, as in process), and its first token is timed when it commits. A
 request whose client left is dropped while queued, and cancelled on the ranks while in flight (`LLM.cancel`: its
 target drops it at its next round and frees its KV). A rank that dies (`RanksFailed`) fails the requests in flight
-(503), and the next request starts the ranks again. The target's prefix cache lives in its rank's process and the
-ranks' round reports carry only tokens, so /metrics has no prefix-reuse counts here (`reuse_stats`: None); that
-rank's trace, where one is kept, has its `prefix_reuse` events.
+(503), and the next request starts the ranks again. The target's prefix cache lives in its rank's process: each
+result the target sends carries the cache's counters as they are then (launch/job.py, `ItemResult.reuse`), and
+/metrics shows the latest (`reuse_stats`, summed over the pipelines under torchrun); ranks started again start a
+cache of their own, so the counts start again from zero with them.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ class RanksRunner:
         self._thread = threading.Thread(target=self._loop, name="vpsd-engine", daemon=True)
         self._thread.start()
 
-    def reuse_stats(self) -> None:
-        """None: the prefix cache's counters stay in the target rank's process (module docstring)."""
-        return None
+    def reuse_stats(self) -> dict[str, int] | None:
+        """The target ranks' prefix-cache counters as their latest results carried them (module docstring); None
+        before the first result, with reuse off or a split target."""
+        return self.llm.reuse_stats()
 
     def _loop(self) -> None:
         while True:

@@ -10,7 +10,8 @@ The frame count is the stored one where the container has it (mp4, mov), else th
 webm): the count selection has always used. When the index is not trusted, a read may find fewer frames than
 that (an edit list, a lost tail) and select again from the real ones, as `VideoClip.source_num_frames` says.
 
-Probes are kept (a few, keyed by the file's path, size, modification time and inode), so that probing then
+Probes are kept (a few, keyed by the file's identity: its path, device, inode, size and modification time,
+`vpsd.video.identity`), so that probing then
 reading a video scans its packets once.
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from vpsd.video.errors import VideoError, describe_av_error
 from vpsd.video.frames import quarter_turns, upright_size
+from vpsd.video.identity import file_identity
 from vpsd.video.index import PacketIndex, scan_packets
 from vpsd.video.sampling import ProcessorSampling, select_indices
 
@@ -116,8 +118,7 @@ _LOCK = threading.Lock()
 
 def inspect_video(path: Path) -> tuple[VideoInfo, PacketIndex]:
     """(info, packet index) of the video file at `path`, from the cache when the file is unchanged."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    key = file_identity(path)
     with _LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)

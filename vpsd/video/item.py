@@ -20,7 +20,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from vpsd.video.decode import MapParts, read_video
 from vpsd.video.frames import max_side_size
 from vpsd.video.resize import resize_frames
 from vpsd.video.sampling import ProcessorSampling, uniform_indices
+
+if TYPE_CHECKING:  # frame_cache keys by FrameRequest: imported here for the annotation only
+    from vpsd.video.frame_cache import FrameCache
 
 
 @dataclass(frozen=True)
@@ -92,15 +95,22 @@ def timed(name: str, timings: dict[str, float], **fields: Any) -> Iterator[dict[
 
 
 def load_frames(request: FrameRequest, item_id: str, timings: dict[str, float], *, parts: int = 1,
-                map_parts: MapParts | None = None) -> tuple[np.ndarray, np.ndarray]:
+                map_parts: MapParts | None = None, cache: FrameCache | None = None) -> tuple[np.ndarray, np.ndarray]:
     """((T, H, W, 3) uint8, (T,) float64 seconds) of the request; raises VideoError with the path and
     what is wrong. parts, map_parts: a dense read's stretches between keyframes read at once (read_video's; the
-    same frames).
+    same frames). cache: frames kept from an earlier read of the same request and file, taken instead of reading
+    it (vpsd/video/frame_cache.py; read-only, and nothing is read or traced: 0 s in `timings`).
 
     Traced as `video_read` (demux, decode, and conversion to RGB at the request's size; with how it was read:
     `read_mode`, `frames_decoded`, `parts` when it was split, and `fallback` when it could not seek) and
     `preprocess`, both added to `timings`.
     """
+    if cache is not None:
+        clip = cache.read(request, item_id, lambda: load_frames(request, item_id, timings, parts=parts,
+                                                                map_parts=map_parts))
+        for key in ("video_read_s", "preprocess_s"):  # kept frames: nothing read, so the item's stats say 0 s
+            timings.setdefault(key, 0.0)
+        return clip
     with timed("video_read", timings, item=item_id) as traced:
         clip = read_video(request.video, num_frames=request.num_frames, fps=request.fps, processor=request.processor,
                           max_side=request.max_side, seek=request.seek, max_frames=request.max_frames,

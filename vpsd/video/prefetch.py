@@ -9,10 +9,11 @@ memory budget for frames read and not yet taken).
 - `FramePool`: frames by (item id, `FrameRequest`), each read with its timings (`video_read_s`, `preprocess_s`),
   its size known before it is read (`frames_bytes`: the probe's frame count and size, so the budget holds);
   `frame_pool(video, cpu_affinity)` sizes one from the config (`video.readers`, `video.read_ahead`,
-  `video.frames_budget_mib`). With more than one reader, a dense read is split between keyframes into up to one
-  part a reader, which the idle readers and the reading one decode at once (`ReaderPool.map_parts`,
-  `vpsd.video.decode.split_wanted`): the same frames, bit for bit. The target's reads (launch/items.py
-  ItemReader) go through one.
+  `video.frames_budget_mib`), with a `FrameCache` (video/frame_cache.py) when given: an item whose frames an
+  earlier item read (or is reading) takes them instead of reading the video again. With more than one reader, a
+  dense read is split between keyframes into up to one part a reader, which the idle readers and the reading one
+  decode at once (`ReaderPool.map_parts`, `vpsd.video.decode.split_wanted`): the same frames, bit for bit. The
+  target's reads (launch/items.py ItemReader) go through one.
 - `FramePrefetcher`: the draft's side, loads by the wire-form `FrameRequest` the target sends, when the target
   does not send the frames themselves (`video.share_frames`, roles/draft.py).
 """
@@ -25,6 +26,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 import numpy as np
 
 from vpsd.video.errors import VideoError
+from vpsd.video.frame_cache import FrameCache
 from vpsd.video.item import FrameRequest, cap_frames, load_frames
 from vpsd.video.pool import ReaderPool, readers_for, spare_cores
 
@@ -63,13 +65,13 @@ def frames_bytes(request: FrameRequest) -> int | None:
     return count * (height * width * 3 + 8)
 
 
-def _load_frames(key: FrameKey, pool: ReaderPool | None = None) -> Frames:
+def _load_frames(key: FrameKey, pool: ReaderPool | None = None, cache: FrameCache | None = None) -> Frames:
     """The frames of `key`; read on `pool`'s reader, a dense read in one part a reader (the reading one among
-    them), the idle ones taking the others."""
+    them), the idle ones taking the others; taken from `cache` when kept there (or being read for another item)."""
     item_id, request = key
     timings: dict[str, float] = {}
     split = {} if pool is None or pool.readers < 2 else {"parts": pool.readers, "map_parts": pool.map_parts}
-    frames, times = load_frames(request, item_id, timings, **split)
+    frames, times = load_frames(request, item_id, timings, cache=cache, **split)
     return frames, times, timings
 
 
@@ -77,9 +79,10 @@ class FramePool:
     """Frames by (item id, FrameRequest) (module docstring)."""
 
     def __init__(self, readers: int = 1, budget_bytes: int | None = None, cores: Sequence[int] | None = None,
-                 name: str = "frames") -> None:
+                 name: str = "frames", cache: FrameCache | None = None) -> None:
+        self.cache = cache
         self.pool: ReaderPool[FrameKey, Frames] = ReaderPool(
-            lambda key: _load_frames(key, self.pool), readers=readers, budget_bytes=budget_bytes,
+            lambda key: _load_frames(key, self.pool, cache), readers=readers, budget_bytes=budget_bytes,
             estimate=lambda key: frames_bytes(key[1]), cores=cores, name=name)
 
     def ahead(self, item_id: str, request: FrameRequest) -> None:
@@ -99,13 +102,14 @@ class FramePool:
 
 
 def frame_pool(video: Any, affinity: dict[str, list[int]] | None, fallback_cores: Sequence[int] | None = None,
-               name: str = "frames") -> FramePool:
+               name: str = "frames", cache: FrameCache | None = None) -> FramePool:
     """A FramePool as the config says: `video.readers` readers (None: one a spare core, `readers_for`), reading
     within `video.frames_budget_mib`, on the cores `affinity` pins no role to (none left: `fallback_cores`, else
-    where the caller's thread runs)."""
+    where the caller's thread runs); frames kept in `cache` are taken from it (video/frame_cache.py `cache_for`)."""
     spare = spare_cores(affinity)
     budget = None if video.frames_budget_mib is None else int(video.frames_budget_mib * 2**20)
-    return FramePool(readers_for(video.readers, spare, video.read_ahead), budget, spare or fallback_cores, name)
+    return FramePool(readers_for(video.readers, spare, video.read_ahead), budget, spare or fallback_cores, name,
+                     cache)
 
 
 class FramePrefetcher:

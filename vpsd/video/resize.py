@@ -60,6 +60,12 @@ def smart_resize(
     return h, w
 
 
+def tensor_of(frames: np.ndarray) -> torch.Tensor:
+    """torch's view of `frames`, or of a copy when they are read-only (kept frames, video/frame_cache.py): torch
+    warns on a read-only array, which it could write through; the callers here only read it."""
+    return torch.from_numpy(frames if frames.flags.writeable else frames.copy())
+
+
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     """(T, H, W, 3) uint8 -> (T, height, width, 3) uint8, bicubic with antialiasing when shrinking."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
@@ -70,7 +76,7 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
         return frames.copy()
     out = np.empty((frames.shape[0], height, width, 3), dtype=np.uint8)
     for start in range(0, frames.shape[0], _CHUNK):
-        chunk = torch.from_numpy(frames[start : start + _CHUNK]).permute(0, 3, 1, 2).float()
+        chunk = tensor_of(frames[start : start + _CHUNK]).permute(0, 3, 1, 2).float()
         resized = F.interpolate(chunk, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
         # Bicubic overshoots at edges; clamp before the cast so 255 + ringing does not wrap to 0.
         out[start : start + _CHUNK] = resized.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
@@ -80,5 +86,5 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 def normalized_frames(frames: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """(T, H, W, C) uint8 -> (T, C, H, W) float32 rescaled by 1/255, then (x - mean) / std per channel."""
     c = frames.shape[-1]
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0
+    x = tensor_of(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0
     return (x - torch.tensor(mean).view(1, c, 1, 1)) / torch.tensor(std).view(1, c, 1, 1)
