@@ -1,7 +1,8 @@
 """One video, many questions through real torchrun jobs (engine/prefix_cache.py): three questions about one video,
 prefilled as one prefix (system + video) and three suffixes. `ar` with reuse equals `ar` without it and hippo
 with it, whose signals come from the suffix's forward, so it reuses too, and whose draft rank keeps its vision
-features; the traces and summary.json say what was reused."""
+features; pearl, whose draft is shown all of the video, whose draft rank keeps its own video prefix too; the traces
+and summary.json say what was reused."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_three_questions_about_one_video_prefill_it_once_and_decode_as_ar(tmp_pa
                                 + "\n" for i, p in enumerate(PROMPTS)))
     outs = {}
     for name, method, more, nproc in (("ar", "ar", [], 1), ("ar_off", "ar", ["--set", "reuse.enabled=false"], 1),
-                                      ("hippo", "hippo", [], 3)):
+                                      ("hippo", "hippo", [], 3), ("pearl", "pearl", [], 3)):
         outs[name] = tmp_path / name
         proc = run_job(CONFIG, manifest, outs[name], method, "--quiet", *more, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,3 +56,9 @@ def test_three_questions_about_one_video_prefill_it_once_and_decode_as_ar(tmp_pa
     lines = (outs["hippo"] / "traces" / "rank1_draft.jsonl").read_text().splitlines()
     draft = [e for e in map(json.loads, lines) if e.get("event") == "draft_vision_reuse"]
     assert [e["vision"] for e in draft] == ["computed", "cached", "cached"], draft
+    assert not any(e["prefix_hit"] for e in draft)  # pruned per question: only the features are reused
+    # pearl's draft is shown all of the video: its own video prefix is prefilled once and reused
+    assert {k: r["token_ids"] for k, r in results(outs["pearl"]).items()} == tokens["ar"]
+    lines = (outs["pearl"] / "traces" / "rank1_draft.jsonl").read_text().splitlines()
+    draft = [e for e in map(json.loads, lines) if e.get("event") == "prefix_reuse"]
+    assert [e["hit"] for e in draft] == [False, True, True] and draft[1]["reused_tokens"] > 64, draft

@@ -55,6 +55,13 @@ needs is recomputed as on a miss (the same forward: the same KV) and kept with t
 segments hold no video token: they keep no rows and need none. So a drafted request reuses as `ar`'s does, and
 every method's output with reuse equals `ar`'s with reuse token for token, by construction.
 
+The draft's side. A draft model has a cache of its own here (`reuse_for(draft, ...)`, within a quarter of the
+budget: config.draft_reuse_budget). Its vision features do not depend on the question, so they are kept for every
+draft (`embed_reusing` in process, `DraftWorker._embed` on a draft rank). A draft shown all of the video (pearl, a
+self-draft) also prefills through a `Reuse` plan of its own, so its video prefix's KV is kept and restored as the
+target's is; a pruned draft prefills what the pruner keeps for each question (the kept set depends on it), after
+its cached features. Whatever the draft reuses moves only its proposals, never an output.
+
 Where it does not apply (traced `prefix_reuse` with `reuse: false` and the reason): a target split over ranks (its
 followers hold their shards of the cache: the engine keeps no cache for it), a request with no token after its
 video (nothing to cut).
