@@ -126,6 +126,22 @@ def test_least_recently_used_is_evicted_and_frames_over_the_budget_are_not_kept(
     assert cache.stats()["bytes"] == 0 and cache.stats()["budget_bytes"] == CLIP_BYTES // 2
 
 
+def second_waits_on_first(cache: FrameCache, first, second, started: threading.Event,
+                          release: threading.Event) -> None:
+    """`first` on a thread until its read has started (`started`), then `second` on another until it waits on that
+    read (the cache counts it joined), then the first read released; both threads joined."""
+    one = threading.Thread(target=first)
+    one.start()
+    started.wait(30)
+    two = threading.Thread(target=second)
+    two.start()
+    deadline = time.monotonic() + 30
+    while cache.stats()["joined"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    one.join(30), two.join(30)
+
+
 def test_two_threads_reading_the_same_frames_decode_once(tmp_path):
     path, cache = video(tmp_path / "v.mp4"), FrameCache(2**30)
     started, release = threading.Event(), threading.Event()
@@ -137,16 +153,8 @@ def test_two_threads_reading_the_same_frames_decode_once(tmp_path):
 
     got: dict[str, tuple] = {}
     with capture_logs() as logs:
-        one = threading.Thread(target=lambda: got.__setitem__("a", cache.read(request(path), "a", first_read)))
-        one.start()
-        started.wait(30)
-        two = threading.Thread(target=lambda: got.__setitem__("b", read(cache, request(path), "b")))
-        two.start()
-        deadline = time.monotonic() + 30
-        while cache.stats()["joined"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        release.set()
-        one.join(30), two.join(30)
+        second_waits_on_first(cache, lambda: got.__setitem__("a", cache.read(request(path), "a", first_read)),
+                              lambda: got.__setitem__("b", read(cache, request(path), "b")), started, release)
     assert decodes(logs) == 1  # the second never read
     assert got["a"][0] is got["b"][0] and got["a"][1] is got["b"][1]
     stats = cache.stats()
@@ -195,16 +203,8 @@ def test_a_failed_read_is_not_kept_and_every_waiter_gets_its_error(tmp_path):
         except VideoError as err:
             errors.append(err)
 
-    one = threading.Thread(target=reader, args=(failing,))
-    one.start()
-    started.wait(30)
-    two = threading.Thread(target=reader, args=(lambda: pytest.fail("the waiter read"),))
-    two.start()
-    deadline = time.monotonic() + 30
-    while cache.stats()["joined"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    release.set()
-    one.join(30), two.join(30)
+    second_waits_on_first(cache, lambda: reader(failing), lambda: reader(lambda: pytest.fail("the waiter read")),
+                          started, release)
     assert len(errors) == 2 and all(str(err).endswith("broken") for err in errors)
     # a missing file cannot be keyed: read (and failed) as before, nothing kept
     with pytest.raises(VideoError) as e:

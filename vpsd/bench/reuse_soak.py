@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vpsd.bench.server_process import ServerFailed, start_server
+from vpsd.bench.server_process import ServerFailed, start_server, tree_rss_mib
 
 FLAT_SHARE = 0.02  # of the RSS at 50% (module docstring: the verdict)
 FLAT_FLOOR_MIB = 20.0
@@ -112,39 +112,6 @@ def schedule(requests: int, videos: int, questions: tuple[str, ...], seed: int) 
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and its descendants (the server and its child ranks), in MiB: psutil where it
-    is installed, else /proc."""
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0.0
-        total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                continue
-        return total / 2**20
-    total_kib, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total_kib += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration, ValueError):
-            continue
-    return total_kib / 1024
 
 
 def reuse_metrics(base: str) -> dict[str, float]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vpsd.bench.methods import BenchRun, run_one
-from vpsd.bench.server_process import ServerFailed, start_server
+from vpsd.bench.server_process import ServerFailed, start_server, tree_rss_mib
 
 
 @dataclass
@@ -104,7 +104,7 @@ def _load(a: argparse.Namespace, url: str, items: list[dict], pid: int | None) -
     model = client.models.list().data[0].id
     _ask(client, model, items[0])  # warm-up: not counted
     if pid is not None:
-        a.rss_before = _rss_mib(pid)
+        a.rss_before = tree_rss_mib(pid)
     todo = [items[n % len(items)] for n in range(a.requests)]
     t0, cpu0 = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(a.clients) as pool:
@@ -112,21 +112,6 @@ def _load(a: argparse.Namespace, url: str, items: list[dict], pid: int | None) -
     # The clients run on the server's machine here: their CPU is not the server's, but it is taken from it.
     a.clients_cpu_s = time.process_time() - cpu0
     return answers, time.perf_counter() - t0
-
-
-def _rss_mib(pid: int) -> float:
-    """Resident memory of a process and its descendants (the server and its child ranks), from /proc."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmRSS:")))
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration, ValueError):
-            continue
-    return total / 1024
 
 
 def _job(a: argparse.Namespace, items: list[dict], out: Path) -> tuple[float, float, dict[str, str]]:
@@ -190,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = _start_server(a, out / "server.log")
     try:
         answers, wall = _load(a, url, items, proc.pid if proc is not None else None)
-        rss_after = _rss_mib(proc.pid) if proc is not None else None
+        rss_after = tree_rss_mib(proc.pid) if proc is not None else None
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
