@@ -173,7 +173,8 @@ def predicted_tokens_per_s(batching: dict | None) -> float | None:
     return batching["mean_batch"] / serial_round_token_time(t_q, batching["t_p_s"], gamma, tau)
 
 
-def _batch_sizes(text: str) -> list[int]:
+def batch_sizes(text: str) -> list[int]:
+    """`--batch 1,2,4,8` of the benches that run jobs at several batch sizes (throughput, tune)."""
     try:
         sizes = [int(b) for b in text.split(",") if b.strip()]
     except ValueError:
@@ -321,7 +322,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/world_qwen2_5_vl_scaled.yaml")
     p.add_argument("--manifest", type=Path, help="required unless --report-only")
     p.add_argument("--out", type=Path, default=Path("runs/throughput"))
-    p.add_argument("--batch", type=_batch_sizes,
+    p.add_argument("--batch", type=batch_sizes,
                    help="comma-separated batch sizes, e.g. 1,2,4,8,16 (required unless --report-only)")
     p.add_argument("--methods", default="ar,sd,hippo",
                    help="comma-separated; ar is always run; METHOD:pipelined runs a parallel method over a batch "

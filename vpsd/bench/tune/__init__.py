@@ -43,17 +43,9 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"need a duration such as 10m, 90s or 600, got {text!r}") from None
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"need sizes >= 1, comma-separated (e.g. 1,8), got {text!r}")
-    return values
-
-
 def parser() -> argparse.ArgumentParser:
+    from vpsd.bench.throughput import batch_sizes
+
     p = argparse.ArgumentParser(prog="vpsd tune", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
@@ -61,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="the tuned config to write (YAML)")
     p.add_argument("--items", type=int, default=DEFAULT_ITEMS, help="items of the manifest to tune on (spread evenly)")
     p.add_argument("--first", action="store_true", help="tune on the manifest's first items instead")
-    p.add_argument("--batch", type=_ints, default=[1], help="batch sizes to tune at, e.g. 1,8 (default 1)")
+    p.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes to tune at, e.g. 1,8 (default 1)")
     p.add_argument("--methods", default=None,
                    help="comma-separated (default: every method); METHOD:thread, METHOD:pipelined as in vpsd bench throughput")
     p.add_argument("--strategies", default=None, help="pruning strategies tried in the baseline method (default: all)")
