@@ -251,7 +251,7 @@ class ReuseConfig:
 
     @property
     def draft_budget_bytes(self) -> int:
-        """What a draft model's kept vision features may hold (engine/prefix_cache.py embed_reusing)."""
+        """What a draft model's kept vision features may hold (engine/prefix_cache.py draft_embed)."""
         return draft_reuse_budget(self.budget_bytes)
 
     @property

@@ -1,4 +1,4 @@
-"""One video, many questions on the draft's side (engine/prefix_cache.py `embed_reusing`): a drafted request whose
+"""One video, many questions on the draft's side (engine/prefix_cache.py `draft_embed`): a drafted request whose
 target reuses its video prefix keeps the draft model's vision features too, in the draft model's own cache, so
 the draft's vision tower runs once a video; its pruned prefill still runs per question (what the pruner keeps
 depends on the question). Outputs stay `ar`'s with reuse, token for token."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from vpsd.config import PruningConfig, draft_reuse_budget
-from vpsd.engine.prefix_cache import embed_reusing, reuse_for
+from vpsd.engine.prefix_cache import PrefixReuse, draft_embed, draft_prefill, reuse_for
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import SignalsReady, prefill_with_signals
 from vpsd.pipeline.pruning.strategies import STRATEGIES
@@ -75,13 +75,12 @@ class PairPrefill:
         return self.keep if self.keep is not None else torch.arange(self.num_video_tokens)
 
 
-def draft_embeddings(draft: VideoLMAdapter, inputs, t_emb: SequenceEmbeddings) -> SequenceEmbeddings:
-    """The draft's embeddings; where the target's request reuses its video prefix (`t_emb.reuse`), the draft's
-    vision features are kept and reused too, in the draft model's own cache (engine/prefix_cache.py)."""
+def draft_reuse(draft: VideoLMAdapter, t_emb: SequenceEmbeddings) -> PrefixReuse | None:
+    """The draft model's own prefix reuse where the target's request reuses its video prefix (`t_emb.reuse`),
+    within a draft's share of the target's budget (engine/prefix_cache.py draft_embed); else None."""
     if t_emb.reuse is None:
-        return draft.embed(inputs)
-    store = reuse_for(draft, draft_reuse_budget(t_emb.reuse.store.budget)).cache
-    return embed_reusing(draft, inputs, store, t_emb.reuse.item)
+        return None
+    return reuse_for(draft, draft_reuse_budget(t_emb.reuse.store.budget))
 
 
 def prefill_pair(
@@ -103,7 +102,10 @@ def prefill_pair(
     random pruning's selection derives from (pipeline/seeds.py)."""
     t_emb = target_emb if target_emb is not None else target.embed(target.prepare(frames, prompt, frame_times))
     t0 = time.perf_counter()
-    d_emb = t_emb if draft is target else draft_embeddings(draft, draft.prepare(frames, prompt, frame_times), t_emb)
+    d_emb = t_emb
+    if draft is not target:  # its own embeddings, through its own prefix reuse where the target's request reuses
+        item = t_emb.reuse.item if t_emb.reuse is not None else ""
+        d_emb = draft_embed(draft, draft.prepare(frames, prompt, frame_times), draft_reuse(draft, t_emb), item)
     draft_s = time.perf_counter() - t0
     d_emb.layout.check_same_grid(t_emb.layout.grid)
     t_pre = (target_prefill(target, t_emb) if pruning is None
@@ -111,6 +113,8 @@ def prefill_pair(
     t0 = time.perf_counter()
     keep = keep_policy(t_emb, t_pre, d_emb, item_seed)
     t_pre.signals = None  # the copied keys are not needed while decoding
-    d_pre = draft.prefill(d_emb, keep=keep)
+    d_pre = draft_prefill(draft, d_emb, keep) if d_emb is not t_emb else None
+    if d_pre is None:
+        d_pre = draft.prefill(d_emb, keep=keep)
     draft_s += time.perf_counter() - t0
     return PairPrefill(t_emb, t_pre, d_pre, keep, t_emb.layout.num_tokens, draft_s)

@@ -57,7 +57,7 @@ every method's output with reuse equals `ar`'s with reuse token for token, by co
 
 The draft's side. A draft model has a cache of its own here (`reuse_for(draft, ...)`, within a quarter of the
 budget: config.draft_reuse_budget). Its vision features do not depend on the question, so they are kept for every
-draft (`embed_reusing` in process, `DraftWorker._embed` on a draft rank). A draft shown all of the video (pearl, a
+draft (`draft_embed`, in process and on a draft rank alike). A draft shown all of the video (pearl, a
 self-draft) also prefills through a `Reuse` plan of its own, so its video prefix's KV is kept and restored as the
 target's is; a pruned draft prefills what the pruner keeps for each question (the kept set depends on it), after
 its cached features. Whatever the draft reuses moves only its proposals, never an output.
@@ -478,18 +478,34 @@ def kept_features(store: PrefixCache, adapter: VideoLMAdapter, inputs: VideoInpu
     return feats, "computed"
 
 
-def embed_reusing(adapter: VideoLMAdapter, inputs: VideoInputs, store: PrefixCache | None, item: str = ""
-                  ) -> SequenceEmbeddings:
-    """A draft's embeddings of a request whose video other requests share: its vision features through
-    `kept_features` (counted as the target's are: vision_hits / vision_misses), or simply `adapter.embed` when
-    `store` is None. The draft's input depends on the question only through what the pruner keeps of it, so its
-    vision tower runs once a video; its pruned prefill still runs per question (what it keeps differs)."""
-    if store is None:
-        return adapter.embed(inputs)
-    feats, how = kept_features(store, adapter, inputs)
-    store.count(vision_hits=int(how == "cached"), vision_misses=int(how == "computed"))
-    log.info("draft_vision_reuse", item=item, vision=how, cache_bytes=store.stats()["bytes"])
-    return adapter.embed_with(inputs, feats)
+def draft_embed(draft: VideoLMAdapter, inputs: VideoInputs, reuse: "PrefixReuse | None", item: str
+                ) -> SequenceEmbeddings:
+    """A draft's embeddings of a request whose video other requests share (`reuse`: the draft model's own prefix
+    reuse, None: plain `draft.embed`), through a plan of its own (`emb.reuse`): its vision features kept (they do
+    not depend on the question), and its prefix's KV ready for `draft_prefill` where it is shown all of the video."""
+    plan = reuse.plan(item, inputs) if reuse is not None else None
+    if plan is None:
+        return draft.embed(inputs)
+    emb = plan.embed(draft, inputs, need_features=True)
+    log.info("draft_vision_reuse", item=item, vision=plan.vision, prefix_hit=plan.hit,
+             cache_bytes=plan.store.stats()["bytes"])
+    return emb
+
+
+def draft_prefill(draft: VideoLMAdapter, emb: SequenceEmbeddings, keep: torch.Tensor | None,
+                  whole_prefix: bool = True) -> PrefillResult | None:
+    """The draft's prefill of `draft_embed`'s embeddings: shown all of the video (`keep` None or every video token)
+    and `whole_prefix` (the caller prefills a single model row), through its plan (its video prefix kept and
+    restored as the target's is, the same forwards hit or miss); else None, the caller prefilling the kept tokens
+    (a pruned draft: what it keeps depends on the question), its reused features counted here as the target's
+    suffix counts its own."""
+    plan = emb.reuse
+    if plan is None:
+        return None
+    if whole_prefix and (keep is None or int(keep.numel()) == emb.layout.num_tokens):
+        return plan.prefill(draft, emb)
+    plan.store.count(vision_hits=int(plan.vision == "cached"), vision_misses=int(plan.vision == "computed"))
+    return None
 
 
 class PrefixReuse:

@@ -165,7 +165,7 @@ class JobStart(Message, tag="JobStart/5"):
     prompt: str
     prompt_special_tokens: bool  # the prompt is control text: its special tokens are tokens (models/prompt.py)
     # Another item asks about the same video (the target keeps its prefix): the draft keeps its vision features
-    # too (engine/prefix_cache.py kept_features), since they do not depend on the question.
+    # too (engine/prefix_cache.py draft_embed), since they do not depend on the question.
     reuse: bool = False
 
 

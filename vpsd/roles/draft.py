@@ -36,7 +36,7 @@ import torch
 from vpsd.activity import doing
 from vpsd.config import RunConfig
 from vpsd.engine.drafters.chain import feed_rows, lacking
-from vpsd.engine.prefix_cache import reuse_for
+from vpsd.engine.prefix_cache import draft_embed, draft_prefill, reuse_for
 from vpsd.engine.proposers import ModelProposer, TabedProposer
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.timing import Stopwatch
@@ -150,32 +150,18 @@ class DraftWorker:
             self.videos.ahead(job.next_video)
         if frames is not None:
             with span("vision", item=job.item_id):
-                emb = self._embed(job, self.draft.prepare(frames, job_prompt(job), times))
+                inputs = self.draft.prepare(frames, job_prompt(job), times)
+                emb = draft_embed(self.draft, inputs, self.reuse if job.reuse else None, job.item_id)
         self.waiting[job.item_id] = (job, emb)
         if job.item_id in self.early:
             self._join(job.item_id, *self.early.pop(job.item_id))
 
-    def _embed(self, job: JobStart, inputs) -> SequenceEmbeddings:
-        """The draft's embeddings; for a video the target keeps (`job.reuse`), through the draft's own prefix
-        cache (`emb.reuse`: its vision features kept, and its prefix's KV where `_join` feeds all of the video)."""
-        plan = self.reuse.plan(job.item_id, inputs) if job.reuse and self.reuse is not None else None
-        if plan is None:
-            return self.draft.embed(inputs)
-        emb = plan.embed(self.draft, inputs, need_features=True)
-        log.info("draft_vision_reuse", item=job.item_id, vision=plan.vision, prefix_hit=plan.hit,
-                 cache_bytes=plan.store.stats()["bytes"])
-        return emb
-
     def _prefill(self, item_id: str, emb: SequenceEmbeddings, keep: torch.Tensor, gamma: int) -> int:
         """The draft's prefill of the kept video tokens, a row of the batch; its cache length. Shown all of the
-        video, a draft model reuses its kept prefix (the same forwards hit or miss); pruned, it prefills."""
-        plan = emb.reuse
-        whole = keep is None or int(keep.numel()) == emb.layout.num_tokens
-        if plan is not None and whole and isinstance(self.proposer, ModelProposer):
-            return self.proposer.join(item_id, plan.prefill(self.draft, emb))
-        if plan is not None:  # only the features were reused: counted here, as the target's suffix counts its own
-            plan.store.count(vision_hits=int(plan.vision == "cached"), vision_misses=int(plan.vision == "computed"))
-        return self.proposer.admit(item_id, emb, keep, gamma)
+        video, a draft model reuses its kept prefix (engine/prefix_cache.py draft_prefill); pruned, it prefills."""
+        model_row = isinstance(self.proposer, ModelProposer)  # TABED's views prefill their own rows
+        pre = draft_prefill(self.draft, emb, keep, whole_prefix=model_row)
+        return self.proposer.join(item_id, pre) if pre is not None else self.proposer.admit(item_id, emb, keep, gamma)
 
     def _received(self, job: JobStart) -> tuple[np.ndarray, np.ndarray | None, dict[str, float]]:
         """The frames the target sent right behind the JobStart: nothing read here (video_read_s 0), the receive
