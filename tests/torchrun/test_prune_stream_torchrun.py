@@ -1,7 +1,8 @@
 """Streaming prefill signals through real torchrun: the kept indices reach the draft while the target still prefills.
 
-The target here is deep (96 layers) and the pruner reads only its first 2, so the target's prefill runs ~94
-layers after the signals left (48 left a few ms of margin on a loaded 2-core machine); the draft is the small tiny draft. The order is read back from the ranks'
+The target here is deep (96 layers) and wide enough (256) that its prefill runs ~94 layers, over a second, after
+the signals left, with the pruner reading only its first 2: at 48 layers, then at width 128 (0.4 s), a full suite
+on a loaded 2-core machine delayed the kept indices' transfer past the prefill's end. The draft is the tiny draft. The order is read back from the ranks'
 traces (vpsd.tracing spans; all ranks run on this host, so their clocks agree).
 """
 
@@ -28,8 +29,8 @@ DEEP = {
     "video.num_frames": 16,
     "video.max_side": 224,
     "target.tiny.text.num_hidden_layers": 96,
-    "target.tiny.text.hidden_size": 128,
-    "target.tiny.text.intermediate_size": 256,
+    "target.tiny.text.hidden_size": 256,
+    "target.tiny.text.intermediate_size": 512,
 }
 
 
