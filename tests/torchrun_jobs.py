@@ -53,8 +53,9 @@ def job_args(config: str, manifest: Path, out: Path, method: str, *more: str) ->
             "--out", str(out), "--method", method, *more]
 
 
-def run_job(config: str, manifest: Path, out: Path, method: str, *more: str, nproc: int = 3, timeout: float = 180):
-    env = job_env()
+def run_job(config: str, manifest: Path, out: Path, method: str, *more: str, nproc: int = 3, timeout: float = 180,
+            env_extra: dict[str, str] | None = None):
+    env = {**job_env(), **(env_extra or {})}
     return subprocess.run(torchrun_cmd(nproc) + job_args(config, manifest, out, method, *more),
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 

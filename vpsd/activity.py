@@ -15,7 +15,8 @@ pruner's selection; video tokens). `doing(phase, item, size)` marks one on the r
 
 Test hooks (the stuck rule's tests through real ranks; never set outside tests): VPSD_TEST_HANG=<role>:<phase>:<n>
 makes that role's n-th such phase block forever, VPSD_TEST_SLOW=<role>:<phase>:<n>:<seconds> makes it take that
-much longer and go on.
+much longer and go on. They name a point inside a phase (`passing(point)`, e.g. the target's "signals-sent") the
+same way: the streaming test stalls the target's prefill there, so what must overlap it has seconds to, not a race.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ class Activity:
             with self._lock:
                 self._current = None
                 self._per_unit[phase] = max(self._per_unit.get(phase, 0.0), took)
+
+    def passing(self, point: str) -> None:
+        """The role's thread passes a named point inside a phase: only the test hooks act on it."""
+        if threading.get_ident() != self._owner:
+            return
+        with self._lock:
+            self._count[point] = self._count.get(point, 0) + 1
+            n = self._count[point]
+        _hang_if_asked(self.role, point, n)
 
     def report(self) -> Report:
         with self._lock:

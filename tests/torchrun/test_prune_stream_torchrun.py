@@ -1,9 +1,11 @@
 """Streaming prefill signals through real torchrun: the kept indices reach the draft while the target still prefills.
 
-The target here is deep (96 layers) and wide enough (256) that its prefill runs ~94 layers, over a second, after
-the signals left, with the pruner reading only its first 2: at 48 layers, then at width 128 (0.4 s), a full suite
-on a loaded 2-core machine delayed the kept indices' transfer past the prefill's end. The draft is the tiny draft. The order is read back from the ranks'
-traces (vpsd.tracing spans; all ranks run on this host, so their clocks agree).
+The target's prefill is held for STALL_S seconds at the point right after its signals left (a test hook,
+VPSD_TEST_SLOW=target:signals-sent:1:<s>, vpsd/activity.py), with the pruner reading only its first 2 layers.
+Pruning, the kept indices' transfer and the start of the draft's pruned prefill must all land inside that window:
+they can only if the signals left from inside the prefill, and a window of seconds makes the order a property of
+the protocol, not a race (a 96-layer target's real compute, ~1 s, still lost it to a loaded CI machine). The order
+is read back from the ranks' traces (vpsd.tracing spans; all ranks run on this host, so their clocks agree).
 """
 
 from __future__ import annotations
@@ -24,14 +26,8 @@ from vpsd.world.dataset import write_manifest
 
 pytestmark = pytest.mark.torchrun
 
-DEEP = {
-    "pruning.layers": 2,
-    "video.num_frames": 16,
-    "video.max_side": 224,
-    "target.tiny.text.num_hidden_layers": 96,
-    "target.tiny.text.hidden_size": 256,
-    "target.tiny.text.intermediate_size": 512,
-}
+SETS = {"pruning.layers": 2, "video.num_frames": 16, "video.max_side": 224}
+STALL_S = 5.0
 
 
 def _span(spans, role: str, name: str, item: str, **fields):
@@ -45,8 +41,9 @@ def _span(spans, role: str, name: str, item: str, **fields):
 def test_keep_reaches_the_draft_before_the_target_prefill_ends(tmp_path, method):
     manifest = write_manifest(tmp_path / "data", seeds=[3], num_frames=16, size=(224, 224), max_new_tokens=8)
     out = tmp_path / "run"
-    sets = [a for k, v in DEEP.items() for a in ("--set", f"{k}={v}")]
-    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, method, *sets, timeout=300)
+    sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    proc = run_job("tiny_qwen2_5_vl.yaml", manifest, out, method, *sets, timeout=300,
+                   env_extra={"VPSD_TEST_SLOW": f"target:signals-sent:1:{STALL_S}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     spans = load_spans(out)
@@ -57,8 +54,9 @@ def test_keep_reaches_the_draft_before_the_target_prefill_ends(tmp_path, method)
     prune = _span(spans, "pruner", "prune", item=item)
     keep = _span(spans, "pruner", "send", item=item, what="keep")
     draft_prefill = _span(spans, "draft", "prefill", item=item)
-    # The signals left from inside the target's prefill, not after it ...
+    # The signals left from inside the target's prefill, not after it, and the prefill was held there ...
     assert prefill.t0 < signals.t0 and signals.t1 < prefill_end
+    assert prefill_end - signals.t1 >= STALL_S
     # ... so pruning, the transfer of the kept indices and the start of the draft's pruned prefill all
     # happened while the target was still running its later layers.
     assert prune.t1 < prefill_end
@@ -67,7 +65,7 @@ def test_keep_reaches_the_draft_before_the_target_prefill_ends(tmp_path, method)
 
     # Still lossless, and the parallel path reports what it kept.
     row = results(out)[item]
-    cfg = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", DEEP)
+    cfg = load_config(ROOT / "configs" / "tiny_qwen2_5_vl.yaml", SETS)
     target = load_adapter(cfg.family, cfg.target)
     it = load_manifest(manifest)[0][0]
     frames, times = load_item_frames(it.video, cfg.video.num_frames, None, cfg.video.max_side)

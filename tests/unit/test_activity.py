@@ -49,3 +49,21 @@ def test_the_limit_scales_what_this_job_measured_with_a_floor_and_waits_idle_tim
 def test_loading_the_models_has_the_start_up_bound_whatever_other_work_took():
     assert stuck_limit(0.0, timeout_s=5.0, idle_timeout_s=3600.0, phase="start", startup_timeout_s=600.0) == 600.0
     assert stuck_limit(2.0, timeout_s=5.0, idle_timeout_s=3600.0, phase="start", startup_timeout_s=30.0) == 30.0
+
+
+def test_a_named_point_is_stalled_by_the_slow_hook_only_the_nth_time_and_only_on_the_roles_thread(monkeypatch):
+    monkeypatch.setenv("VPSD_TEST_SLOW", "target:signals-sent:2:0.2")
+    a = Activity()
+    a.own("target")
+
+    def took() -> float:
+        t0 = time.monotonic()
+        a.passing("signals-sent")
+        return time.monotonic() - t0
+
+    assert took() < 0.1  # the first time: not the one named
+    t = threading.Thread(target=a.passing, args=("signals-sent",))  # another thread's passing counts for nothing
+    t.start()
+    t.join()
+    assert took() >= 0.2  # the second, on the role's thread
+    assert took() < 0.1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vpsd.activity import ACTIVITY
 from vpsd.config import PruningConfig
 from vpsd.engine.request import Request
 from vpsd.models.base import VideoLMAdapter
@@ -47,6 +48,7 @@ def prefill_streaming_signals(link: Link, cfg: PruningConfig, target: VideoLMAda
         names, tensors = pack({**base, **measured}, emb.layout)
         with span("send", item=item_id, what="signals"):
             in_flight.append(link.send_tensors("pruner", tensors, tag=TAG, item_id=item_id, names=names))
+        ACTIVITY.passing("signals-sent")
 
     attention, hidden = signals_needed(cfg)
     if not (attention or hidden):
