@@ -11,6 +11,7 @@ kernels (the capture, its guards, the fixed cache and its mask). "cudagraphs" an
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from vpsd.launch.job_identity import differences, identity
 from vpsd.models.batch import BatchedCache
 from vpsd.models.captured import FixedCache
 from vpsd.models.hf_compat import cache_kwargs
+from vpsd.models.hook_lock import hooks_installed
 from vpsd.models.step_graphs import RecordedStep, as_traced
 from vpsd.models.kv_cache import GrowingCache
 from vpsd.models.registry import load_adapter
@@ -134,6 +136,40 @@ def test_a_row_takes_the_smallest_bucket_that_holds_it_and_moves_up_as_it_grows(
     assert worst < 1e-4, worst
     keys, _ = batch.entries(0, 3)
     torch.testing.assert_close(keys[None], ref.cache.layers[3].keys, atol=1e-5, rtol=0)
+
+
+def test_a_trace_waits_for_another_threads_hooks_and_never_runs_them():
+    """models/hook_lock.py: a prefill on another thread holds signal hooks on the shared model; a captured step's
+    first call of a shape (its trace) waits until they are removed, so no trace inlines or guards on a hook (one
+    removed mid-trace failed the step); hooks installed later never run in the traced step, nor trace it again."""
+    eager, target = adapters("qwen2_5_vl")
+    emb = eager.embed(eager.prepare(random_frames(4), PROMPTS[1]))
+    batch = BatchedCache(target)
+    batch.join(0, target.prefill(emb).state)
+    lm, calls, order = target.language_model, [], []
+    install = lambda: [lm.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))]  # noqa: E731
+    installed, release = threading.Event(), threading.Event()
+
+    def prefill_with_hooks():
+        with hooks_installed(lm, install):
+            installed.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=prefill_with_hooks)
+    holder.start()
+    installed.wait(60)
+    stepper = threading.Thread(target=lambda: (batch.step({0: [5]}), order.append("traced")))
+    stepper.start()
+    stepper.join(3.0)  # time enough to trace a tiny model's step, were it not waiting
+    order.append("hooks removed")
+    release.set()
+    holder.join(60)
+    stepper.join(60)
+    assert order == ["hooks removed", "traced"] and calls == []
+    graphs = len(target.captured._graphs)
+    with hooks_installed(lm, install):  # the same shape again, hooks in place: the trace runs as traced
+        batch.step({0: [6]})
+    assert calls == [] and len(target.captured._graphs) == graphs
 
 
 def test_cuda_graph_modes_refuse_a_cpu_model():

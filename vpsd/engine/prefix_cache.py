@@ -80,6 +80,7 @@ from typing import Any, Sequence
 import torch
 
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter, VisionFeatures
+from vpsd.models.hook_lock import hooks_installed
 from vpsd.models.kv_cache import MIN_SPARE, GrowingLayer
 from vpsd.models.prompt import tokenizer_lock
 from vpsd.models.signals import layer_output, this_thread_only
@@ -428,7 +429,7 @@ class Reuse:
                 continue  # held: copied above
             rows = {}
             inside = video_pos[(video_pos >= start) & (video_pos < end)]
-            handle = None
+            install = list  # no hook
             if rows_layer and inside.numel():  # only a segment with video tokens has UV-Prune rows to keep
                 where = (inside - start).to(emb.embeds.device)
 
@@ -436,12 +437,10 @@ class Reuse:
                     rows[rows_layer] = layer_output(out)[0, where].clone()
 
                 layer = adapter.language_model.layers[rows_layer - 1]
-                handle = layer.register_forward_hook(this_thread_only(keep_rows))
-            try:
+                install = lambda layer=layer, keep_rows=keep_rows: [  # noqa: E731
+                    layer.register_forward_hook(this_thread_only(keep_rows))]
+            with hooks_installed(adapter.language_model, install):  # models/hook_lock.py
                 adapter.prefill_span(emb, cache, start, end)
-            finally:
-                if handle is not None:
-                    handle.remove()
             seg = Segment(key, self.keys[i - 1] if i else None, start, end, _cut(cache, start, end), rows)
             self.store.put_segment(seg)
             segments.append(seg)

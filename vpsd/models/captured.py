@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from vpsd.models.hook_lock import tracing
 from vpsd.models.spec import CAPTURE_MODES
 from vpsd.models.step_graphs import RecordedStep, as_traced
 from vpsd.models.timing import settled_clock
@@ -181,6 +182,7 @@ class CapturedLanguageModel:
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.mode = mode
         self.device = torch.device(device)
+        self.language_model = language_model
         self.recorded = mode in RECORDED_MODES  # vpsd's own graphs of the trace (models/step_graphs.py)
         if self.recorded:  # not torch's cudagraphs backend: it copies every weight a replay (step_graphs.py)
             # Static shapes (no automatic dynamic: a second model of the class, or another epsilon, would turn its
@@ -212,8 +214,9 @@ class CapturedLanguageModel:
             return step(inputs) if step is not None else self.compiled(**as_traced(inputs) if self.recorded
                                                                        else inputs)
         t0 = settled_clock(self.device)  # a new graph: timed whole, once (the only synchronisation it adds)
-        out = self.compiled(**as_traced(inputs)) if self.recorded else self.compiled(**inputs)
-        step = self._graphs[key] = self._record(key, inputs) if self.recorded else None
+        with tracing(self.language_model):  # its trace sees no other thread's hooks (models/hook_lock.py)
+            out = self.compiled(**as_traced(inputs)) if self.recorded else self.compiled(**inputs)
+            step = self._graphs[key] = self._record(key, inputs) if self.recorded else None
         if step is not None:
             if self.shares_pool:
                 self._unchecked.update(k for k, s in self._graphs.items() if s is not None)

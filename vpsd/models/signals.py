@@ -57,6 +57,7 @@ from typing import Callable
 import torch
 
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.hook_lock import hooks_installed
 from vpsd.pipeline.pruning.attention import layer_video_attention
 from vpsd.pipeline.pruning.strategies import PruningSignals
 from vpsd.pipeline.pruning.uv import UV_DEFAULT_LAYERS
@@ -169,12 +170,9 @@ def prefill_with_signals(
 def _hooked(hooks: "_SignalHooks", adapter: VideoLMAdapter, forward: Callable[[], PrefillResult]) -> PrefillResult:
     """`forward()` with the signal hooks installed on the language model, its result carrying what they measured
     (layer L-1 must have run exactly once)."""
-    handles = hooks.install(adapter.language_model)
-    try:
+    lm = adapter.language_model
+    with hooks_installed(lm, lambda: hooks.install(lm)):  # no trace of the model meanwhile (models/hook_lock.py)
         result = forward()
-    finally:
-        for h in handles:
-            h.remove()
     if len(hooks.ready) != 1:
         raise RuntimeError(f"layer {hooks.last - 1} ran {len(hooks.ready)} times in one forward; expected once")
     result.signals = hooks.ready[0]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from vpsd.models.cache_ops import CACHE_OPS
 from vpsd.models.hf_compat import cache_kwargs
+from vpsd.models.hook_lock import hooks_installed
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -233,18 +234,15 @@ def follow(adapter: Any, group: dist.ProcessGroup, leader: int) -> int:
                 cache = caches[header["cache"]] = adapter.new_cache()
             if op == "forward":
                 inputs = {name: _unpack(v, wire) for name, v in header["inputs"].items()}
-                handles = []
+                install = list  # no hook
                 if header.get("signals"):  # the leader scores attention in this prefill: score our heads too
                     from vpsd.models.signals import follower_hooks
 
                     hooks = follower_hooks(header["signals"], cache, adapter.device,
                                            lambda t: gather_heads(t, group))
-                    handles = hooks.install(lm)
-                try:
+                    install = lambda hooks=hooks: hooks.install(lm)  # noqa: E731
+                with hooks_installed(lm, install):  # models/hook_lock.py
                     lm(**inputs, **cache_kwargs(lm, cache))
-                finally:
-                    for h in handles:
-                        h.remove()
                 forwards += 1
             else:
                 fn, cache_args = CACHE_OPS[op]
