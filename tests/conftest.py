@@ -57,6 +57,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _scheduling_unchanged():
+    """Every case leaves its worker's scheduling as it found it: a thread made real-time (SVT-AV1's encoder does
+    that to its caller when run as root: tests/video/corpus.py scheduling_kept) hands the policy to every job and
+    server the worker starts later, and a busy one then starves the machine. The case that did it fails, named."""
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    yield
+    after = os.sched_getscheduler(0), os.sched_getparam(0)
+    if after != before:
+        os.sched_setscheduler(0, *before)  # the rest of the worker's cases run as they should
+        pytest.fail(f"this case left its thread's scheduling policy {after[0]} (priority {after[1].sched_priority}),"
+                    f" not {before[0]}: whatever changed it must put it back", pytrace=False)
+
+
 def config_path(family: str) -> Path:
     return ROOT / "configs" / f"tiny_{family}.yaml"
 

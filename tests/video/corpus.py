@@ -13,11 +13,13 @@ that inter prediction is used and a frame decoded from the wrong references show
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import av
 import numpy as np
@@ -53,13 +55,28 @@ def can_decode(codec: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def scheduling_kept() -> Iterator[None]:
+    """The calling thread's scheduling policy and priority, put back on exit. SVT-AV1's encoder (libsvtav1, in
+    PyAV's wheel), run as root, makes the thread that opens it SCHED_FIFO at priority 99, and every thread and
+    process that thread starts later inherits it: a test worker that built the AV1 entry then ran the rest of its
+    share of the suite, torchrun jobs and servers included, as real-time tasks, and a server's busy child spun at
+    priority 99 on a 2-core machine until the case timed out."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
+
+
 def encode(path: Path, codec: str, *, frames: int = 48, size: tuple[int, int] = (48, 64), rate: int = RATE,
            options: dict | None = None, pix_fmt: str = "yuv420p", fmt: str | None = None,
            pts_ms: list[int] | None = None, rotation: int | None = None, sar: Fraction | None = None,
            container_options: dict | None = None) -> Path:
     """`frames` pictures encoded with `codec`; `pts_ms`: each frame's time in milliseconds (variable rate)."""
     height, width = size
-    with av.open(str(path), "w", format=fmt, options=container_options or {}) as container:
+    with scheduling_kept(), av.open(str(path), "w", format=fmt, options=container_options or {}) as container:
         stream = container.add_stream(codec, rate=rate, options=options or {})
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         if pts_ms is not None:
