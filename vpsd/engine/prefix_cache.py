@@ -82,6 +82,7 @@ import torch
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoInputs, VideoLMAdapter, VisionFeatures
 from vpsd.models.hook_lock import hooks_installed
 from vpsd.models.kv_cache import MIN_SPARE, GrowingLayer
+from vpsd.models.pixel_memo import tensor_digest
 from vpsd.models.prompt import tokenizer_lock
 from vpsd.models.signals import layer_output, this_thread_only
 from vpsd.tracing import get_logger
@@ -91,14 +92,12 @@ log = get_logger()
 
 def video_key(inputs: VideoInputs) -> bytes:
     """A hash of the video as the model sees it: every pixel tensor's dtype, shape and bytes (Qwen's grid and
-    seconds per grid included), not the token types (a function of the ids, which a segment's key holds)."""
+    seconds per grid included), not the token types (a function of the ids, which a segment's key holds). A
+    tensor hashed when it was made (models/pixel_memo.py: a video's later questions) is not hashed again."""
     h = hashlib.blake2b(digest_size=20)
     for name in sorted(inputs.pixel_inputs):
-        if name == "mm_token_type_ids":
-            continue
-        t = inputs.pixel_inputs[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        if name != "mm_token_type_ids":
+            h.update(inputs.digests.get(name) or tensor_digest(name, inputs.pixel_inputs[name]))
     return h.digest()
 
 

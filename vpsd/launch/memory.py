@@ -101,7 +101,10 @@ def launch_plan(cfg: RunConfig, method: Method, k: int | None = None) -> LaunchP
         # rank reading its own, video.share_frames false) in host memory: counted where that is the rank's
         reads = role == "target" or (role == "draft" and not cfg.video.share_frames)
         if cfg.reuse.frames_bytes and reads and not device.startswith("cuda"):
-            need = dataclasses.replace(need, frames=cfg.reuse.frames_bytes)
+            # and the last kept video's prepared pixels, at most the same budget a model that embeds it
+            # (models/pixel_memo.py)
+            memo = sum(cfg.reuse.frames_bytes for h in held if h.embeds and not h.cache_only)
+            need = dataclasses.replace(need, frames=cfg.reuse.frames_bytes + memo)
         needs.append(need)
         devices[rank] = device
     return LaunchPlan(needs, devices, context)

@@ -32,6 +32,7 @@ from vpsd.models.cache_ops import CACHE_OPS
 from vpsd.models.captured import CapturedLanguageModel, FixedCache, FixedCacheLease
 from vpsd.models.hf_compat import cache_kwargs
 from vpsd.models.kv_cache import GrowingCache
+from vpsd.models.pixel_memo import PixelMemo
 from vpsd.models.prompt import Turn, render_template, tokenizer_lock
 from vpsd.pipeline.layout import VideoTokenLayout
 
@@ -43,6 +44,8 @@ class VideoInputs:
     input_ids: torch.Tensor  # (1, L) int64
     pixel_inputs: dict[str, torch.Tensor]  # family-specific tensors for the vision tower / positions
     layout: VideoTokenLayout
+    # models/pixel_memo.py: digests of pixel tensors already hashed (tensor_digest), by name
+    digests: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def seq_len(self) -> int:
@@ -118,6 +121,7 @@ class VideoLMAdapter(ABC):
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.pixel_memo = PixelMemo()  # the last read-only video's pixel tensors (models/pixel_memo.py)
         # Captured steps (models/captured.py), when `capture` turned them on: the compiled language model and
         # the one fixed cache it steps over, lent to one sequence at a time (models/batch.py takes it).
         self.captured: CapturedLanguageModel | None = None

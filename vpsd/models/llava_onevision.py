@@ -107,10 +107,13 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
 
     def prepare(self, frames: np.ndarray, prompt: str, frame_times: np.ndarray | None = None) -> VideoInputs:
         """frame_times is unused: LLaVA-OneVision's prompt and positions carry no time."""
-        size = self.vision_spec.image_size
-        frames = resize_frames(frames, size, size)
-        pixel_values = llava_video_tensor(frames, self.vision_spec)
-        num_frames, side = frames.shape[0], self.vision_spec.pooled_side
+        spec, size = self.vision_spec, self.vision_spec.image_size
+
+        def video() -> dict[str, torch.Tensor]:
+            return {"pixel_values_videos": llava_video_tensor(resize_frames(frames, size, size), spec).to(self.model.dtype)}
+
+        tensors, digests = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)  # a video's later questions
+        num_frames, side = frames.shape[0], spec.pooled_side
         n = num_frames * side * side + 1
         turns = turns_of(prompt)  # a question or a conversation (models/prompt.py); its texts go in as text
         chat = self.render_chat(slotted(turns), "<video>") or llava_chat_template(slotted(turns))
@@ -120,11 +123,7 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
         layout = llava_video_layout(torch.nonzero(is_video).squeeze(1), num_frames, side)
-        return VideoInputs(
-            input_ids=input_ids,
-            pixel_inputs={"pixel_values_videos": pixel_values.to(self.model.dtype)},
-            layout=layout,
-        )
+        return VideoInputs(input_ids=input_ids, pixel_inputs=dict(tensors), layout=layout, digests=dict(digests))
 
     def count_tokens(self, num_frames: int, height: int, width: int, prompt: str,
                      frame_times: np.ndarray | None = None) -> int:

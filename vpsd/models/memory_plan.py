@@ -10,8 +10,9 @@ A rank holds models (`Held`: a shape, its dtype, the share k of the split layers
     reuse         the target's prefix cache, at most `reuse.budget_mib` (engine/prefix_cache.py): an unsplit
                   target's leader only (a split target reuses nothing)
     frames        the decoded frames kept for a video's next question, at most `reuse.frames_mib`
-                  (video/frame_cache.py), on the ranks that read videos: host memory, so counted where the rank's
-                  memory is the host's (a GPU rank's host memory is not planned)
+                  (video/frame_cache.py), on the ranks that read videos, and as much again a model there that
+                  embeds it, for the last such video's prepared pixels (models/pixel_memo.py): host memory, so
+                  counted where the rank's memory is the host's (a GPU rank's host memory is not planned)
     KV            bytes per token (2 x layers x KV heads / k x head_dim x dtype), times the tokens in flight,
                   times CACHE_SPARE: a cache layer's buffer grows by half when full (models/kv_cache.py)
 `fits(need, has, context)`: the rank's fixed needs plus one item's cache at the full context fit in what it has

@@ -124,7 +124,13 @@ class QwenAdapterMixin:
         slot(i) for the conversation's texts[i]) tokenized with the texts as text (encode_chat) and checked against
         the grid; `pixel_extra` joins the pixel inputs."""
         spec = self.vision_spec
-        pixel_values, grid = qwen_video_tensors(resize_for_qwen(frames, spec), spec)
+
+        def video() -> dict[str, torch.Tensor]:
+            pixel_values, grid = qwen_video_tensors(resize_for_qwen(frames, spec), spec)
+            return {"pixel_values_videos": pixel_values.to(self.model.dtype), "video_grid_thw": grid}
+
+        tensors, digests = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)  # a video's later questions
+        grid = tensors["video_grid_thw"]
         t, h, w = (int(v) for v in grid[0])
         token_grid = (t, h // spec.merge_size, w // spec.merge_size)
         n = token_grid[0] * token_grid[1] * token_grid[2]
@@ -134,12 +140,11 @@ class QwenAdapterMixin:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
         layout = VideoTokenLayout.from_grid(torch.nonzero(is_video).squeeze(1), token_grid)
         pixel_inputs = {
-            "pixel_values_videos": pixel_values.to(self.model.dtype),
-            "video_grid_thw": grid,
+            **tensors,
             "mm_token_type_ids": torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0),
             **pixel_extra,
         }
-        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout)
+        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout, digests=dict(digests))
 
     def _embed_video(self, inputs: VideoInputs) -> tuple[torch.Tensor, Any]:
         """Token embeddings with the vision tower's merged video features in place; and the tower's output."""

@@ -303,6 +303,7 @@ def draft_role(link: Link, draft: VideoLMAdapter, cfg: RunConfig, drafts_from: s
     loaded), then the worker's loop until the target's Shutdown; videos read ahead from their files unless
     `videos` hands them over (frames already in memory)."""
     own = videos is None
+    draft.pixel_memo.budget = cfg.reuse.frames_bytes  # a video's prepared pixels, for its next question
     # Its own readers (started only if a video is read here: not while the target sends the frames), keeping a
     # video's frames for its next question as the target's do (video/frame_cache.py; empty unless it reads)
     videos = FramePrefetcher(frame_pool(cfg.video, cfg.cpu_affinity, name="draft_reader",
