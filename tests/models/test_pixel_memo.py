@@ -41,11 +41,11 @@ def test_a_second_question_about_the_same_read_only_frames_takes_the_kept_tensor
     frames = read_only(random_frames(1, t=4))
     first = model.prepare(frames, "What happens?")
     second = model.prepare(frames, "Which object moves first?")
-    assert model.pixel_memo.hits == 1
+    assert model.pixel_memo.hits == 1 and second.pixels_kept and not first.pixels_kept
     assert second.pixel_inputs["pixel_values_videos"] is first.pixel_inputs["pixel_values_videos"]
     assert video_key(second) == video_key(first) == hashed_again(second)
     fresh = model.prepare(random_frames(1, t=4), "What happens?")  # the same pixels in a writable array: made
-    assert model.pixel_memo.hits == 1
+    assert model.pixel_memo.hits == 1 and not fresh.pixels_kept and not fresh.digests  # hashed only if asked
     torch.testing.assert_close(fresh.pixel_inputs["pixel_values_videos"], first.pixel_inputs["pixel_values_videos"],
                                rtol=0, atol=0)
     assert video_key(fresh) == video_key(first)
@@ -83,3 +83,32 @@ def test_a_new_video_replaces_the_kept_one_and_a_copied_model_keeps_nothing():
     assert model.pixel_memo.hits == 1
     twin = copy.deepcopy(model)
     assert twin.pixel_memo._entry is None and twin.pixel_memo.budget == model.pixel_memo.budget
+
+
+def test_a_question_prepared_while_the_same_video_is_being_prepared_waits_and_takes_its_tensors():
+    """The prefill-ahead thread prepares the next question while the engine's thread still prepares the same
+    video's previous one (seen in a job: one hit of two): the second waits, and nothing is made twice."""
+    import threading
+
+    from vpsd.models.pixel_memo import PixelMemo
+
+    memo, frames = PixelMemo(budget=1 << 20), read_only(random_frames(6, t=2))
+    inside, release, made, got = threading.Event(), threading.Event(), [], {}
+
+    def make():
+        made.append(1)
+        inside.set()
+        release.wait(30)
+        return {"pixel_values_videos": torch.ones(4, 4)}
+
+    first = threading.Thread(target=lambda: got.setdefault("first", memo.tensors(frames, "k", make)))
+    first.start()
+    inside.wait(30)
+    second = threading.Thread(target=lambda: got.setdefault("second", memo.tensors(frames, "k", make)))
+    second.start()
+    second.join(1.0)  # were it not waiting, it would have made its own by now
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert len(made) == 1 and memo.hits == 1
+    assert got["second"][0]["pixel_values_videos"] is got["first"][0]["pixel_values_videos"] and got["second"][2]

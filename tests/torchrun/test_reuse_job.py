@@ -45,13 +45,14 @@ def test_three_questions_about_one_video_prefill_it_once_and_decode_as_ar(tmp_pa
     summary = json.loads((outs["ar"] / "summary.json").read_text())
     reuse = summary["run"]["reuse"]
     assert (reuse["hits"], reuse["misses"]) == (2, 1) and 0 < reuse["peak_bytes"] <= reuse["budget_bytes"]
+    assert reuse["pixel_hits"] == 2  # the video's pixels prepared and hashed once (models/pixel_memo.py)
     assert json.loads((outs["ar_off"] / "summary.json").read_text())["run"]["reuse"] is None
     # hippo's drafted items read the target's attention from the suffix's forward: they reuse as `ar`'s do
     events = reuse_events(outs["hippo"])
     assert [(e["reuse"], e["hit"]) for e in events] == [(True, False), (True, True), (True, True)]
     assert events[1]["reused_tokens"] == events[2]["reused_tokens"] > 64 and events[1]["vision"] != "skipped"
     reuse = json.loads((outs["hippo"] / "summary.json").read_text())["run"]["reuse"]
-    assert (reuse["hits"], reuse["misses"], reuse["skipped"]) == (2, 1, 0)
+    assert (reuse["hits"], reuse["misses"], reuse["skipped"], reuse["pixel_hits"]) == (2, 1, 0, 2)
     # the draft rank runs its vision tower once for the video, not once a question (roles/draft.py)
     lines = (outs["hippo"] / "traces" / "rank1_draft.jsonl").read_text().splitlines()
     draft = [e for e in map(json.loads, lines) if e.get("event") == "draft_vision_reuse"]

@@ -182,6 +182,7 @@ class ReuseStats:
     vision_hits: int = 0  # vision features taken from the cache
     vision_skipped: int = 0  # vision tower not run at all (a prefix hit nothing else needed the features for)
     vision_misses: int = 0
+    pixel_hits: int = 0  # requests whose prepared pixels and their hash were kept from the video's last question
     stored: int = 0  # entries kept
     evicted: int = 0  # entries evicted for room
     evicted_bytes: int = 0
@@ -521,6 +522,8 @@ class PrefixReuse:
             self.skip(item, "no video prefix")
             return None
         vkey = video_key(inputs)
+        if inputs.pixels_kept:
+            self.cache.count(pixel_hits=1)
         keys = [segment_key(vkey, inputs.input_ids, end) for end in ends]
         return Reuse(self.cache, item, vkey, ends, keys, self.cache.segments(keys))
 

@@ -44,8 +44,10 @@ class VideoInputs:
     input_ids: torch.Tensor  # (1, L) int64
     pixel_inputs: dict[str, torch.Tensor]  # family-specific tensors for the vision tower / positions
     layout: VideoTokenLayout
-    # models/pixel_memo.py: digests of pixel tensors already hashed (tensor_digest), by name
+    # models/pixel_memo.py: digests of pixel tensors already hashed (tensor_digest), by name; and whether the
+    # tensors were the ones kept from the video's last question
     digests: dict[str, bytes] = field(default_factory=dict)
+    pixels_kept: bool = False
 
     @property
     def seq_len(self) -> int:

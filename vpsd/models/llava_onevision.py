@@ -112,7 +112,8 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         def video() -> dict[str, torch.Tensor]:
             return {"pixel_values_videos": llava_video_tensor(resize_frames(frames, size, size), spec).to(self.model.dtype)}
 
-        tensors, digests = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)  # a video's later questions
+        # a video's later questions take the pixels its first prepared (models/pixel_memo.py)
+        tensors, digests, kept = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)
         num_frames, side = frames.shape[0], spec.pooled_side
         n = num_frames * side * side + 1
         turns = turns_of(prompt)  # a question or a conversation (models/prompt.py); its texts go in as text
@@ -123,7 +124,8 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
         layout = llava_video_layout(torch.nonzero(is_video).squeeze(1), num_frames, side)
-        return VideoInputs(input_ids=input_ids, pixel_inputs=dict(tensors), layout=layout, digests=dict(digests))
+        return VideoInputs(input_ids=input_ids, pixel_inputs=dict(tensors), layout=layout, digests=dict(digests),
+                           pixels_kept=kept)
 
     def count_tokens(self, num_frames: int, height: int, width: int, prompt: str,
                      frame_times: np.ndarray | None = None) -> int:

@@ -39,7 +39,7 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     return h.digest()
 
 
-Made = tuple[dict[str, torch.Tensor], dict[str, bytes]]  # named pixel tensors, and each one's digest
+Made = tuple[dict[str, torch.Tensor], dict[str, bytes], bool]  # named pixel tensors, each one's digest, kept?
 
 
 class PixelMemo:
@@ -47,6 +47,7 @@ class PixelMemo:
 
     def __init__(self, budget: int = 0) -> None:
         self._lock = threading.Lock()
+        self._making = threading.Lock()
         self._entry: tuple[weakref.ref, Hashable, Made] | None = None
         self.budget = budget  # bytes an entry may hold; 0: none is kept
         self.hits = 0
@@ -55,21 +56,28 @@ class PixelMemo:
         return PixelMemo(self.budget)  # a copied model keeps nothing of this one's
 
     def tensors(self, frames: np.ndarray, key: Hashable, make: Callable[[], dict[str, torch.Tensor]]) -> Made:
-        """`make()`'s tensors for `frames` (and `key`: what else they depend on), with their digests: kept from the
-        last call on the same read-only array and key, else made (and kept when `frames` is read-only)."""
-        with self._lock:
-            entry = self._entry
-            if entry is not None and entry[0]() is frames and entry[1] == key:
-                self.hits += 1
-                return entry[2]
-        tensors = make()
-        made = tensors, {name: tensor_digest(name, t) for name, t in tensors.items()}
-        if not frames.flags.writeable and 0 < sum(t.nbytes for t in tensors.values()) <= self.budget:
+        """`make()`'s tensors for `frames` (and `key`: what else they depend on), their digests, and whether they
+        were kept from the last call on the same read-only array and key; else they are made (and kept, hashed,
+        when `frames` is read-only and they fit the budget; else without digests)."""
+        if frames.flags.writeable or self.budget <= 0:
+            return make(), {}, False  # never kept: hashed only if a prefix cache asks (video_key)
+        # One read-only video prepared at a time: a question prepared on the prefill-ahead thread while the same
+        # video's previous question is still being prepared on the engine's waits for it, then takes its tensors.
+        with self._making:
+            with self._lock:
+                entry = self._entry
+                if entry is not None and entry[0]() is frames and entry[1] == key:
+                    self.hits += 1
+                    return entry[2]
+            tensors = make()
+            if sum(t.nbytes for t in tensors.values()) > self.budget:
+                return tensors, {}, False
+            digests = {name: tensor_digest(name, t) for name, t in tensors.items()}
             ref = weakref.ref(frames)
             with self._lock:
-                self._entry = (ref, key, made)
+                self._entry = (ref, key, (tensors, digests, True))
             weakref.finalize(frames, self._drop, ref)
-        return made
+            return tensors, digests, False
 
     def _drop(self, ref: weakref.ref) -> None:
         with self._lock:

@@ -129,7 +129,8 @@ class QwenAdapterMixin:
             pixel_values, grid = qwen_video_tensors(resize_for_qwen(frames, spec), spec)
             return {"pixel_values_videos": pixel_values.to(self.model.dtype), "video_grid_thw": grid}
 
-        tensors, digests = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)  # a video's later questions
+        # a video's later questions take the pixels its first prepared (models/pixel_memo.py)
+        tensors, digests, kept = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)
         grid = tensors["video_grid_thw"]
         t, h, w = (int(v) for v in grid[0])
         token_grid = (t, h // spec.merge_size, w // spec.merge_size)
@@ -144,7 +145,8 @@ class QwenAdapterMixin:
             "mm_token_type_ids": torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0),
             **pixel_extra,
         }
-        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout, digests=dict(digests))
+        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout, digests=dict(digests),
+                           pixels_kept=kept)
 
     def _embed_video(self, inputs: VideoInputs) -> tuple[torch.Tensor, Any]:
         """Token embeddings with the vision tower's merged video features in place; and the tower's output."""

@@ -96,6 +96,8 @@ REUSE_METRICS = (
     ("prefilled_tokens", "vpsd_prefix_reuse_prefilled_tokens", "tokens prefilled by prefills through the cache",
      True),
     ("vision_hits", "vpsd_prefix_reuse_vision_hits", "vision features taken from the cache", True),
+    ("pixel_hits", "vpsd_prefix_reuse_pixel_hits", "prefills whose video was not prepared again (its last question's)",
+     True),
     ("stored", "vpsd_prefix_reuse_stored", "entries kept", True),
     ("evicted", "vpsd_prefix_reuse_evictions", "entries evicted for room (least recently used first)", True),
     ("evicted_bytes", "vpsd_prefix_reuse_evicted_bytes", "bytes of the entries evicted", True),
