@@ -19,7 +19,7 @@ from tests.conftest import tiny_pair
 from tests.engine_harness import Pipeline, batch1_ar, fresh
 from tests.engine_harness import requests as work_items
 from vpsd.decoders.lossless import TIE_TOLERANCE, first_divergence, judge
-from vpsd.pipeline.drafting_policy import batch1_loss, parallel_loss
+from vpsd.pipeline.drafting_policy import EXPLORE_AFTER, batch1_loss, parallel_loss
 from vpsd.pipeline.messages import DraftChunk, Error, VerifyResult, decode
 
 
@@ -238,8 +238,9 @@ def test_where_drafting_does_not_pay_items_are_decoded_plain_beside_drafted_ones
     w.cost.accepted, w.cost.rejections = 0.0, 10.0  # tau_hat 0: what an OOD video does to a pair
     e.means.tokens = 12
 
-    def decide() -> bool:
+    def decide(budget: int | None = None) -> bool:
         r = fresh(todo)[0]
+        r.max_new_tokens = budget or r.max_new_tokens
         s.decide(r)
         return r.drafted
 
@@ -274,8 +275,9 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     e, s = pipe.engine, pipe.scheduler
     w, means = e.window, e.means
 
-    def decide() -> bool:
+    def decide(budget: int | None = None) -> bool:
         r = fresh(todo)[0]
+        r.max_new_tokens = budget or r.max_new_tokens
         s.decide(r)
         return r.drafted
 
@@ -287,8 +289,11 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     assert decide()  # no drafted item has finished yet
     means.token_s[True] = 0.004  # 4 ms a token drafted: under half the line's T_p(1), drafting pays unmeasured
     assert decide()
-    means.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs
-    assert not decide()
+    means.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs ...
+    assert not decide(budget=15)  # ... a cheap one: a budget of at most half the 30 tokens an item commits
+    assert decide(budget=16)  # a longer item drafts meanwhile ...
+    means.finished[True] = EXPLORE_AFTER  # ... until that many drafted items finished with no cheap one
+    assert not decide(budget=16)
     means.token_s = {True: 0.020, False: 0.009}  # drafted: 20 ms a token, against 9 ms plain
     s.policy.budget.seconds = 0.0
     loss, plain_s = batch1_loss(w, means)

@@ -106,7 +106,8 @@ class Scheduler(Generic[T]):
             return
         with e.lock:
             batch = max(1, min(e.size, len(e.requests) + 1))
-            request.drafted = self.policy.decide(predicted_loss(e.window, e.size, batch, e.means))
+            request.drafted = self.policy.decide(predicted_loss(e.window, e.size, batch, e.means,
+                                                                request.max_new_tokens))
 
     def prepare(self, request: Request, on_engine_thread: bool) -> Request:
         """Checks the request's KV need and, unless it is prefilled at admission, decides and prefills it."""

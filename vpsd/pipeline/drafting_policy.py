@@ -20,7 +20,11 @@ What "predicted loss" means depends on where the draft runs, because what drafti
   seconds per decoded token of the drafted items that finished against the plain ones'. Before a plain item
   has finished, one is decoded to measure it, unless drafting beats half the line's T_p(1) (on a CPU a
   forward of one row takes the matrix-vector path and costs less than the line through the windows' rows
-  says).
+  says). That measurement is made on a cheap item: one whose budget is at most half the tokens an item has
+  committed so far (a short answer among captions), while longer ones go on drafting; only after
+  `EXPLORE_AFTER` drafted items finished with no cheap one among them is any item decoded plain to measure it.
+  (It was the next item whatever its length: on the long world's 12 questions, one 100-token caption decoded
+  plain, ~2 s of a ~37 s job, wherever it fell, which 5 tokens of an event answer measure as well.)
 `predicted_loss` picks which of the three an engine's window means. Pure: the engine passes in what it measured
 (`ItemMeans`).
 
@@ -32,10 +36,13 @@ and its prefill stealing decide when a round runs and on which thread a prefill 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vpsd.pipeline.cost import ExploreBudget, ParallelWindow, SerialWindow, running_mean
 from vpsd.pipeline.theory import expected_accepted
+
+EXPLORE_AFTER = 4  # drafted items finished, at batch 1, after which any item may measure the plain rate
 
 
 @dataclass
@@ -49,6 +56,7 @@ class ItemMeans:
     # drafted? -> running means of an item's decode seconds and of its decoded tokens, whose ratio is `token_s`
     spent_s: dict[bool, float] = field(default_factory=dict)
     decoded: dict[bool, float] = field(default_factory=dict)
+    finished: dict[bool, int] = field(default_factory=dict)  # drafted? -> items that finished
 
     def observe_item(self, drafted: bool, tokens: int, decode_s: float, rounds: int) -> None:
         """An item that finished: `tokens` committed (the prefill's first included) over `rounds` rounds.
@@ -58,6 +66,7 @@ class ItemMeans:
         turned drafting off for a whole job at 2x its decode speed). What decides is time per item, i.e. the
         ratio of the means."""
         self.tokens = running_mean(self.tokens, tokens)
+        self.finished[drafted] = self.finished.get(drafted, 0) + 1
         if tokens > 1:
             self.spent_s[drafted] = running_mean(self.spent_s.get(drafted), decode_s)
             self.decoded[drafted] = running_mean(self.decoded.get(drafted), tokens - 1)
@@ -90,24 +99,29 @@ def parallel_loss(window: ParallelWindow, batch: int, means: ItemMeans) -> Draft
     return means.tokens * (t_window / rate - t_plain) / batch, means.tokens * t_plain / batch
 
 
-def batch1_loss(window: ParallelWindow, means: ItemMeans) -> DraftingLoss:
+def batch1_loss(window: ParallelWindow, means: ItemMeans, budget: int | None = None) -> DraftingLoss:
+    """`budget`: the item's max_new_tokens (None: unknown, as cheap as any)."""
     drafted, t_plain = means.token_s.get(True), window.verify_time(1)
     if drafted is None or means.tokens is None:
         return None
     plain = means.token_s.get(False)
     if plain is None:  # not measured yet: a plain item measures it unless drafting clearly wins
-        if t_plain is None:
+        if t_plain is None or drafted <= t_plain / 2:
             return None
-        plain = t_plain / 2
+        cheap = budget is None or budget <= means.tokens / 2
+        if not cheap and means.finished.get(True, 0) < EXPLORE_AFTER:
+            return None  # a cheap item measures it (module docstring); this one drafts meanwhile
+        return math.inf, means.tokens * t_plain / 2  # to be measured: this item decodes plain
     return means.tokens * (drafted - plain), means.tokens * plain
 
 
-def predicted_loss(window: SerialWindow | ParallelWindow, size: int, batch: int, means: ItemMeans) -> DraftingLoss:
-    """The loss of drafting the next item of an engine of `size` slots with `batch` requests in flight, as the
-    place its draft runs (the window's kind) makes it (module docstring)."""
+def predicted_loss(window: SerialWindow | ParallelWindow, size: int, batch: int, means: ItemMeans,
+                   budget: int | None = None) -> DraftingLoss:
+    """The loss of drafting the next item (its max_new_tokens: `budget`) of an engine of `size` slots with `batch`
+    requests in flight, as the place its draft runs (the window's kind) makes it (module docstring)."""
     if not window.pipelined:
         return serial_loss(window, batch, means)
-    return batch1_loss(window, means) if size == 1 else parallel_loss(window, batch, means)
+    return batch1_loss(window, means, budget) if size == 1 else parallel_loss(window, batch, means)
 
 
 @dataclass
