@@ -291,9 +291,8 @@ def test_at_batch_1_an_item_the_draft_would_slow_down_is_decoded_as_ar():
     assert decide()
     means.token_s[True] = 0.006  # over half of it: one plain item measures what plain costs ...
     assert not decide(budget=15)  # ... a cheap one: a budget of at most half the 30 tokens an item commits
-    assert decide(budget=16)  # a longer item drafts meanwhile ...
-    means.finished[True] = EXPLORE_AFTER  # ... until that many drafted items finished with no cheap one
-    assert not decide(budget=16)
+    assert [decide(budget=16) for _ in range(EXPLORE_AFTER)] == [True] * EXPLORE_AFTER  # longer ones draft ...
+    assert not decide(budget=16)  # ... until that many have waited for a cheap one
     means.token_s = {True: 0.020, False: 0.009}  # drafted: 20 ms a token, against 9 ms plain
     s.policy.budget.seconds = 0.0
     loss, plain_s = batch1_loss(w, means)

@@ -22,7 +22,7 @@ What "predicted loss" means depends on where the draft runs, because what drafti
   forward of one row takes the matrix-vector path and costs less than the line through the windows' rows
   says). That measurement is made on a cheap item: one whose budget is at most half the tokens an item has
   committed so far (a short answer among captions), while longer ones go on drafting; only after
-  `EXPLORE_AFTER` drafted items finished with no cheap one among them is any item decoded plain to measure it.
+  `EXPLORE_AFTER` such longer items drafted waiting for one is any item decoded plain to measure it.
   (It was the next item whatever its length: on the long world's 12 questions, one 100-token caption decoded
   plain, ~2 s of a ~37 s job, wherever it fell, which 5 tokens of an event answer measure as well.)
 `predicted_loss` picks which of the three an engine's window means. Pure: the engine passes in what it measured
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from vpsd.pipeline.cost import ExploreBudget, ParallelWindow, SerialWindow, running_mean
 from vpsd.pipeline.theory import expected_accepted
 
-EXPLORE_AFTER = 4  # drafted items finished, at batch 1, after which any item may measure the plain rate
+EXPLORE_AFTER = 4  # batch 1: long items that draft waiting for a cheap one to measure the plain rate, at most
 
 
 @dataclass
@@ -56,7 +56,8 @@ class ItemMeans:
     # drafted? -> running means of an item's decode seconds and of its decoded tokens, whose ratio is `token_s`
     spent_s: dict[bool, float] = field(default_factory=dict)
     decoded: dict[bool, float] = field(default_factory=dict)
-    finished: dict[bool, int] = field(default_factory=dict)  # drafted? -> items that finished
+    # batch 1: items that drafted because the plain rate, wanted, waits for a cheap item to measure it
+    deferred: int = 0
 
     def observe_item(self, drafted: bool, tokens: int, decode_s: float, rounds: int) -> None:
         """An item that finished: `tokens` committed (the prefill's first included) over `rounds` rounds.
@@ -66,7 +67,6 @@ class ItemMeans:
         turned drafting off for a whole job at 2x its decode speed). What decides is time per item, i.e. the
         ratio of the means."""
         self.tokens = running_mean(self.tokens, tokens)
-        self.finished[drafted] = self.finished.get(drafted, 0) + 1
         if tokens > 1:
             self.spent_s[drafted] = running_mean(self.spent_s.get(drafted), decode_s)
             self.decoded[drafted] = running_mean(self.decoded.get(drafted), tokens - 1)
@@ -109,7 +109,8 @@ def batch1_loss(window: ParallelWindow, means: ItemMeans, budget: int | None = N
         if t_plain is None or drafted <= t_plain / 2:
             return None
         cheap = budget is None or budget <= means.tokens / 2
-        if not cheap and means.finished.get(True, 0) < EXPLORE_AFTER:
+        if not cheap and means.deferred < EXPLORE_AFTER:
+            means.deferred += 1  # counted here: the engine asks once an item, under its lock
             return None  # a cheap item measures it (module docstring); this one drafts meanwhile
         return math.inf, means.tokens * t_plain / 2  # to be measured: this item decodes plain
     return means.tokens * (drafted - plain), means.tokens * plain
