@@ -40,10 +40,13 @@ def test_a_second_question_about_the_same_read_only_frames_takes_the_kept_tensor
     model = adapter(family)
     frames = read_only(random_frames(1, t=4))
     first = model.prepare(frames, "What happens?")
+    assert not first.digests  # nothing hashed until a prefix cache asks: a video asked once never is
     second = model.prepare(frames, "Which object moves first?")
     assert model.pixel_memo.hits == 1 and second.pixels_kept and not first.pixels_kept
     assert second.pixel_inputs["pixel_values_videos"] is first.pixel_inputs["pixel_values_videos"]
-    assert video_key(second) == video_key(first) == hashed_again(second)
+    key = video_key(first)
+    assert second.digests and second.digests is first.digests  # hashed once, for every question of the video
+    assert video_key(second) == key == hashed_again(second)
     fresh = model.prepare(random_frames(1, t=4), "What happens?")  # the same pixels in a writable array: made
     assert model.pixel_memo.hits == 1 and not fresh.pixels_kept and not fresh.digests  # hashed only if asked
     torch.testing.assert_close(fresh.pixel_inputs["pixel_values_videos"], first.pixel_inputs["pixel_values_videos"],

@@ -93,11 +93,15 @@ log = get_logger()
 def video_key(inputs: VideoInputs) -> bytes:
     """A hash of the video as the model sees it: every pixel tensor's dtype, shape and bytes (Qwen's grid and
     seconds per grid included), not the token types (a function of the ids, which a segment's key holds). A
-    tensor hashed when it was made (models/pixel_memo.py: a video's later questions) is not hashed again."""
+    tensor hashed for an earlier question of the video (models/pixel_memo.py) is not hashed again."""
     h = hashlib.blake2b(digest_size=20)
     for name in sorted(inputs.pixel_inputs):
-        if name != "mm_token_type_ids":
-            h.update(inputs.digests.get(name) or tensor_digest(name, inputs.pixel_inputs[name]))
+        if name == "mm_token_type_ids":
+            continue
+        digest = inputs.digests.get(name)
+        if digest is None:  # kept for the video's later questions where the dict is theirs too (pixel_memo.py)
+            digest = inputs.digests[name] = tensor_digest(name, inputs.pixel_inputs[name])
+        h.update(digest)
     return h.digest()
 
 

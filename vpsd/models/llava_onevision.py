@@ -124,7 +124,7 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         if int(is_video.sum()) != n:
             raise ValueError(f"tokenizer produced {int(is_video.sum())} video tokens, expected {n}")
         layout = llava_video_layout(torch.nonzero(is_video).squeeze(1), num_frames, side)
-        return VideoInputs(input_ids=input_ids, pixel_inputs=dict(tensors), layout=layout, digests=dict(digests),
+        return VideoInputs(input_ids=input_ids, pixel_inputs=dict(tensors), layout=layout, digests=digests,
                            pixels_kept=kept)
 
     def count_tokens(self, num_frames: int, height: int, width: int, prompt: str,

@@ -39,7 +39,9 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     return h.digest()
 
 
-Made = tuple[dict[str, torch.Tensor], dict[str, bytes], bool]  # named pixel tensors, each one's digest, kept?
+# named pixel tensors; their digests (one dict for every question of the video: hashed once, when first asked);
+# whether they were kept from the video's last question
+Made = tuple[dict[str, torch.Tensor], dict[str, bytes], bool]
 
 
 class PixelMemo:
@@ -56,11 +58,12 @@ class PixelMemo:
         return PixelMemo(self.budget)  # a copied model keeps nothing of this one's
 
     def tensors(self, frames: np.ndarray, key: Hashable, make: Callable[[], dict[str, torch.Tensor]]) -> Made:
-        """`make()`'s tensors for `frames` (and `key`: what else they depend on), their digests, and whether they
-        were kept from the last call on the same read-only array and key; else they are made (and kept, hashed,
-        when `frames` is read-only and they fit the budget; else without digests)."""
+        """`make()`'s tensors for `frames` (and `key`: what else they depend on), their digests' dict, and whether
+        they were kept from the last call on the same read-only array and key; else they are made (and kept when
+        `frames` is read-only and they fit the budget). The digests are computed only if a prefix cache asks
+        (`video_key`, into the dict every question of the video shares): a video asked once is never hashed."""
         if frames.flags.writeable or self.budget <= 0:
-            return make(), {}, False  # never kept: hashed only if a prefix cache asks (video_key)
+            return make(), {}, False  # never kept
         # One read-only video prepared at a time: a question prepared on the prefill-ahead thread while the same
         # video's previous question is still being prepared on the engine's waits for it, then takes its tensors.
         with self._making:
@@ -72,7 +75,7 @@ class PixelMemo:
             tensors = make()
             if sum(t.nbytes for t in tensors.values()) > self.budget:
                 return tensors, {}, False
-            digests = {name: tensor_digest(name, t) for name, t in tensors.items()}
+            digests: dict[str, bytes] = {}  # filled by the first video_key that hashes them, shared with later ones
             ref = weakref.ref(frames)
             with self._lock:
                 self._entry = (ref, key, (tensors, digests, True))

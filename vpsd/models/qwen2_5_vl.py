@@ -145,7 +145,7 @@ class QwenAdapterMixin:
             "mm_token_type_ids": torch.where(is_video, VIDEO_TYPE_ID, 0).to(torch.int32).unsqueeze(0),
             **pixel_extra,
         }
-        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout, digests=dict(digests),
+        return VideoInputs(input_ids=input_ids, pixel_inputs=pixel_inputs, layout=layout, digests=digests,
                            pixels_kept=kept)
 
     def _embed_video(self, inputs: VideoInputs) -> tuple[torch.Tensor, Any]:
