@@ -12,7 +12,9 @@ So hooks are installed under their model's lock and held there until they are re
 captured step takes the same lock for a call that traces (`tracing`). No trace sees a hook: none is inlined or
 guarded on (dynamo's `skip_nnmodule_hook_guards`, on by default, leaves hooks out of the guards of a trace made
 without them), and a hook installed after a trace never runs in it, as `this_thread_only` would have it anyway.
-Only a trace waits: a captured step's later calls (the graph's replays) take no lock.
+The lock is shared among hook holders (two prefills on two threads hook the same model at once, each its own
+hooks: a serial batch's engine thread and its prefill thread both prefill at the tail) and exclusive for a trace.
+Only a trace waits, and what waits for it: a captured step's later calls (the graph's replays) take no lock.
 """
 
 from __future__ import annotations
@@ -24,24 +26,59 @@ from typing import Callable, Iterator
 
 import torch
 
-_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+class SharedLock:
+    """Shared by any number of holders at once (`shared`), or held by one alone (`exclusive`), which waits for the
+    shared holders to leave and keeps new ones out meanwhile. Not reentrant across the two: a thread that holds it
+    shared and asks for it exclusive waits forever (a hooked prefill never traces: its forward is eager)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, SharedLock]" = weakref.WeakKeyDictionary()
 _GUARD = threading.Lock()
 
 
-def model_lock(language_model: torch.nn.Module) -> threading.RLock:
+def model_lock(language_model: torch.nn.Module) -> SharedLock:
     """The lock of `language_model`'s hooks and traces (one per model, created on first use)."""
     with _GUARD:
         lock = _LOCKS.get(language_model)
         if lock is None:
-            lock = _LOCKS[language_model] = threading.RLock()
+            lock = _LOCKS[language_model] = SharedLock()
         return lock
 
 
 @contextlib.contextmanager
 def hooks_installed(language_model: torch.nn.Module, install: Callable[[], list]) -> Iterator[list]:
     """`install()`'s hook handles on `language_model` (or its submodules), removed on exit, with the model's lock
-    held throughout: no trace of the model runs while they are in place."""
-    with model_lock(language_model):
+    held shared throughout: no trace of the model runs while they are in place."""
+    with model_lock(language_model).shared():
         handles = install()
         try:
             yield handles
@@ -52,6 +89,7 @@ def hooks_installed(language_model: torch.nn.Module, install: Callable[[], list]
 
 @contextlib.contextmanager
 def tracing(language_model: torch.nn.Module) -> Iterator[None]:
-    """Held around a call that may trace `language_model` (a captured step's first call of a shape)."""
-    with model_lock(language_model):
+    """Held around a call that may trace `language_model` (a captured step's first call of a shape): no hook is
+    on the model meanwhile."""
+    with model_lock(language_model).exclusive():
         yield
