@@ -2,10 +2,11 @@
 
 Every question about a video prepares its pixels again (models/qwen2_5_vl.py `_prepare_qwen`: resized,
 normalized, cut into patches) and the prefix cache hashes them again to find its key (engine/prefix_cache.py
-`video_key`). On the long world that was 18 ms and 18 ms of a reused question's ~100 ms prefill; a 64-frame 720p
-video at Qwen's pixel budget is ~0.4 GB of float32 patches, ~0.3 s each. The frame cache (video/frame_cache.py)
-hands every question about a video the very same read-only frames array, so an adapter keeps the tensors it made
-from the last such array, and their digests, and a later question about it takes them as they are.
+`video_key`). On the long world that was 27 ms and 18 ms of a reused question's ~100 ms prefill (a 64-frame 720p
+video at Qwen's pixel budget is ~0.4 GB of float32 patches: ~0.3 s each, estimated). The frame cache
+(video/frame_cache.py) hands every question about a video the very same read-only frames array, so an adapter
+keeps the tensors it made from the last such array, and their digests once a prefix cache asked for them (a video
+asked once is never hashed), and a later question about it takes them as they are.
 
 Kept only for read-only frames (the frame cache's: nothing can change them in place; a caller's own writable
 array is prepared every time), one video an adapter (a video's questions come together: the coordinator hands
