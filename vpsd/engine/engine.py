@@ -90,8 +90,9 @@ class Engine:
         budget = cfg.reuse.budget_bytes
         self.reuse = reuse_for(target, budget) if budget > 0 and target.mirror is None else None
         # A video's prepared pixels, kept for its next question within the frame cache's budget (models/pixel_memo.py)
-        for model in {id(m): m for m in (target, getattr(drafter, "draft", None)) if m is not None}.values():
-            model.pixel_memo.budget = cfg.reuse.frames_bytes
+        for model in (target, getattr(drafter, "draft", None)):
+            if model is not None:
+                model.pixel_memo.budget = cfg.reuse.frames_bytes
 
     @property
     def full(self) -> bool:

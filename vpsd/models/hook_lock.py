@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 
+
 class SharedLock:
     """Shared by any number of holders at once (`shared`), or held by one alone (`exclusive`), which waits for the
     shared holders to leave and keeps new ones out meanwhile. Not reentrant across the two: a thread that holds it

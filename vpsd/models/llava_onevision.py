@@ -110,7 +110,8 @@ class LlavaOnevisionAdapter(VideoLMAdapter):
         spec, size = self.vision_spec, self.vision_spec.image_size
 
         def video() -> dict[str, torch.Tensor]:
-            return {"pixel_values_videos": llava_video_tensor(resize_frames(frames, size, size), spec).to(self.model.dtype)}
+            pixel_values = llava_video_tensor(resize_frames(frames, size, size), spec)
+            return {"pixel_values_videos": pixel_values.to(self.model.dtype)}
 
         # a video's later questions take the pixels its first prepared (models/pixel_memo.py)
         tensors, digests, kept = self.pixel_memo.tensors(frames, (spec, self.model.dtype), video)

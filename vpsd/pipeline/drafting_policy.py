@@ -23,8 +23,8 @@ What "predicted loss" means depends on where the draft runs, because what drafti
   says). That measurement is made on a cheap item: one whose budget is at most half the tokens an item has
   committed so far (a short answer among captions), while longer ones go on drafting; only after
   `EXPLORE_AFTER` such longer items drafted waiting for one is any item decoded plain to measure it.
-  (It was the next item whatever its length: on the long world's 12 questions, one 100-token caption decoded
-  plain, ~2 s of a ~37 s job, wherever it fell, which 5 tokens of an event answer measure as well.)
+  (On the long world's questions, 5 tokens of an event answer measure the rate as well as a 100-token caption
+  decoded plain, which costs ~2 s of a ~37 s job.)
 `predicted_loss` picks which of the three an engine's window means. Pure: the engine passes in what it measured
 (`ItemMeans`).
 
