@@ -117,23 +117,23 @@ def tune(a: argparse.Namespace) -> Path | None:
     say(f"measured and predicted in {time.time() - started:.0f} s; confirming the best as jobs")
     plan = JobPlan(str(a.config), manifests, work / "jobs", a.torchrun.split(), sets, a.repeats, a.time_budget,
                    started)
-    rows, noise = confirm(plan, choose_confirmed(predictions, a.confirm), ar, say)
+    rows, noise, skipped = confirm(plan, choose_confirmed(predictions, a.confirm), ar, say)
     predictions, ar = _calibrated(predictions, ar, rows)
-    return _conclude(a, cfg, work, measured, predictions, ar, rows, noise, started)
+    return _conclude(a, cfg, work, measured, predictions, ar, rows, noise, skipped, started)
 
 
 def _calibrated(predictions, ar, rows):
-    """The predictions with each batch size's per-item job overhead, from its first `ar` job (predict.py
-    job_overhead), and `ar`'s own again."""
+    """The predictions times each batch size's job factor, from its first `ar` job (predict.py job_factor), and
+    `ar`'s own again."""
     from vpsd.bench.tune.confirm import ar_at
-    from vpsd.bench.tune.predict import job_overhead, with_job_overhead
+    from vpsd.bench.tune.predict import job_factor, with_job_factor
 
-    overhead = {}
+    factor = {}
     for b, pred in ar.items():
         row = next((r for r in rows if r.candidate == ar_at(b) and r.cells), None)
         if row is not None:
-            overhead[b] = job_overhead(pred.items_per_hour, row.cells[0].items_per_hour)
-    predictions = with_job_overhead(predictions, overhead)
+            factor[b] = job_factor(pred.items_per_hour, row.cells[0].items_per_hour)
+    predictions = with_job_factor(predictions, factor)
     return predictions, {p.candidate.batch: p for p in predictions if p.candidate.method == "ar"}
 
 
@@ -149,7 +149,7 @@ def _target_widths(cfg, candidates) -> list[int]:
     return sorted(widths)
 
 
-def _conclude(a, cfg, work: Path, measured, predictions, ar, rows, noise, started: float) -> Path | None:
+def _conclude(a, cfg, work: Path, measured, predictions, ar, rows, noise, skipped, started: float) -> Path | None:
     """The report, printed and written, and the tuned config when a candidate ran losslessly."""
     from vpsd.bench.tune import report
     from vpsd.launch.tuned import Choice, write_tuned
@@ -159,18 +159,19 @@ def _conclude(a, cfg, work: Path, measured, predictions, ar, rows, noise, starte
     head = (f"vpsd tune: {a.config} on {len(measured.items)} items of {a.manifest} at B={','.join(map(str, a.batch))}, "
             f"{measured.cores} cores; measured in {measured.seconds:.0f} s, {len(predictions)} candidates predicted, "
             f"{sum(r.candidate.method != 'ar' for r in rows)} confirmed; {time.time() - started:.0f} s in all")
-    ovh = {p.candidate.batch: p.job_overhead_s for p in ar.values()}
-    head += ("\nper-item job overhead (the first ar job's seconds per item less ar's predicted, added to every "
-             "prediction at its B; ar's pred/meas is 1 by it): "
-             + ", ".join(f"B={b}: {1e3 * v:.0f} ms" for b, v in sorted(ovh.items())))
-    text = "\n\n".join([head, "predicted (App. C and the engine's cost model, from the measured forwards):\n"
+    factor = {p.candidate.batch: p.job_factor for p in ar.values()}
+    head += ("\njob factor (ar's forwards played out over its first job's items/hour, every prediction at its B "
+             "divided by it; ar's pred/meas is 1 by it): "
+             + ", ".join(f"B={b}: {v:.2f}" for b, v in sorted(factor.items())))
+    text = "\n\n".join([head, "predicted (the measured forwards over each item's replayed rounds, the job played out):\n"
                         + report.predictions_table(predictions, ar),
-                        "confirmed as jobs, interleaved with ar:\n" + report.confirmed_table(rows, preds, noise),
+                        "confirmed as jobs, interleaved with ar:\n" + report.confirmed_table(rows, preds, noise, skipped),
                         "\n".join(report.verdict_lines(verdict, noise))])
     report.write(work, text, {"config": str(a.config), "manifest": str(a.manifest), "batches": a.batch,
-                              "noise": noise, "seconds": time.time() - started}, predictions, rows)
+                              "noise": noise, "seconds": time.time() - started}, predictions, rows, skipped)
     short = "\n\n".join([head, report.predictions_table(predictions, ar, limit=12),
-                         report.confirmed_table(rows, preds, noise), "\n".join(report.verdict_lines(verdict, noise))])
+                         report.confirmed_table(rows, preds, noise, skipped),
+                         "\n".join(report.verdict_lines(verdict, noise))])
     print(short)
     if verdict.winner is None:
         return None

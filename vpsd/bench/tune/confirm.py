@@ -2,7 +2,9 @@
 
 At each batch size: an `ar` job, then the best predicted candidates (as many as `--confirm` asks and the time budget
 leaves room for: each job estimated at the first `ar` job's start-up plus its predicted items), all `--repeats`
-times in rounds, and one more `ar` job closing each batch size, so `ar` brackets every row in time. Each job is
+times in rounds, and one more `ar` job closing each batch size, so `ar` brackets every row in time. In the first
+round a candidate runs only if it could win (`could_win`): its prediction, scaled by the job factor the `ar` job
+just gave (predict.py) and raised by the predictions' tolerance, reaches the best measured so far. Each job is
 `vpsd bench methods`' own (run_one: the launcher users run, torchrun leaving nothing behind); a cell is read as the
 throughput bench reads one (read_cell: items/hour over the job's item loop, decode tokens/s). Every output is
 compared with the first `ar` job's at that batch size, and a difference is judged by the target's top-2 margin
@@ -23,7 +25,12 @@ from typing import Callable
 from vpsd.bench.methods import BenchRun, run_one
 from vpsd.bench.throughput import Cell, judge_differences, read_cell
 from vpsd.bench.tune.candidates import AUTO, Candidate
-from vpsd.bench.tune.predict import Prediction
+from vpsd.bench.tune.predict import Prediction, job_factor
+
+# How far a prediction may be off and its candidate still be run (issue 63's goal for the predictions: within 15%).
+PREDICTION_TOLERANCE = 0.15
+# Predictions this close are a tie: one of them is confirmed (`ties`).
+PREDICTION_TIE = 0.02
 
 
 @dataclass
@@ -65,7 +72,7 @@ def ar_at(batch: int) -> Candidate:
 def choose_confirmed(predictions: list[Prediction], per_batch: int) -> dict[int, list[Prediction]]:
     """The best `per_batch` predicted drafting candidates at each batch size, best first: the best of each draft
     (method, strategy, ratio) before a second window or placement of one already chosen, which the prediction
-    tells apart least."""
+    tells apart least; and none predicted within PREDICTION_TIE of one already chosen (`ties`)."""
     out: dict[int, list[Prediction]] = {}
     for b in dict.fromkeys(p.candidate.batch for p in predictions):
         mine = [p for p in predictions if p.candidate.batch == b and p.candidate.method != "ar"]
@@ -74,9 +81,21 @@ def choose_confirmed(predictions: list[Prediction], per_batch: int) -> dict[int,
             key = (p.candidate.method, p.candidate.strategy, p.candidate.ratio)
             (rest if key in seen else first).append(p)
             seen.add(key)
-        if mine:
-            out[b] = sorted((first + rest)[:per_batch], key=lambda p: -p.items_per_hour)
+        chosen: list[Prediction] = []
+        for p in first + rest:
+            if len(chosen) < per_batch and not any(ties(p, q) for q in chosen):
+                chosen.append(p)
+        if chosen:
+            out[b] = sorted(chosen, key=lambda p: -p.items_per_hour)
     return out
+
+
+def ties(a: Prediction, b: Prediction) -> bool:
+    """Two candidates the prediction cannot tell apart: within PREDICTION_TIE of each other. Their jobs could not
+    either (the `ar` jobs' spread is 1-3% here), so only the better predicted is confirmed: on the long pair ten
+    pruning strategies at one ratio were predicted within 2% (and measured within 1%), three jobs of ~37 s each."""
+    hi, lo = max(a.items_per_hour, b.items_per_hour), min(a.items_per_hour, b.items_per_hour)
+    return hi > 0 and (hi - lo) / hi <= PREDICTION_TIE
 
 
 def run_job(plan: JobPlan, c: Candidate, label: str) -> tuple[Path, int, float]:
@@ -108,22 +127,56 @@ def within_budget(chosen: dict[int, list[Prediction]], ar: dict[int, Prediction]
 
 
 def confirm(plan: JobPlan, chosen: dict[int, list[Prediction]], ar: dict[int, Prediction],
-            say: Callable[[str], None] = print) -> tuple[list[Confirmed], dict[int, float]]:
-    """Runs the schedule (module docstring); returns every row measured (ar's included) and the noise at each
-    batch size. `ar`: its prediction at each batch size (the budget's estimate of its jobs)."""
+            say: Callable[[str], None] = print) -> tuple[list[Confirmed], dict[int, float], list[Skipped]]:
+    """Runs the schedule (module docstring); returns every row measured (ar's included), the noise at each batch
+    size, and the chosen candidates left unrun (`could_win`). `ar`: its prediction at each batch size (the
+    budget's estimate of its jobs, and the job factor's reference)."""
     rows: dict[Candidate, Confirmed] = {}
+    skipped: list[Skipped] = []
     for rep in range(plan.repeats):
         for b in sorted(chosen):
             secs = _run_into(rows, plan, ar_at(b), _label(ar_at(b), rep, opening=True), say)
             if rep == 0 and b == min(chosen):  # the first ar job: what a job costs beside its items
                 startup = max(secs - _loop_s(rows[ar_at(b)].runs[-1]), 1.0)
                 chosen = within_budget(chosen, ar, plan, startup, time.time() - (plan.started or time.time()))
+            factor = job_factor(ar[b].items_per_hour, _rate(rows[ar_at(b)].runs[0]))
+            best, kept = 0.0, []
             for p in chosen[b]:
+                if rep == 0 and not could_win(p.items_per_hour / factor, best):
+                    skipped.append(Skipped(p, p.items_per_hour / factor, best))
+                    say(f"not running {p.candidate.label}: predicted {p.items_per_hour / factor:.0f} items/hour, "
+                        f"more than {100 * PREDICTION_TOLERANCE:.0f}% below the best measured ({best:.0f})")
+                    continue
+                kept.append(p)
                 _run_into(rows, plan, p.candidate, _label(p.candidate, rep, opening=True), say)
+                best = max(best, _rate(rows[p.candidate].runs[-1]))
+            chosen[b] = kept
     for b in sorted(chosen):  # ar closes each batch size
         _run_into(rows, plan, ar_at(b), _label(ar_at(b), plan.repeats, opening=False), say)
     noise = _measure(plan, list(rows.values()))
-    return list(rows.values()), noise
+    return list(rows.values()), noise, skipped
+
+
+@dataclass(frozen=True)
+class Skipped:
+    prediction: Prediction
+    predicted: float  # items/hour, with its batch size's job factor
+    best_measured: float  # the best confirmed at its batch size when it came up
+
+
+def could_win(predicted: float, best_measured: float) -> bool:
+    """Whether a candidate is worth its job: its prediction (job factor applied), raised by the predictions'
+    tolerance, reaches the best measured so far at its batch size. The rest cannot win unless their prediction is
+    off by more than the tolerance (docs/benchmarks.md, "Tuning", measures how far off they are); each job saved
+    is a job's start-up and the sample's items, the tune's largest cost on a small manifest."""
+    return best_measured <= 0 or predicted * (1 + PREDICTION_TOLERANCE) >= best_measured
+
+
+def _rate(path: Path) -> float:
+    try:
+        return read_cell(path).items_per_hour
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _run_into(rows: dict[Candidate, Confirmed], plan: JobPlan, c: Candidate, label: str,

@@ -1,24 +1,28 @@
 """Each candidate's items/hour on this machine, predicted from what measure.py measured (pure: no model, no clock).
 
-Per item, its decode and its prefill work:
-- decode: `ar` steps one token at a time (its measured step at B = 1; one B-row forward over B at a batch). A draft in
-  turns with the target (serial; a parallel method over a batch, drafting in the target's process) costs per round
-  its forwards and a verify of the window, k T_q + T_p(k + 1), over the rounds agreement.py replays for the item
-  (a tree: its levels' forwards and a verify of its nodes); over a batch, the round's share B (gamma T_q(B) +
-  T_p(B, gamma + 1)) / B at the batch's MAT: the serial window's objective (pipeline/cost.py). A draft beside the
-  target (a parallel method at B = 1, or pipelined over a batch) decodes at ParallelVLM Theorem 6's per-token time,
-  2 max(gamma T_q, T_p) / ((1 + tau^gamma) E[X]) with tau_hat of the replayed rounds (App. C, as `vpsd bench
-  methods` prints it; at most a round a token, which the theorem's tau -> 0 forgets), a round's messaging where
-  the draft runs added to T_p.
+Per item, its prefill work and its decode rounds:
+- decode: `ar` steps one token at a time (its measured step at B = 1). A draft in turns with the target (serial; a
+  parallel method over a batch, drafting in the target's process) costs per round its forwards and a verify of the
+  window, k T_q + T_p(k + 1), over the rounds agreement.py replays for the item (a tree: its levels' forwards and a
+  verify of its nodes). A draft beside the target (a parallel method at B = 1) costs per replayed round the
+  longer of its window's drafting and the verify with a round's messaging, max(gamma T_q, T_p(gamma + 1) + ovh),
+  and after each rejection a window drafted while the target waits, gamma T_q. That departs from ParallelVLM's
+  Theorem 6 (App. C, which `vpsd bench methods` prints beside its rows): its expectation over i.i.d.
+  acceptances at tau_hat priced the short pair's parallel rows 25-30% slower than their jobs, whose windows are
+  long (gamma ~14) and whose rejections cluster; the item's own rounds are what a serial run's are priced by too.
+  Over a batch a round of b items in flight costs its forwards at b rows (between the measured one item's and
+  full batch's, simulate.py); pipelined, the longer of the draft's window and the verify.
 - prefill: the target's vision and prefill; a draft's vision, selection and pruned prefill in turn (serial), or
   beside the target's prefill on another core (a parallel method's synchronous prefill: the longer of the two).
-At B = 1 items run one after the other: items/hour = 3600 n / sum(prefill + decode). Over a batch the next items'
-prefills run beside the batch's rounds on the other cores, so the machine's cores bound the sum and the decode
-thread its part: 3600 n / max(sum(prefill + decode) / cores, sum(decode)).
+The job is then played out as the engine runs it (simulate.py): at B = 1 one item after another; over a batch a
+prefill thread beside the decode thread, the batch's ramp and tail included, for the confirming job's items (the
+sample, grown to a batch). items/hour = 3600 n / the job's seconds; the first `ar` job's ratio to its own
+prediction then scales every candidate at its batch size (with_job_factor).
 Gamma: a fixed window as set; `auto` as the engine would choose it from the same costs and tau (serial at B = 1:
 the baselines' 5; else the windows of pipeline/cost.py, fed these measurements); `best` the fixed window of the
 highest prediction over [gamma_min, gamma_max].
 """
+
 
 from __future__ import annotations
 
@@ -28,10 +32,10 @@ from dataclasses import dataclass, replace
 from vpsd.bench.tune.agreement import NONE, Rounds, chain_rounds, tree_rounds, views_rounds
 from vpsd.bench.tune.candidates import AUTO, BEST, Candidate
 from vpsd.bench.tune.measure import ItemMeasure, Measured, cost_key
+from vpsd.bench.tune.simulate import ItemWork, makespan
 from vpsd.config import SERIAL_AUTO_GAMMA, RunConfig
 from vpsd.pipeline.cost import CostModel, ParallelWindow, SerialWindow
 from vpsd.pipeline.methods import get_method
-from vpsd.pipeline.theory import parallel_sd_rollback_token_time
 from vpsd.pipeline.tree import DraftTree
 
 
@@ -46,7 +50,7 @@ class Prediction:
     tau: float | None
     t_p_ms: float | None  # a verify of its window
     t_q_ms: float | None  # a draft forward
-    job_overhead_s: float = 0.0  # per item, what a job costs beside the forwards (with_job_overhead)
+    job_factor: float = 1.0  # how much slower its batch size's jobs run than their forwards (with_job_factor)
 
 
 def interpolate(points: dict[int, float], x: float) -> float:
@@ -102,26 +106,54 @@ class Predictor:
             return batched * single / it.drafts[key.name].step_s[1]
         return single * self.t_p(it, c.batch, 1) / it.verify_s[1]  # std, TABED: as the target's forward scales
 
+    def between(self, batch: int, single: float, full: float, b: int) -> float:
+        """A forward of b items in flight in a batch of `batch`: linear from one item's (`single`) to the full
+        batch's (`full`), the two measured ends (a forward's cost grows with its rows about linearly: "A forward's
+        cost as the context grows", docs/benchmarks.md)."""
+        if batch <= 1:
+            return single
+        return single + (full - single) * (min(b, batch) - 1) / (batch - 1)
+
+    def t_p_at(self, c: Candidate, rows: int, b: int) -> float:
+        """A target forward of `rows` rows for each of b items in flight (c's batch size)."""
+        single = statistics.fmean(interpolate(it.verify_s, rows) for it in self.m.items)
+        return self.between(c.batch, single, self.t_p(self.m.items[0], c.batch, rows), b)
+
+    def t_q_at(self, c: Candidate, rows: int, b: int) -> float:
+        """A draft forward of `rows` rows for each of b items in flight."""
+        single = statistics.fmean(self.t_q(it, replace(c, batch=1), rows) for it in self.m.items)
+        return self.between(c.batch, single, statistics.fmean(self.t_q(it, c, rows) for it in self.m.items), b)
+
+    # ---- the job ----------------------------------------------------------------------------------------------
+
+    def job_items(self, batch: int) -> int:
+        """Items in the confirming job at `batch`: the sample, grown to a batch's worth (sample.py write_samples)."""
+        return max(len(self.m.items), batch) if batch > 1 else len(self.m.items)
+
+    def _played(self, c: Candidate, works: list[ItemWork], round_s) -> float:
+        """items/hour of c's job on the sample (simulate.py), its items beyond the sample's measured ones played as
+        the measured ones again, in turn."""
+        n = self.job_items(c.batch)
+        seconds = makespan([works[i % len(works)] for i in range(n)], c.batch, round_s, self.m.cores)
+        return 3600 * n / seconds if seconds > 0 else 0.0
+
+    def _tokens_per_s(self, c: Candidate, works: list[ItemWork], round_s) -> float:
+        tokens = sum(it.length - 1 for it in self.m.items)
+        decode = (sum(w.decode_s for w in works) if c.batch == 1
+                  else sum(w.rounds for w in works) * round_s(c.batch) / c.batch)
+        return tokens / decode if decode else 0.0
+
     # ---- plain ------------------------------------------------------------------------------------------------
 
     def _plain(self, c: Candidate) -> Prediction:
-        items = self.m.items
-        decode = [(it.length - 1) * (it.ar_step_s if c.batch == 1 else self.t_p(it, c.batch, 1) / c.batch)
-                  for it in items]
-        prefill = [it.vision_s + it.prefill_s for it in items]
-        return Prediction(c, self._per_hour(c, prefill, decode), self._tokens_per_s(decode), statistics.fmean(prefill),
-                          None, None, None, None, None)
+        works = [ItemWork(it.vision_s + it.prefill_s, it.length - 1, (it.length - 1) * it.ar_step_s)
+                 for it in self.m.items]
 
-    def _per_hour(self, c: Candidate, prefill: list[float], decode: list[float]) -> float:
-        n, p, d = len(prefill), sum(prefill), sum(decode)
-        if c.batch == 1:
-            return 3600 * n / (p + d) if p + d else 0.0
-        bound = max((p + d) / max(self.m.cores, 1), d)
-        return 3600 * n / bound if bound else 0.0
+        def round_s(b: int) -> float:
+            return self.t_p_at(c, 1, b)
 
-    def _tokens_per_s(self, decode: list[float]) -> float:
-        tokens = sum(it.length - 1 for it in self.m.items)
-        return tokens / sum(decode) if sum(decode) else 0.0
+        return Prediction(c, self._played(c, works, round_s), self._tokens_per_s(c, works, round_s),
+                          statistics.fmean(w.prefill_s for w in works), None, None, None, None, None)
 
     # ---- drafted ----------------------------------------------------------------------------------------------
 
@@ -145,46 +177,46 @@ class Predictor:
         if gamma == 0:  # the serial window's plain rounds: the items decode as batched `ar` (none drafted)
             return replace(self._plain(c), gamma_used=0.0)
         pooled = self.pooled(c, gamma, tree)
-        prefill, decode = [], []
-        for it in self.m.items:
-            p, d = self._item(it, c, gamma, tree, pooled)
-            prefill.append(p)
-            decode.append(d)
-        it0 = self.m.items[0]
         rows = tree.num_nodes + 1 if tree is not None else gamma + 1
-        return Prediction(c, self._per_hour(c, prefill, decode), self._tokens_per_s(decode),
-                          statistics.fmean(prefill), float(gamma), pooled.mat, pooled.tau,
+        works = [self._item(it, c, gamma, tree) for it in self.m.items]
+        ovh = self.m.overhead_s.get("thread" if c.draft_on == "thread" else "rank", 0.0) if c.overlapped else 0.0
+
+        def round_s(b: int) -> float:
+            """A batch's round of b items in flight: in turns, the draft's forwards then a verify; pipelined, the
+            longer of the two (the draft drafts the next window while the target verifies this one)."""
+            draft = (sum(self.t_q_at(c, len(tree.level(depth)), b) for depth in range(tree.depth))
+                     if tree is not None else gamma * self.t_q_at(c, 1, b))
+            verify = self.t_p_at(c, rows, b)
+            return max(draft, verify + ovh) if c.overlapped else draft + verify
+
+        it0 = self.m.items[0]
+        return Prediction(c, self._played(c, works, round_s), self._tokens_per_s(c, works, round_s),
+                          statistics.fmean(w.prefill_s for w in works), float(gamma), pooled.mat, pooled.tau,
                           1e3 * statistics.fmean(self.t_p(it, c.batch, rows) for it in self.m.items),
                           1e3 * self.t_q(it0, c))
 
-    def _item(self, it: ItemMeasure, c: Candidate, gamma: int, tree: DraftTree | None, pooled: Rounds
-              ) -> tuple[float, float]:
-        """(prefill, decode) seconds of one item (module docstring)."""
+    def _item(self, it: ItemMeasure, c: Candidate, gamma: int, tree: DraftTree | None) -> ItemWork:
+        """One item's prefill, rounds and decode alone (module docstring)."""
         key = c.draft_key(self.cfg)
         d = it.drafts[key.name]
         draft_side = (0.0 if key.kind == "sparse_kv" else it.draft_vision_s) + d.select_s + d.prefill_s
         beside = c.overlapped and c.batch == 1 and self.m.cores > 1
         prefill = it.vision_s + (max(it.prefill_s, draft_side) if beside else it.prefill_s + draft_side)
-        tokens = it.length - 1
-        if c.overlapped:
-            ovh = self.m.overhead_s.get("thread" if c.draft_on == "thread" else "rank", 0.0)
-            t_q, t_p = self.t_q(it, c), self.t_p(it, c.batch, gamma + 1) + ovh
-            # Theorem 6; a round commits one token at least (the target's), which the theorem leaves out
-            per_token = min(parallel_sd_rollback_token_time(t_q, t_p, gamma, pooled.tau), max(gamma * t_q, t_p))
-            return prefill, tokens * per_token / c.batch
-        draft_s = self._tree_draft_s(it, c, tree) if tree is not None else gamma * self.t_q(it, c)
+        r = self.rounds(it, c, gamma, tree)
         rows = tree.num_nodes + 1 if tree is not None else gamma + 1
-        round_s = draft_s + self.t_p(it, c.batch, rows)
-        if c.batch == 1:  # this item's own rounds, each window as long as it was
-            r = self.rounds(it, c, gamma, tree)
-            if tree is not None:
-                return prefill, r.rounds * round_s
-            return prefill, r.draft_steps * self.t_q(it, c) + r.rounds * self.t_p(it, 1, rows)
-        return prefill, tokens * round_s / pooled.mat / c.batch
-
-    def _tree_draft_s(self, it: ItemMeasure, c: Candidate, tree: DraftTree) -> float:
-        """A tree's draft forwards a round: one per level, each of that level's nodes."""
-        return sum(self.t_q(it, c, len(tree.level(depth))) for depth in range(tree.depth))
+        t_q = self.t_q(it, replace(c, batch=1))
+        if c.overlapped:
+            # the draft drafts the next window while the target verifies this one: a round is the longer of the
+            # two and its messaging; after a rejection the draft starts its window again from the target's token
+            # while the target waits (a departure from Theorem 6's expectation over i.i.d. acceptances: the
+            # item's own replayed rounds, as for a serial run)
+            ovh = self.m.overhead_s.get("thread" if c.draft_on == "thread" else "rank", 0.0)
+            per_round = max(gamma * t_q, interpolate(it.verify_s, rows) + ovh)
+            return ItemWork(prefill, r.rounds, r.rounds * per_round + r.rejections * gamma * t_q)
+        if tree is not None:
+            draft = sum(self.t_q(it, replace(c, batch=1), len(tree.level(depth))) for depth in range(tree.depth))
+            return ItemWork(prefill, r.rounds, r.rounds * (draft + interpolate(it.verify_s, rows)))
+        return ItemWork(prefill, r.rounds, r.draft_steps * t_q + r.rounds * interpolate(it.verify_s, rows))
 
     # ---- the window -------------------------------------------------------------------------------------------
 
@@ -225,26 +257,25 @@ class Predictor:
         return min(costs, key=costs.get) if costs else w.initial
 
 
-def job_overhead(ar_predicted: float, ar_measured: float) -> float:
-    """Seconds an item costs a job beyond the forwards the prediction prices: the first `ar` job's seconds per item
-    (its loop over its items) less `ar`'s predicted. It holds what measure.py cannot see in its one process: the
-    coordinator's hand-off and results, the traces, the reader pool's share of the cores, the ranks' memory traffic
-    beside each other (on the tiny pair this was most of an item: predictions ran 2.6-3.4x above the jobs)."""
+def job_factor(ar_predicted: float, ar_measured: float) -> float:
+    """How much slower a job runs than the forwards played out (simulate.py): `ar`'s predicted items/hour over its
+    first job's. It holds what measure.py cannot see in its one process: the coordinator's hand-off and results,
+    the traces, the reader pool's share of the cores, the ranks' and threads' memory traffic beside each other
+    (1.10 at B = 1 and 1.37 at B = 8 on the short scaled pair, where the prefill thread shares the machine)."""
     if ar_predicted <= 0 or ar_measured <= 0:
-        return 0.0
-    return 3600 / ar_measured - 3600 / ar_predicted
+        return 1.0
+    return ar_predicted / ar_measured
 
 
-def with_job_overhead(predictions: list[Prediction], overhead_s: dict[int, float]) -> list[Prediction]:
-    """Every prediction with its batch size's per-item job overhead added to an item's time (3600 / items/hour):
-    an item's seconds in a job = its forwards' + the overhead, the same for every candidate at that batch size
-    (a departure from App. C, which prices the forwards alone). `ar`'s own prediction then equals its calibrating
-    job by construction: only the other rows test the model. Order kept (best first within each batch size)."""
-    out = []
-    for p in predictions:
-        ovh = overhead_s.get(p.candidate.batch, 0.0)
-        seconds = 3600 / p.items_per_hour + ovh if p.items_per_hour > 0 else 0.0
-        out.append(replace(p, items_per_hour=3600 / seconds if seconds > 0 else 0.0, job_overhead_s=ovh))
+def with_job_factor(predictions: list[Prediction], factor: dict[int, float]) -> list[Prediction]:
+    """Every prediction's item time times its batch size's job factor: the same for every candidate at that batch
+    size (a departure from App. C, which prices the forwards alone). `ar`'s own prediction then equals its
+    calibrating job by construction: only the other rows test the model. Proportional, not a fixed time an item:
+    the jobs' slowdown is mostly their forwards' (the prefill thread's and the readers' contention), and a fixed
+    time taken from `ar`'s ~30 rounds an item overcharged a drafted item of ~3 rounds by ~60 ms (predictions 28%
+    low). Order kept (best first within each batch size)."""
+    out = [replace(p, items_per_hour=p.items_per_hour / factor.get(p.candidate.batch, 1.0),
+                   job_factor=factor.get(p.candidate.batch, 1.0)) for p in predictions]
     return sorted(out, key=lambda q: (q.candidate.batch, -q.items_per_hour))
 
 
