@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serving is not None:
         serving_signals(is_leader)  # in place of start_role's, which end a job's rank at once
     get_logger().info("role_started", method=method.name, backend=backend, world=world, strategy=cfg.pruning.strategy,
-                      pid=os.getpid(), host=os.uname().nodename, pipeline=pipeline.index,
-                      cpus=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
+                      pid=os.getpid(), host=os.uname().nodename, pipeline=pipeline.index, **_placement(),
                       pipelines=len(layout.pipelines), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if in_roles:  # signs of life from a thread, by which a peer tells busy from dead (a lone target has no peer)
         ctx.ctrl.start_heartbeat([k for r, k in pipeline.ranks.items() if k != rank], interval_s=min(1.0, timeout_s / 4))
@@ -288,6 +287,11 @@ def refuse_alone(problem: str) -> int:
     if os.environ.get(REFUSAL_MARK):
         Path(os.environ[REFUSAL_MARK]).touch()
     return refuse([problem], reporter=True, every_rank=False)
+
+
+def _placement() -> dict:
+    """The cores and intra-op threads this role's thread runs on (as start_role pinned them)."""
+    return {"cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
 
 def start_role(rank: int, role: str, pipeline: Pipeline, cfg: RunConfig, method: Method, secret: str,

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vpsd.bench.tune.confirm import PREDICTION_TOLERANCE, Confirmed, Skipped
+from vpsd.bench.tune.confirm import Confirmed, Skipped
 from vpsd.bench.tune.predict import Prediction
 
 
@@ -70,8 +70,7 @@ def confirmed_table(rows: list[Confirmed], preds: dict, noise: dict[int, float],
                      f"{100 * r.spread:>6.0f}%{r.x_ar:>6.2f}x{_num(ratio, '.2f', 10)}{r.decode_tokens_per_s:>10.1f}  {same}")
     lines.append("noise (spread of the ar jobs' items/hour at each B): "
                  + ", ".join(f"B={b}: {v:.0%}" for b, v in sorted(noise.items())))
-    lines += [f"not run, could not win: {s.prediction.candidate.label}, predicted {s.predicted:.0f} items/hour, more "
-              f"than {100 * PREDICTION_TOLERANCE:.0f}% below the best measured ({s.best_measured:.0f})" for s in skipped]
+    lines += [f"not run: {s.prediction.candidate.label}, {s.why}" for s in skipped]
     return "\n".join(lines)
 
 
@@ -98,8 +97,8 @@ def write(work: Path, text: str, meta: dict, preds: list[Prediction], rows: list
           skipped: list[Skipped] = ()) -> None:
     (work / "tune.txt").write_text(text + "\n")
     data = {**meta, "predictions": [{**asdict(p), "label": p.candidate.label} for p in preds],
-            "not_run": [{"label": s.prediction.candidate.label, "predicted": s.predicted,
-                         "best_measured": s.best_measured} for s in skipped],
+            "not_run": [{"label": s.prediction.candidate.label, "predicted": s.predicted, "why": s.why}
+                        for s in skipped],
             "confirmed": [{"label": r.candidate.label, "candidate": asdict(r.candidate),
                            "items_per_hour": r.items_per_hour, "x_ar": r.x_ar, "spread": r.spread,
                            "decode_tokens_per_s": r.decode_tokens_per_s, "items": r.items, "identical": r.identical,
