@@ -160,8 +160,8 @@ def _conclude(a, cfg, work: Path, measured, predictions, ar, rows, noise, skippe
             f"{measured.cores} cores; measured in {measured.seconds:.0f} s, {len(predictions)} candidates predicted, "
             f"{sum(r.candidate.method != 'ar' for r in rows)} confirmed; {time.time() - started:.0f} s in all")
     factor = {p.candidate.batch: p.job_factor for p in ar.values()}
-    head += ("\njob factor (ar's forwards played out over its first job's items/hour, every prediction at its B "
-             "divided by it; ar's pred/meas is 1 by it): "
+    head += ("\njob factor (ar's forwards played out over its first job's items/hour; the predictions of candidates "
+             "run in the target's process as ar is are divided by it, ar's pred/meas 1 by it): "
              + ", ".join(f"B={b}: {v:.2f}" for b, v in sorted(factor.items())))
     text = "\n\n".join([head, "predicted (the measured forwards over each item's replayed rounds, the job played out):\n"
                         + report.predictions_table(predictions, ar),

@@ -26,7 +26,7 @@ from typing import Callable
 from vpsd.bench.methods import BenchRun, run_one
 from vpsd.bench.throughput import Cell, judge_differences, read_cell
 from vpsd.bench.tune.candidates import AUTO, Candidate
-from vpsd.bench.tune.predict import Prediction, job_factor
+from vpsd.bench.tune.predict import Prediction, job_factor, scaled_by
 
 # How far a prediction may be off and its candidate still be run (issue 63's goal for the predictions: within 15%).
 PREDICTION_TOLERANCE = 0.15
@@ -145,9 +145,10 @@ def confirm(plan: JobPlan, chosen: dict[int, list[Prediction]], ar: dict[int, Pr
             ran: list[tuple[Prediction, float]] = []  # (prediction, measured) of those confirmed at b
             kept = []
             for p in chosen[b]:
-                why = _not_worth_it(p.items_per_hour / factor, ran, factor) if rep == 0 else None
+                mine = p.items_per_hour / scaled_by(p.candidate, factor)
+                why = _not_worth_it(mine, ran, factor) if rep == 0 else None
                 if why is not None:
-                    skipped.append(Skipped(p, p.items_per_hour / factor, why))
+                    skipped.append(Skipped(p, mine, why))
                     say(f"not running {p.candidate.label}: {why}")
                     continue
                 kept.append(p)
@@ -163,7 +164,7 @@ def confirm(plan: JobPlan, chosen: dict[int, list[Prediction]], ar: dict[int, Pr
 @dataclass(frozen=True)
 class Skipped:
     prediction: Prediction
-    predicted: float  # items/hour, with its batch size's job factor
+    predicted: float  # items/hour, with the job factor it takes (predict.py scaled_by)
     why: str
 
 
@@ -176,7 +177,7 @@ def _not_worth_it(predicted: float, ran: list[tuple[Prediction, float]], factor:
         return (f"predicted {predicted:.0f} items/hour, more than {100 * PREDICTION_TOLERANCE:.0f}% below the best "
                 f"measured ({best:.0f})")
     for q, measured in ran:
-        mine = q.items_per_hour / factor
+        mine = q.items_per_hour / scaled_by(q.candidate, factor)
         if ties(predicted, mine) and as_predicted(mine, measured):
             return (f"predicted {predicted:.0f} items/hour, a tie with {q.candidate.label} (predicted {mine:.0f}, "
                     f"measured {measured:.0f})")

@@ -267,15 +267,26 @@ def job_factor(ar_predicted: float, ar_measured: float) -> float:
     return ar_predicted / ar_measured
 
 
+def scaled_by(c: Candidate, factor: float) -> float:
+    """The job factor a candidate's prediction takes: its batch size's, where the candidate runs in the target's
+    process as `ar` does (no draft, or a serial one), whose scheduler lends the prefill thread's cores to its
+    forwards at the manifest's tail (engine/prefill_ahead.py); 1 where the draft has a rank or thread of its own,
+    which holds those cores. A tune's job is mostly tail (its sample's last items): the long pair's `ar` job ran
+    its last two items' prefills on two cores, 0.80 of its forwards played out, while hippo's jobs, on one, came
+    within 2-7% of theirs unscaled (and pearl's on the short pair within 2%)."""
+    return 1.0 if c.overlapped else factor
+
+
 def with_job_factor(predictions: list[Prediction], factor: dict[int, float]) -> list[Prediction]:
-    """Every prediction's item time times its batch size's job factor: the same for every candidate at that batch
-    size (a departure from App. C, which prices the forwards alone). `ar`'s own prediction then equals its
-    calibrating job by construction: only the other rows test the model. Proportional, not a fixed time an item:
-    the jobs' slowdown is mostly their forwards' (the prefill thread's and the readers' contention), and a fixed
-    time taken from `ar`'s ~30 rounds an item overcharged a drafted item of ~3 rounds by ~60 ms (predictions 28%
-    low). Order kept (best first within each batch size)."""
-    out = [replace(p, items_per_hour=p.items_per_hour / factor.get(p.candidate.batch, 1.0),
-                   job_factor=factor.get(p.candidate.batch, 1.0)) for p in predictions]
+    """Every prediction's item time times its batch size's job factor, as `scaled_by` takes it (a departure from
+    App. C, which prices the forwards alone). `ar`'s own prediction then equals its calibrating job by
+    construction: only the other rows test the model. Proportional, not a fixed time an item: a fixed time taken
+    from `ar`'s ~30 rounds an item overcharged a drafted item of ~3 rounds by ~60 ms (predictions 28% low). Order
+    kept (best first within each batch size)."""
+    out = []
+    for p in predictions:
+        f = scaled_by(p.candidate, factor.get(p.candidate.batch, 1.0))
+        out.append(replace(p, items_per_hour=p.items_per_hour / f, job_factor=f))
     return sorted(out, key=lambda q: (q.candidate.batch, -q.items_per_hour))
 
 
