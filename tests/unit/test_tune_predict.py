@@ -199,3 +199,17 @@ def test_a_candidate_runs_only_if_its_job_could_change_the_choice():
     assert _not_worth_it(g3, [(preds[4], 0.7 * g4)], 1.0) is None
     # predictions are compared at the job factor's scale
     assert "a tie" in _not_worth_it(g3 / 2, [(preds[4], g4 / 2)], 2.0)
+
+
+def test_the_candidates_are_chosen_again_once_the_job_factor_scales_those_run_as_ar_is():
+    from vpsd.bench.tune.confirm import _chosen_again
+
+    preds = predict_all(measured([0] * 10), CFG, [Candidate("sd", "none", 0.0, 4, 1),
+                                                  Candidate("pearl", "none", 0.0, 4, 1)])
+    raw = {p.candidate.method: p for p in preds}
+    assert raw["pearl"].items_per_hour > raw["sd"].items_per_hour
+    assert [p.candidate.method for p in _chosen_again(preds, 1, 1.0, 1)] == ["pearl"]
+    # ar's job ran at 0.5 of its forwards played out: sd, run as ar is, doubles; pearl (a draft rank) does not
+    again = _chosen_again(preds, 1, 0.5, 2)
+    assert [p.candidate.method for p in again] == ["sd", "pearl"]
+    assert again[0] is raw["sd"]  # unscaled: confirm scales them itself

@@ -93,7 +93,7 @@ def say(line: str) -> None:
 def tune(a: argparse.Namespace) -> Path | None:
     """The whole tune (module docstring); the tuned config's path, or None when nothing ran losslessly."""
     from vpsd.bench.tune.candidates import grid
-    from vpsd.bench.tune.confirm import JobPlan, choose_confirmed, confirm
+    from vpsd.bench.tune.confirm import JobPlan, confirm
     from vpsd.bench.tune.measure import measure
     from vpsd.bench.tune.predict import predict_all
     from vpsd.bench.tune.sample import grid_spec, sample_items, write_samples
@@ -117,7 +117,7 @@ def tune(a: argparse.Namespace) -> Path | None:
     say(f"measured and predicted in {time.time() - started:.0f} s; confirming the best as jobs")
     plan = JobPlan(str(a.config), manifests, work / "jobs", a.torchrun.split(), sets, a.repeats, a.time_budget,
                    started)
-    rows, noise, skipped = confirm(plan, choose_confirmed(predictions, a.confirm), ar, say)
+    rows, noise, skipped = confirm(plan, predictions, a.confirm, ar, say)
     predictions, ar = _calibrated(predictions, ar, rows)
     return _conclude(a, cfg, work, measured, predictions, ar, rows, noise, skipped, started)
 

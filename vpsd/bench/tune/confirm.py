@@ -26,7 +26,7 @@ from typing import Callable
 from vpsd.bench.methods import BenchRun, run_one
 from vpsd.bench.throughput import Cell, judge_differences, read_cell
 from vpsd.bench.tune.candidates import AUTO, Candidate
-from vpsd.bench.tune.predict import Prediction, job_factor, scaled_by
+from vpsd.bench.tune.predict import Prediction, job_factor, scaled_by, with_job_factor
 
 # How far a prediction may be off and its candidate still be run (issue 63's goal for the predictions: within 15%).
 PREDICTION_TOLERANCE = 0.15
@@ -128,13 +128,16 @@ def within_budget(chosen: dict[int, list[Prediction]], ar: dict[int, Prediction]
         kept[longest].pop()
 
 
-def confirm(plan: JobPlan, chosen: dict[int, list[Prediction]], ar: dict[int, Prediction],
+def confirm(plan: JobPlan, predictions: list[Prediction], per_batch: int, ar: dict[int, Prediction],
             say: Callable[[str], None] = print) -> tuple[list[Confirmed], dict[int, float], list[Skipped]]:
-    """Runs the schedule (module docstring); returns every row measured (ar's included), the noise at each batch
-    size, and the chosen candidates left unrun (`could_win`). `ar`: its prediction at each batch size (the
-    budget's estimate of its jobs, and the job factor's reference)."""
+    """Runs the schedule (module docstring) over the best `per_batch` predicted at each batch size, chosen again
+    once its first `ar` job gave the job factor (it reorders candidates run as `ar` is against those with a draft
+    rank: on the long pair sd came first only then); returns every row measured (ar's included), the noise at each
+    batch size, and the chosen candidates left unrun. `ar`: its prediction at each batch size (the budget's
+    estimate of its jobs, and the job factor's reference)."""
     rows: dict[Candidate, Confirmed] = {}
     skipped: list[Skipped] = []
+    chosen = choose_confirmed(predictions, per_batch)
     for rep in range(plan.repeats):
         for b in sorted(chosen):
             secs = _run_into(rows, plan, ar_at(b), _label(ar_at(b), rep, opening=True), say)
@@ -142,6 +145,8 @@ def confirm(plan: JobPlan, chosen: dict[int, list[Prediction]], ar: dict[int, Pr
                 startup = max(secs - _loop_s(rows[ar_at(b)].runs[-1]), 1.0)
                 chosen = within_budget(chosen, ar, plan, startup, time.time() - (plan.started or time.time()))
             factor = job_factor(ar[b].items_per_hour, _rate(rows[ar_at(b)].runs[0]))
+            if rep == 0:
+                chosen[b] = _chosen_again(predictions, b, factor, len(chosen[b]))
             ran: list[tuple[Prediction, float]] = []  # (prediction, measured) of those confirmed at b
             kept = []
             for p in chosen[b]:
@@ -159,6 +164,14 @@ def confirm(plan: JobPlan, chosen: dict[int, list[Prediction]], ar: dict[int, Pr
         _run_into(rows, plan, ar_at(b), _label(ar_at(b), plan.repeats, opening=False), say)
     noise = _measure(plan, list(rows.values()))
     return list(rows.values()), noise, skipped
+
+
+def _chosen_again(predictions: list[Prediction], batch: int, factor: float, count: int) -> list[Prediction]:
+    """The best `count` at `batch` by their predictions scaled as the job factor says (predict.py scaled_by); the
+    predictions themselves, unscaled, in that order."""
+    mine = [p for p in predictions if p.candidate.batch == batch]
+    raw = {p.candidate: p for p in mine}
+    return [raw[q.candidate] for q in choose_confirmed(with_job_factor(mine, {batch: factor}), count).get(batch, [])]
 
 
 @dataclass(frozen=True)
