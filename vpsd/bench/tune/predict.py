@@ -116,7 +116,7 @@ class Predictor:
 
     def t_p_at(self, c: Candidate, rows: int, b: int) -> float:
         """A target forward of `rows` rows for each of b items in flight (c's batch size)."""
-        single = statistics.fmean(interpolate(it.verify_s, rows) for it in self.m.items)
+        single = statistics.fmean(self.t_p(it, 1, rows) for it in self.m.items)
         return self.between(c.batch, single, self.t_p(self.m.items[0], c.batch, rows), b)
 
     def t_q_at(self, c: Candidate, rows: int, b: int) -> float:
@@ -179,13 +179,13 @@ class Predictor:
         pooled = self.pooled(c, gamma, tree)
         rows = tree.num_nodes + 1 if tree is not None else gamma + 1
         works = [self._item(it, c, gamma, tree) for it in self.m.items]
-        ovh = self.m.overhead_s.get("thread" if c.draft_on == "thread" else "rank", 0.0) if c.overlapped else 0.0
+        ovh = self._messaging_s(c)
 
         def round_s(b: int) -> float:
             """A batch's round of b items in flight: in turns, the draft's forwards then a verify; pipelined, the
             longer of the two (the draft drafts the next window while the target verifies this one)."""
-            draft = (sum(self.t_q_at(c, len(tree.level(depth)), b) for depth in range(tree.depth))
-                     if tree is not None else gamma * self.t_q_at(c, 1, b))
+            draft = (_tree_draft_s(tree, lambda rows: self.t_q_at(c, rows, b)) if tree is not None
+                     else gamma * self.t_q_at(c, 1, b))
             verify = self.t_p_at(c, rows, b)
             return max(draft, verify + ovh) if c.overlapped else draft + verify
 
@@ -210,13 +210,18 @@ class Predictor:
             # two and its messaging; after a rejection the draft starts its window again from the target's token
             # while the target waits (a departure from Theorem 6's expectation over i.i.d. acceptances: the
             # item's own replayed rounds, as for a serial run)
-            ovh = self.m.overhead_s.get("thread" if c.draft_on == "thread" else "rank", 0.0)
-            per_round = max(gamma * t_q, interpolate(it.verify_s, rows) + ovh)
+            per_round = max(gamma * t_q, self.t_p(it, 1, rows) + self._messaging_s(c))
             return ItemWork(prefill, r.rounds, r.rounds * per_round + r.rejections * gamma * t_q)
         if tree is not None:
-            draft = sum(self.t_q(it, replace(c, batch=1), len(tree.level(depth))) for depth in range(tree.depth))
-            return ItemWork(prefill, r.rounds, r.rounds * (draft + interpolate(it.verify_s, rows)))
-        return ItemWork(prefill, r.rounds, r.draft_steps * t_q + r.rounds * interpolate(it.verify_s, rows))
+            draft = _tree_draft_s(tree, lambda n: self.t_q(it, replace(c, batch=1), n))
+            return ItemWork(prefill, r.rounds, r.rounds * (draft + self.t_p(it, 1, rows)))
+        return ItemWork(prefill, r.rounds, r.draft_steps * t_q + r.rounds * self.t_p(it, 1, rows))
+
+    def _messaging_s(self, c: Candidate) -> float:
+        """A round's messaging where c's draft runs beside the target (a rank's round trip, a thread's); 0 in turns."""
+        if not c.overlapped:
+            return 0.0
+        return self.m.overhead_s.get("thread" if c.draft_on == "thread" else "rank", 0.0)
 
     # ---- the window -------------------------------------------------------------------------------------------
 
@@ -257,11 +262,17 @@ class Predictor:
         return min(costs, key=costs.get) if costs else w.initial
 
 
+def _tree_draft_s(tree: DraftTree, step_s) -> float:
+    """A tree's draft forwards a round: one a level, of that level's nodes (`step_s(rows)`: a forward of rows)."""
+    return sum(step_s(len(tree.level(depth))) for depth in range(tree.depth))
+
+
 def job_factor(ar_predicted: float, ar_measured: float) -> float:
-    """How much slower a job runs than the forwards played out (simulate.py): `ar`'s predicted items/hour over its
-    first job's. It holds what measure.py cannot see in its one process: the coordinator's hand-off and results,
-    the traces, the reader pool's share of the cores, the ranks' and threads' memory traffic beside each other
-    (1.10 at B = 1 and 1.37 at B = 8 on the short scaled pair, where the prefill thread shares the machine)."""
+    """How much faster or slower a job runs than the forwards played out (simulate.py): `ar`'s predicted items/hour
+    over its first job's. It holds what measure.py cannot see in its one process: the coordinator's hand-off and
+    results, the traces, the reader pool's share of the cores, the ranks' and threads' memory traffic beside each
+    other, and the cores lent at the manifest's tail (`scaled_by`): 1.00 at B = 1 and 0.88 at B = 8 on the short
+    scaled pair, 0.79 on the long one."""
     if ar_predicted <= 0 or ar_measured <= 0:
         return 1.0
     return ar_predicted / ar_measured
@@ -272,7 +283,7 @@ def scaled_by(c: Candidate, factor: float) -> float:
     process as `ar` does (no draft, or a serial one), whose scheduler lends the prefill thread's cores to its
     forwards at the manifest's tail (engine/prefill_ahead.py); 1 where the draft has a rank or thread of its own,
     which holds those cores. A tune's job is mostly tail (its sample's last items): the long pair's `ar` job ran
-    its last two items' prefills on two cores, 0.80 of its forwards played out, while hippo's jobs, on one, came
+    its last two items' prefills on two cores, 0.77-0.79 of its forwards played out, while hippo's jobs, on one, came
     within 2-7% of theirs unscaled (and pearl's on the short pair within 2%)."""
     return 1.0 if c.overlapped else factor
 
