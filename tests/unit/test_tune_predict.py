@@ -14,7 +14,8 @@ from vpsd.bench.tune.agreement import chain_rounds, tree_rounds, views_rounds
 from vpsd.bench.tune.candidates import Candidate, GridSpec, grid, parse_methods
 from vpsd.bench.tune.confirm import Confirmed, JobPlan, choose_confirmed, within_budget
 from vpsd.bench.tune.measure import DraftItem, ItemMeasure, Measured
-from vpsd.bench.tune.predict import Predictor, interpolate, predict_all
+from vpsd.bench.tune.predict import Predictor, interpolate, predict_all, redraft_wait_s
+from vpsd.bench.tune.simulate import ItemWork, makespan
 from vpsd.bench.tune.report import decide
 from vpsd.config import load_config
 from vpsd.pipeline.tree import DraftTree
@@ -213,3 +214,39 @@ def test_the_candidates_are_chosen_again_once_the_job_factor_scales_those_run_as
     again = _chosen_again(preds, 1, 0.5, 2)
     assert [p.candidate.method for p in again] == ["sd", "pearl"]
     assert again[0] is raw["sd"]  # unscaled: confirm scales them itself
+
+
+def test_a_pipelined_batch_waits_for_its_draft_ranks_first_windows_and_its_redrafts():
+    """A pipelined batch (pearl over B = 8, its draft on a rank): each item's prefill on the thread keeps the
+    draft's side (the thread yields the draft's cores), the draft rank starts each admitted item in turn (that side
+    and a first window) before it is verified, and a round is the longer of drafting and verifying, then the wait
+    for windows drafted again after rejections: while any of the b items was rejected, their window, at most half a
+    verify (engine/scheduler.py's straggler patience)."""
+    p = Predictor(measured([0] * 10), CFG)
+    c = Candidate("pearl", "none", 0.0, 4, 8, pipelined=True)
+
+    def round_s(b: int) -> float:  # no rejection: no wait
+        t_q = 0.002 + (0.006 - 0.002) * (b - 1) / 7  # one item's draft step to the batch's, linear in b
+        t_p = 0.018 + (0.08 - 0.018) * (b - 1) / 7  # a 5-row verify (interpolated) from one item's to 8's
+        return max(4 * t_q, t_p + 0.001)
+
+    work = ItemWork(0.1 + 0.4 + (0.02 + 0.0 + 0.05), 2, 0.0, draft_start_s=0.07 + 4 * 0.002)
+    expected = 3600 * 8 / makespan([work] * 8, 8, round_s, cores=2)
+    assert p.predict(c).items_per_hour == pytest.approx(expected)
+    # the wait by hand: 8 items each rejected in a quarter of their rounds: 1 - 0.75^8 of rounds wait for the
+    # window of 2 items (redraft_s(2) = 0.01), or half a verify when that is less
+    assert redraft_wait_s(8, 0.25, 0.1, lambda k: 0.005 * k) == pytest.approx((1 - 0.75 ** 8) * 0.01)
+    assert redraft_wait_s(8, 0.25, 0.01, lambda k: 0.005 * k) == pytest.approx((1 - 0.75 ** 8) * 0.005)
+    assert redraft_wait_s(8, 0.0, 0.1, lambda k: 0.005 * k) == 0.0
+
+
+def test_tabeds_views_draft_each_item_in_a_forward_of_its_own():
+    """TABED's draft over a batch feeds each item's views in its own forward (engine/proposers.py TabedProposer):
+    b items cost b forwards, not one wider forward as a chain's batched draft does."""
+    c = Candidate("tabed", "uniform", 0.9, 4, 8, pipelined=True)
+    m = measured([0] * 10)
+    views = DraftItem(kept=8, select_s=0.0, prefill_s=0.05, step_s={1: 0.003, 2: 0.004}, ranks=[0] * 10)
+    m.items[0].drafts[c.draft_key(CFG).name] = views
+    p = Predictor(m, CFG)
+    assert p.t_q(m.items[0], c) == pytest.approx(8 * 0.003)
+    assert p.t_q_at(c, 1, 3) == pytest.approx(3 * 0.003)

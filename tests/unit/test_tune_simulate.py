@@ -53,3 +53,12 @@ def test_on_one_core_the_decode_thread_prefills_everything():
 def test_an_item_with_no_rounds_only_prefills():
     items = [ItemWork(1.0, 0, 0.0), ItemWork(1.0, 2, 0.0)]
     assert makespan(items, 2, flat, cores=2) == pytest.approx(1.0 + 2 * 0.1)
+
+
+def test_a_draft_rank_starts_each_admitted_item_in_turn_before_it_is_verified():
+    # B = 2, a pipelined batch: 1 s prefills (the decode thread takes item 1, the thread item 0: both in at 1),
+    # then the draft rank starts item 0 (0.5 s: its first window at 1.5) and item 1 after it (at 2.0). Item 0 is
+    # verified alone from 1.5 (3 rounds of one item, done at 1.8); nothing can be verified until item 1's window
+    # comes at 2.0; its 3 rounds end at 2.3
+    items = [ItemWork(1.0, 3, 0.0, draft_start_s=0.5)] * 2
+    assert makespan(items, 2, lambda b: 0.1 * b, cores=2) == pytest.approx(2.0 + 3 * 0.1)

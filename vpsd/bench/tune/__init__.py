@@ -138,10 +138,12 @@ def _calibrated(predictions, ar, rows):
 
 
 def _target_widths(cfg, candidates) -> list[int]:
-    """The verify widths the predictions read: windows up to gamma_max + 1 and each tree's nodes + 1."""
+    """The verify widths the predictions read: windows up to gamma_max + 1 and each tree's nodes + 1 (between
+    them a forward's cost is interpolated: on a CPU it grows about linearly with its rows)."""
     from vpsd.pipeline.methods import get_method
 
-    widths = {1, 2, 4, 8, 16, cfg.decoding.gamma_max + 1}
+    top = cfg.decoding.gamma_max + 1
+    widths = {1, 2, 4, 8, top} | ({16} if top > 20 else set())
     for c in candidates:
         tree = get_method(c.method).draft_tree(cfg.decoding.tree)
         if tree is not None:

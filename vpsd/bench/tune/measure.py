@@ -9,7 +9,8 @@ reference token among the draft's scores: agreement.py replays any window from t
 (T_q; keys of one ratio share it). std's draft is the target on its sparse cache; TABED's, its batched views.
 Over a batch: one forward of B rows of k tokens each (the engine's BatchedCache, the items' caches copied in), for
 the target and for the draft at each ratio. And a round's messaging where the draft runs: a ZeroMQ round trip
-(a rank) and a queue's (threads). The costs of the forwards are medians of `repeats` calls, each rolled back.
+(a rank) and a queue's (threads). The costs of the forwards are medians of `repeats` calls, each rolled back (fewer
+once they add up to ENOUGH_S).
 Everything runs pinned as the config pins the target rank, with as many threads as it has cores.
 """
 
@@ -52,6 +53,7 @@ TOKEN = 11  # fed to time a forward: its value changes no cost
 RANK_CAP = 64  # ranks past it are stored as it (no tree has that many children)
 CHUNK = 64  # reference tokens a teacher-forced forward feeds at once (bounds its logits' memory)
 DRAFT_WIDTHS = (1, 2, 4, 8)
+ENOUGH_S = 0.2  # a forward's timed calls stop once they add up to this (after one): `_median_s`
 
 
 @dataclass
@@ -252,17 +254,27 @@ def _reference(target: VideoLMAdapter, pre, cfg: RunConfig, seed: int, max_new: 
     return tokens, steps
 
 
-def _forward_s(model: VideoLMAdapter, state: DecodeState, k: int, repeats: int) -> float:
-    """Median seconds of a forward of k rows after `state`, rolled back after each (one call first, untimed)."""
-    length, ids, times = state.length, torch.full((k,), TOKEN, dtype=torch.long), []
+def _median_s(call: Callable[[], object], undo: Callable[[], object], device, repeats: int) -> float:
+    """Median seconds of `call` over `repeats` timed calls after an untimed first, each followed by `undo`; fewer
+    once the timed ones add up to ENOUGH_S: a forward of a few hundred ms varies by a few percent, and at B = 8
+    the widest verifies were a quarter of the tune's measuring."""
+    times: list[float] = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        model.step(state, ids)
-        settle(model.device)
+        call()
+        settle(device)
         if i:
             times.append(time.perf_counter() - t0)
-        model.rollback(state, length)
+        undo()
+        if sum(times) >= ENOUGH_S:
+            break
     return statistics.median(times)
+
+
+def _forward_s(model: VideoLMAdapter, state: DecodeState, k: int, repeats: int) -> float:
+    """Seconds of a forward of k rows after `state`, rolled back after each (`_median_s`)."""
+    length, ids = state.length, torch.full((k,), TOKEN, dtype=torch.long)
+    return _median_s(lambda: model.step(state, ids), lambda: model.rollback(state, length), model.device, repeats)
 
 
 def _signals_for(signals: SimpleNamespace, cfg: RunConfig, parallel: bool) -> PrefillSignals | None:
@@ -392,17 +404,10 @@ def _views(draft: VideoLMAdapter, d_emb, keep, cfg: RunConfig, tokens: list[int]
 def _draft_widths(model: VideoLMAdapter, state, kind: str, repeats: int) -> dict[int, float]:
     if kind != "views":
         return {k: _forward_s(model, state, k, repeats) for k in DRAFT_WIDTHS}
-    out = {}
-    for k in DRAFT_WIDTHS:
-        length, times = state.state.length, []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            step_views(model, state, torch.full((k,), TOKEN, dtype=torch.long))
-            settle(model.device)
-            times.append(time.perf_counter() - t0) if i else None
-            model.rollback(state.state, length)
-        out[k] = statistics.median(times)
-    return out
+    length = state.state.length
+    return {k: _median_s(lambda k=k: step_views(model, state, torch.full((k,), TOKEN, dtype=torch.long)),
+                         lambda: model.rollback(state.state, length), model.device, repeats)
+            for k in DRAFT_WIDTHS}
 
 
 def _batched(model: VideoLMAdapter, states: list[DecodeState], batch: int, widths: list[int], repeats: int
@@ -412,18 +417,13 @@ def _batched(model: VideoLMAdapter, states: list[DecodeState], batch: int, width
     for i in range(batch):
         cache.join(i, copy.deepcopy(states[i % len(states)]))
     lengths = {i: cache.length(i) for i in range(batch)}
-    out = {}
-    for k in widths:
-        times = []
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            cache.step({i: [TOKEN] * k for i in range(batch)})
-            settle(model.device)
-            times.append(time.perf_counter() - t0) if r else None
-            for i in range(batch):
-                cache.rollback(i, lengths[i])
-        out[k] = statistics.median(times)
-    return out
+
+    def undo() -> None:
+        for i in range(batch):
+            cache.rollback(i, lengths[i])
+
+    return {k: _median_s(lambda k=k: cache.step({i: [TOKEN] * k for i in range(batch)}), undo, model.device, repeats)
+            for k in widths}
 
 
 def placement_overhead(rounds: int = 200) -> dict[str, float]:

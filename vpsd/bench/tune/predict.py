@@ -11,7 +11,9 @@ Per item, its prefill work and its decode rounds:
   acceptances at tau_hat priced the short pair's parallel rows 25-30% slower than their jobs, whose windows are
   long (gamma ~14) and whose rejections cluster; the item's own rounds are what a serial run's are priced by too.
   Over a batch a round of b items in flight costs its forwards at b rows (between the measured one item's and
-  full batch's, simulate.py); pipelined, the longer of the draft's window and the verify.
+  full batch's, simulate.py; TABED's draft b forwards of one item's views, as its proposer runs them); pipelined,
+  the longer of the draft's window and the verify, then the wait for windows drafted again after a rejection,
+  and each item is verified only once the draft rank has started it (its side of the prefill, a first window).
 - prefill: the target's vision and prefill; a draft's vision, selection and pruned prefill in turn (serial), or
   beside the target's prefill on another core (a parallel method's synchronous prefill: the longer of the two).
 The job is then played out as the engine runs it (simulate.py): at B = 1 one item after another; over a batch a
@@ -104,7 +106,9 @@ class Predictor:
         batched = self.m.batched_draft_s.get(c.batch, {}).get(cost_key(key))
         if batched is not None and key.kind == "chain":
             return batched * single / it.drafts[key.name].step_s[1]
-        return single * self.t_p(it, c.batch, 1) / it.verify_s[1]  # std, TABED: as the target's forward scales
+        if key.kind == "views":  # TABED feeds each item's views in a forward of its own (engine/proposers.py)
+            return single * c.batch
+        return single * self.t_p(it, c.batch, 1) / it.verify_s[1]  # std: as the target's forward scales
 
     def between(self, batch: int, single: float, full: float, b: int) -> float:
         """A forward of b items in flight in a batch of `batch`: linear from one item's (`single`) to the full
@@ -181,13 +185,19 @@ class Predictor:
         works = [self._item(it, c, gamma, tree) for it in self.m.items]
         ovh = self._messaging_s(c)
 
+        rejected = pooled.rejections / pooled.rounds if pooled.rounds else 0.0  # an item's rounds that reject
+
         def round_s(b: int) -> float:
-            """A batch's round of b items in flight: in turns, the draft's forwards then a verify; pipelined, the
-            longer of the two (the draft drafts the next window while the target verifies this one)."""
+            """A batch's round of b items verified: in turns, the draft's forwards then a verify; pipelined, the
+            longer of the two (the draft drafts the next window while the target verifies this one), then the wait
+            for the windows drafted again after a rejection (`redraft_wait_s`)."""
             draft = (_tree_draft_s(tree, lambda rows: self.t_q_at(c, rows, b)) if tree is not None
                      else gamma * self.t_q_at(c, 1, b))
             verify = self.t_p_at(c, rows, b)
-            return max(draft, verify + ovh) if c.overlapped else draft + verify
+            if not c.overlapped:
+                return draft + verify
+            return max(draft, verify + ovh) + redraft_wait_s(b, rejected, verify,
+                                                             lambda k: gamma * self.t_q_at(c, 1, k))
 
         it0 = self.m.items[0]
         return Prediction(c, self._played(c, works, round_s), self._tokens_per_s(c, works, round_s),
@@ -205,6 +215,11 @@ class Predictor:
         r = self.rounds(it, c, gamma, tree)
         rows = tree.num_nodes + 1 if tree is not None else gamma + 1
         t_q = self.t_q(it, replace(c, batch=1))
+        if c.overlapped and c.batch > 1:
+            # a pipelined batch: the draft rank starts the item after its admission (its side of the prefill, its
+            # first window), each in turn; the prefill thread, pinned to the draft's cores below its priority
+            # (engine/prefill_ahead.py), yields them that long too (`prefill` keeps the draft's side)
+            return ItemWork(prefill, r.rounds, 0.0, draft_side + gamma * t_q)
         if c.overlapped:
             # the draft drafts the next window while the target verifies this one: a round is the longer of the
             # two and its messaging; after a rejection the draft starts its window again from the target's token
@@ -260,6 +275,17 @@ class Predictor:
         w.cost = self._cost(c, 0.9, tree.depth if tree is not None else SERIAL_AUTO_GAMMA, tree)
         costs = w.costs(c.batch)
         return min(costs, key=costs.get) if costs else w.initial
+
+
+def redraft_wait_s(b: int, rejected: float, verify_s: float, redraft_s) -> float:
+    """A pipelined batch's wait after a verify of b items for the windows its rejections sent the draft back to
+    draft (it drafted on optimistically meanwhile): while any of the b was rejected (each in `rejected` of its
+    rounds), the rejected items' window (`redraft_s(k)` for k of them, at least one), at most what the engine's
+    straggler patience waits (engine/scheduler.py: half a verify; later ones are verified without them)."""
+    if b < 1 or rejected <= 0:
+        return 0.0
+    any_rejected = 1.0 - (1.0 - rejected) ** b
+    return any_rejected * min(redraft_s(max(1.0, rejected * b)), 0.5 * verify_s)
 
 
 def _tree_draft_s(tree: DraftTree, step_s) -> float:

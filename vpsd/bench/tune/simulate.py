@@ -11,9 +11,14 @@ job is played out as the engine runs it (engine/prefill_ahead.py):
   them, each item advancing one of its rounds; while nothing is in flight, or the batch is under half full and
   the next item is not ready, the decode thread prefills the last item nobody has started (`steal_if_thin`). On
   one core there is no prefill thread: the decode thread prefills every item itself.
+- a draft on a rank of its own (a pipelined batch): the draft rank starts each admitted item in turn (its side of
+  the prefill and its first window, `draft_start_s`), and an item is verified only once its first window has come;
+  a round counts the items it verifies.
 
-What it leaves out: the threads' contention for the cores' memory bandwidth beside each other, and the tail's
-lent cores (`lend_cores_when_drained`); the tune's first `ar` job calibrates what the jobs add (predict.py).
+What it leaves out: the threads' contention for the cores' memory bandwidth beside each other, the tail's lent
+cores (`lend_cores_when_drained`), and a pipelined window's first rounds, chosen before any acceptance is measured
+(pipeline/cost.py ParallelWindow: the longest window where verifying is the bottleneck), which a job of one batch
+is mostly made of; the tune's first `ar` job calibrates what the jobs add (predict.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class ItemWork:
     prefill_s: float  # its vision and prefill (and its draft's, where that runs in turn) on one core
     rounds: int  # decode rounds it takes
     decode_s: float  # its rounds' time when it decodes alone (B = 1)
+    draft_start_s: float = 0.0  # a draft rank's start of it after its admission, before its first window comes
 
 
 def makespan(items: list[ItemWork], batch: int, round_s: Callable[[int], float], cores: int) -> float:
@@ -41,11 +47,15 @@ def _batched(items: list[ItemWork], batch: int, round_s: Callable[[int], float],
     prefills = _Prefills(items, prefill_thread)
     n, t, admitted, done = len(items), 0.0, 0, 0  # items are admitted in order
     left: dict[int, int] = {}  # in flight: rounds left
+    drafted_from: dict[int, float] = {}  # in flight: when its first window has come (a draft rank's start)
+    draft_free = 0.0  # when the draft rank has started every item admitted so far
     while done < n:
         prefills.advance(t)
         while admitted < n and len(left) < batch and prefills.ready[admitted] <= t:
             if items[admitted].rounds > 0:
                 left[admitted] = items[admitted].rounds
+                draft_free = max(t, draft_free) + items[admitted].draft_start_s
+                drafted_from[admitted] = draft_free
             else:
                 done += 1
             admitted += 1
@@ -61,8 +71,16 @@ def _batched(items: list[ItemWork], batch: int, round_s: Callable[[int], float],
                 prefills.advance(float("inf"))
                 t = max(t, min(prefills.ready[admitted:]))
                 continue
-        t += round_s(len(left))
-        for i in list(left):
+        verified = [i for i in left if drafted_from[i] <= t]
+        if not verified:  # every item in flight waits for its first window (or a slot's next item)
+            until = min(drafted_from[i] for i in left)
+            prefills.advance(until)
+            if admitted < n and len(left) < batch:
+                until = min(until, max(t, prefills.ready[admitted]))
+            t = until
+            continue
+        t += round_s(len(verified))
+        for i in verified:
             left[i] -= 1
             if left[i] == 0:
                 del left[i]
