@@ -297,8 +297,8 @@ def job_factor(ar_predicted: float, ar_measured: float) -> float:
     """How much faster or slower a job runs than the forwards played out (simulate.py): `ar`'s predicted items/hour
     over its first job's. It holds what measure.py cannot see in its one process: the coordinator's hand-off and
     results, the traces, the reader pool's share of the cores, the ranks' and threads' memory traffic beside each
-    other, and the cores lent at the manifest's tail (`scaled_by`): 1.00 at B = 1 and 0.88 at B = 8 on the short
-    scaled pair, 0.79 on the long one."""
+    other, and the cores lent at the manifest's tail (`scaled_by`): 1.00 at B = 1 and 0.96 at B = 8 on the short
+    scaled pair, 0.78 on the long one."""
     if ar_predicted <= 0 or ar_measured <= 0:
         return 1.0
     return ar_predicted / ar_measured
