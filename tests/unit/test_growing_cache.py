@@ -98,3 +98,42 @@ def test_a_model_on_grouped_sdpa_matches_stock_sdpa_in_a_batched_masked_verify()
             out[impl] = model(input_ids=ids[:, 16:], position_ids=pos[:, :, 16:], attention_mask=mask,
                               past_key_values=cache).last_hidden_state
     assert torch.allclose(out["sdpa"], out[NAME], atol=1e-5)
+
+
+def test_a_batch_join_and_leave_keep_room_and_hold_what_the_generic_ops_hold() -> None:
+    """models/cache_ops.py join_rows / select_rows on GrowingLayers (a batch's join and leave): the entries the
+    generic pad-and-concatenate and index of any DynamicLayer give (holes as zeros), in a buffer with room to spare,
+    so the batch's next forward appends in place instead of copying the whole batch again."""
+    from vpsd.models.cache_ops import join_rows, select_rows
+
+    torch.manual_seed(4)
+    model = text_model()
+
+    def cache_of(rows: int, length: int, growing: bool):
+        cache = GrowingCache(model.config) if growing else DynamicCache(config=model.config)
+        for layer in cache.layers:
+            layer.update(torch.randn(rows, 2, length, 16), torch.randn(rows, 2, length, 16))
+        return cache
+
+    for first, joining, width in ((5, 9, 9), (9, 5, 12)):  # the newcomer the longest; the batch widened beyond both
+        batch, new = cache_of(2, first, True), cache_of(1, joining, True)
+        generic, generic_new = cache_of(2, first, False), cache_of(1, joining, False)
+        for g, m, gn, mn in zip(generic.layers, batch.layers, generic_new.layers, new.layers):  # the same entries
+            g.keys, g.values = m.keys.clone(), m.values.clone()
+            gn.keys, gn.values = mn.keys.clone(), mn.values.clone()
+        join_rows(generic, generic_new, width)
+        join_rows(batch, new, width)
+        for g, m in zip(generic.layers, batch.layers):
+            assert torch.equal(g.keys, m.keys) and torch.equal(g.values, m.values)
+            assert m.keys.shape == (3, 2, width, 16) and m.capacity > width
+        buffers = [layer._keys for layer in batch.layers]
+        for layer in batch.layers:
+            layer.update(torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16))
+        assert all(layer._keys is b for layer, b in zip(batch.layers, buffers))  # appended in place
+        for g, m in zip(generic.layers, batch.layers):
+            g.update(m.keys[:, :, -1:], m.values[:, :, -1:])
+        select_rows(batch, [2, 0])
+        select_rows(generic, [2, 0])
+        for g, m in zip(generic.layers, batch.layers):
+            assert torch.equal(g.keys, m.keys) and torch.equal(g.values, m.values)
+            assert m.keys.shape == (2, 2, width + 1, 16) and m.capacity > width + 1
