@@ -13,14 +13,6 @@ from typing import Any, Callable
 
 import torch
 
-from vpsd.models.kv_cache import GrowingLayer
-
-
-def _growing(mine: Any, theirs: Any = None) -> bool:
-    """Whether the layer (and the one joining it) hold entries in a GrowingLayer's buffers, which keep spare room."""
-    return (isinstance(mine, GrowingLayer) and mine._keys is not None and mine._values_length == mine._length
-            and (theirs is None or theirs.keys is not None))
-
 
 def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
     """(B, H, C, d) -> (B, H, width, d): hole columns (zeros) on the right."""
@@ -34,9 +26,6 @@ def crop(cache: Any, tokens_to_remove: int) -> None:
 def join_rows(cache: Any, other: Any, width: int) -> None:
     """`other`'s rows after `cache`'s, both widened to `width` columns (holes on the right)."""
     for mine, theirs in zip(cache.layers, other.layers):
-        if _growing(mine, theirs):  # one copy into a buffer with room (kv_cache.py GrowingLayer.join)
-            mine.join(theirs.keys, theirs.values, width)
-            continue
         mine.keys = torch.cat([_widen(mine.keys, width), _widen(theirs.keys, width)])
         mine.values = torch.cat([_widen(mine.values, width), _widen(theirs.values, width)])
 
@@ -44,10 +33,7 @@ def join_rows(cache: Any, other: Any, width: int) -> None:
 def select_rows(cache: Any, rows: list[int]) -> None:
     for layer in cache.layers:
         index = torch.tensor(rows, device=layer.keys.device)
-        if _growing(layer):
-            layer.select_rows(index)
-        else:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        layer.keys, layer.values = layer.keys[index], layer.values[index]
 
 
 def gather_columns(cache: Any, order: list[list[int]]) -> None:

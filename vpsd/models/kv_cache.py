@@ -86,27 +86,6 @@ class GrowingLayer(DynamicLayer):
             new[:, :, : self._length] = old[:, :, : self._length]
             setattr(self, name, new)
 
-    def join(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
-        """Rows (k, H, n, d) appended after this layer's, every row widened to `width` >= both lengths with zeros
-        (a batch's holes), in one copy into a buffer with room to spare. The generic join (models/cache_ops.py)
-        padded, concatenated, and left no room, so the batch's next forward grew it: three copies of the whole
-        batch for each item that joins (7% of the scaled short world's decode thread at B = 8, with leaving)."""
-        length, rows = self._length, keys.shape[0]
-        room = width + max(MIN_SPARE, int(width * SPARE))
-        for name, new in (("_keys", keys), ("_values", values)):
-            old = getattr(self, name)
-            buf = old.new_empty(old.shape[0] + rows, old.shape[1], room, old.shape[-1])
-            buf[: old.shape[0], :, :length] = old[:, :, :length]
-            buf[: old.shape[0], :, length:width] = 0
-            buf[old.shape[0] :, :, : new.shape[-2]] = new
-            buf[old.shape[0] :, :, new.shape[-2] : width] = 0
-            setattr(self, name, buf)
-        self._length = self._values_length = width
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keeps the rows `index` (in that order) with their room to spare: one copy, none at the next append."""
-        self._keys, self._values = self._keys.index_select(0, index), self._values.index_select(0, index)
-
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
 
