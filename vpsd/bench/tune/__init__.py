@@ -143,7 +143,7 @@ def _target_widths(cfg, candidates) -> list[int]:
     from vpsd.pipeline.methods import get_method
 
     top = cfg.decoding.gamma_max + 1
-    widths = {1, 2, 4, 8, top} | ({16} if top > 20 else set())
+    widths = {1, 2, 4, 8, top} | ({16} if top > 20 else set())  # a point between 8 and a far top
     for c in candidates:
         tree = get_method(c.method).draft_tree(cfg.decoding.tree)
         if tree is not None:

@@ -25,7 +25,6 @@ the baselines' 5; else the windows of pipeline/cost.py, fed these measurements);
 highest prediction over [gamma_min, gamma_max].
 """
 
-
 from __future__ import annotations
 
 import statistics
@@ -184,7 +183,6 @@ class Predictor:
         rows = tree.num_nodes + 1 if tree is not None else gamma + 1
         works = [self._item(it, c, gamma, tree) for it in self.m.items]
         ovh = self._messaging_s(c)
-
         rejected = pooled.rejections / pooled.rounds if pooled.rounds else 0.0  # an item's rounds that reject
 
         def round_s(b: int) -> float:
