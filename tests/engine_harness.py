@@ -5,6 +5,7 @@ and all; only the carrier differs from the ranks')."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 from tests.conftest import config_path, random_frames, tiny_pair
@@ -102,8 +103,8 @@ def local_engine(target: VideoLMAdapter, draft: VideoLMAdapter | None, decoding:
     return engine, Scheduler(engine, kv_budget_bytes, draft)
 
 
-def run(scheduler: Scheduler, todo: list[Request]) -> dict:
-    jobs = Jobs()
+def run(scheduler: Scheduler, todo: list[Request], grouped: bool = False) -> dict:
+    jobs = Grouped() if grouped else Jobs()
     scheduler.run(fresh(todo), jobs)
     return jobs.out
 
@@ -121,6 +122,19 @@ class FramesInMemory:
         pass
 
 
+def video_of(request: Request) -> str:
+    """Which video a harness request asks about: its id before the question's ("v-q1": "v")."""
+    return request.id.rsplit("-", 1)[0]
+
+
+class Grouped(Jobs):
+    """`Jobs` that say which items share a video (JobEvents.group_key), as a job's do: their runs are prefilled
+    together."""
+
+    def group_key(self, item: Request) -> str:
+        return video_of(item)
+
+
 class Pipeline:
     """The engine with a remote drafter, the draft and pruner workers on one in-memory hub, and a scheduler that
     interleaves them at random: messages delayed, verdicts arriving while the draft is several chunks ahead,
@@ -128,7 +142,9 @@ class Pipeline:
     on the prefill thread (signals held, then sent)."""
 
     def __init__(self, family: str, method: str, size: int, todo: list[Request], overrides: dict,
-                 draft_is_target: bool) -> None:
+                 draft_is_target: bool, grouped: bool = False) -> None:
+        """grouped: a request prefilled off the engine's thread takes the requests after it on its video (`video_of`)
+        with it, as the prefill thread does (engine/sibling_prefill.py); they wait prefilled for their turn."""
         m = get_method(method)
         strategy = m.default_strategy
         self.cfg = load_config(config_path(family), {"pruning.strategy": strategy, "pruning.ratio":
@@ -145,7 +161,8 @@ class Pipeline:
                               FramesInMemory(todo), drafts_from=m.draft)
         self.pw = PrunerWorker(self.hub.link("pruner"), self.cfg)
         self.queue = fresh(todo)
-        self.deferred: dict[str, Request] = {}  # prefilled items waiting for KV room
+        self.deferred: dict[str, Request] = {}  # prefilled items waiting for KV room (or, grouped, for their turn)
+        self.grouped = grouped
         self.peak_kv = 0
         self.results: dict[str, object] = {}
 
@@ -169,13 +186,22 @@ class Pipeline:
         if request.id in self.deferred:
             request = self.deferred[request.id]
         elif on_engine_thread:
-            s.prepare(request, on_engine_thread=True)
+            s.check_kv(request)
             if not s.fits(request.kv_bytes):
                 return False
             s.decide(request)
             e.prefill(request, on_engine_thread=True)
         else:
-            s.prepare(request, on_engine_thread=False)
+            siblings = list(itertools.takewhile(
+                lambda r: video_of(r) == video_of(request) and r.id not in self.deferred,
+                self.queue[1:])) if self.grouped else []
+            first, *rest = s.prepare_run([request, *siblings], at_admission=False)
+            for sibling, got in zip(siblings, rest):
+                if isinstance(got, Exception):
+                    raise got
+                self.deferred[sibling.id] = got
+            if isinstance(first, Exception):
+                raise first
         if not s.fits(request.kv_bytes):
             self.deferred[request.id] = request
             return False

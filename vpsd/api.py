@@ -42,7 +42,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import structlog
@@ -563,6 +563,10 @@ class _Events:
         self.frames.put(item.id, loaded.frames, loaded.times)  # a draft thread takes them from here
         return Request(item.id, prompt, budget, loaded.frames, loaded.times, loaded.video, None, self.params.stop,
                        seed=self.seed(item))
+
+    def group_key(self, item: _Item) -> Hashable:
+        """Items on one video (a file, or one array): a run of them is prefilled together (engine/sibling_prefill.py)."""
+        return ("array", id(item.video)) if isinstance(item.video, np.ndarray) else ("file", str(item.video))
 
     def started(self, item: _Item) -> None:
         pass

@@ -231,7 +231,7 @@ def test_items_join_only_while_their_kv_fits_the_budget():
     assert needs[0] == (target.prepare(todo[0].frames, todo[0].prompt).seq_len + 10 + cfg.gamma_max + 1) * per_token
     _, alone = local_engine(target, smaller, cfg, PruningConfig("uniform", 0.5), 8, kv_budget_bytes=min(needs) - 1)
     with pytest.raises(ValueError, match="over the budget"):
-        alone.prepare(fresh(todo)[0], on_engine_thread=False)
+        alone.check_kv(fresh(todo)[0])
     got = run(alone, todo[:2])  # in a job, that item fails alone with that error
     assert all(isinstance(r, ValueError) and "over the budget" in str(r) for r in got.values())
 

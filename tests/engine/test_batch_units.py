@@ -183,7 +183,11 @@ class GatedPrefills:
     def __init__(self, releaser: str | None = None) -> None:
         self.release, self.started, self.threads, self.releaser = threading.Event(), threading.Event(), {}, releaser
 
-    def __call__(self, it, nxt):
+    def __call__(self, items, nxt):  # PrefillAhead prepares runs of items: here always one
+        (it,) = items
+        return [self.one(it)]
+
+    def one(self, it):
         self.threads[it] = threading.get_ident()
         if it == "first":
             self.started.set()
@@ -293,7 +297,7 @@ def test_an_unpinned_prefill_thread_lends_nothing():
     from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
 
     threads = torch.get_num_threads()
-    ahead = PrefillAhead(ListSource(["only"]), size=4, prepare=lambda item, hint: item.upper(), cpus=None)
+    ahead = PrefillAhead(ListSource(["only"]), size=4, prepare=lambda items, hint: [item.upper() for item in items], cpus=None)
     try:
         ahead.top_up(in_flight=0)
         assert ahead.next_ready(block=True) == ("only", "ONLY")
@@ -335,7 +339,7 @@ def test_a_shared_source_is_asked_for_read_ahead_once_and_then_only_when_an_item
             return self.items.pop(0), bool(self.items)
 
     source = Tail()
-    ahead = PrefillAhead(source, size=1, prepare=lambda it, nxt: (it, nxt), cpus=None, shared=True)
+    ahead = PrefillAhead(source, size=1, prepare=lambda items, nxt: [(it, nxt) for it in items], cpus=None, shared=True)
     try:
         assert ahead.pending and source.asked == [True]  # nothing in flight: needed
         ahead.top_up(in_flight=0)
@@ -373,7 +377,7 @@ def test_after_a_not_now_a_read_ahead_is_asked_again_a_little_later():
     from vpsd.engine.prefill_ahead import ASK_AGAIN_S, PrefillAhead
 
     source = _NotNowSource()
-    ahead = PrefillAhead(source, size=1, prepare=lambda item, nxt: item.upper(), cpus=None)
+    ahead = PrefillAhead(source, size=1, prepare=lambda items, nxt: [item.upper() for item in items], cpus=None)
     try:
         ahead.top_up(in_flight=1)  # the batch is full: a read-ahead, answered "not now"
         assert source.asks == 1 and not ahead.ahead
@@ -382,7 +386,7 @@ def test_after_a_not_now_a_read_ahead_is_asked_again_a_little_later():
         assert source.asks == 1 and not ahead.ahead  # not asked again within the interval
         time.sleep(ASK_AGAIN_S * 1.5)
         ahead.top_up(in_flight=1)
-        assert [item for item, _ in ahead.ahead] == ["next"]  # read while "the batch" decodes
+        assert [entry[0] for entry in ahead.ahead] == ["next"]  # read while "the batch" decodes
         assert ahead.next_ready(block=True) == ("next", "NEXT")
     finally:
         ahead.close()

@@ -334,7 +334,7 @@ def test_items_join_a_pipelined_batch_only_while_their_kv_fits_the_budget():
     tight = Pipeline("qwen2_5_vl", "pearl", 8, todo, {"decoding.gamma": 3,
                                                       "batching.kv_budget_mib": (min(needs) - 1) / 2**20}, False)
     with pytest.raises(ValueError, match="over the budget"):
-        tight.scheduler.prepare(fresh(todo)[0], on_engine_thread=False)
+        tight.scheduler.check_kv(fresh(todo)[0])
     assert not tight.hub.inbox["draft"] and not tight.hub.inbox["pruner"]
 
 
@@ -348,7 +348,7 @@ def test_without_synchronous_prefill_the_draft_hears_of_an_item_after_the_target
         pipe = Pipeline("qwen2_5_vl", "pearl", size, todo,
                         {"decoding.gamma": 3, "decoding.temperature": 0.0, "decoding.sync_prefill": sync}, False)
         first = pipe.queue[0]
-        pipe.scheduler.prepare(first, on_engine_thread=True)
+        pipe.scheduler.check_kv(first)
         pipe.scheduler.decide(first)
         pipe.engine.prefill(first, on_engine_thread=True)
         told = [type(decode(data)).__name__ for _, data in pipe.hub.inbox["draft"]]

@@ -36,7 +36,7 @@ def measured_then_lent(threads):
 
 
 module.bitwise_across_threads = measured_then_lent
-ahead = PrefillAhead(ListSource(["only"]), size=4, prepare=lambda item, hint: item.upper(), cpus=[c1])
+ahead = PrefillAhead(ListSource(["only"]), size=4, prepare=lambda items, hint: [item.upper() for item in items], cpus=[c1])
 ahead.top_up(in_flight=0)
 assert ahead.next_ready(block=True) == ("only", "ONLY")
 assert ahead.drained

@@ -12,9 +12,9 @@ from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
 def _ahead(items: list[str], shared: bool, read_ahead: int, release: threading.Event):
     told: list[str] = []
 
-    def prepare(item: str, hint: str | None) -> str:
+    def prepare(items: list[str], hint: str | None) -> list[str]:
         assert release.wait(10)
-        return item.upper()
+        return [item.upper() for item in items]
 
     ahead = PrefillAhead(ListSource(items), size=1, prepare=prepare, cpus=None, shared=shared, read=told.append,
                          read_ahead=read_ahead)

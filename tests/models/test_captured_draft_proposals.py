@@ -69,6 +69,7 @@ class _Job(Pipeline):
         self.dw = DraftWorker(self.hub.link("draft"), draft, cfg, FramesInMemory([item]), drafts_from="pruned_input")
         self.pw = PrunerWorker(self.hub.link("pruner"), cfg)
         self.queue, self.deferred, self.peak_kv, self.results = fresh([item]), {}, 0, {}
+        self.grouped = False
         self.chunks: list[tuple] = []
         send = self.dw.link.send
 

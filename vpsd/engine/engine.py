@@ -36,8 +36,9 @@ from vpsd.config import DecodingConfig, RunConfig
 from vpsd.engine.drafters.protocol import Drafter, Proposal
 from vpsd.engine.prefix_cache import Reuse, reuse_for
 from vpsd.engine.report import EngineReport
+from vpsd.engine.sibling_prefill import Siblings
 from vpsd.engine.request import Request
-from vpsd.models.base import VideoLMAdapter
+from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.batch import BatchedCache, TreeFeed
 from vpsd.models.timing import Stopwatch
 from vpsd.pipeline.cost import ParallelWindow, SerialWindow, Window
@@ -47,6 +48,7 @@ from vpsd.pipeline.state_machine import TargetMachine
 from vpsd.pipeline.tree import verify_tree
 from vpsd.pipeline.verification import greedy_ids, verify_chunk, window_rows
 from vpsd.tracing import get_logger, record_span, span
+from vpsd.video.errors import VideoError
 
 log = get_logger()
 
@@ -100,18 +102,42 @@ class Engine:
 
     # ---- a request's start -------------------------------------------------------------------------
 
-    def prefill(self, request: Request, on_engine_thread: bool) -> Request:
+    def prefill(self, request: Request, on_engine_thread: bool, emb: SequenceEmbeddings | None = None) -> Request:
         """The request's vision and full prefill (and the drafter's side of its start, when drafted), on any
         thread; `join` it on the engine's. `on_engine_thread`: a remote drafter streams the pruner its signals
-        from inside the prefill; elsewhere they are held until the join. Raises ValueError (or a VideoError)
-        for an item that cannot be decoded."""
+        from inside the prefill; elsewhere they are held until the join. `emb`: its embeddings, when
+        `prefill_group` made them. Raises ValueError (or a VideoError) for an item that cannot be decoded."""
+        t0 = time.perf_counter()
+        drafted = request.drafted and self.drafter is not None
+        if emb is None:
+            emb = self._embed(request, drafted, on_engine_thread)
+        try:
+            with doing("prefill", request.id, emb.seq_len), \
+                    span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted,
+                         reused=None if emb.reuse is None else emb.reuse.reused):
+                if drafted:  # the drafter's target prefill reuses through emb.reuse (engine/pair_prefill.py)
+                    request.prefill = self.drafter.prefill(request, emb, on_engine_thread)
+                else:
+                    request.prefill = self.target.prefill(emb) if emb.reuse is None else emb.reuse.prefill(self.target, emb)
+        except ValueError as e:
+            if drafted and on_engine_thread:
+                self.drafter.finish(request, str(e))  # it was announced: the draft's side lets it go
+            raise
+        request.prefill_s = (request.prefill_s or 0.0) + time.perf_counter() - t0
+        if request.draft_prefill_s is not None:
+            with self.lock:
+                self.means.observe_draft_prefill(request.draft_prefill_s)
+        return request
+
+    def _embed(self, request: Request, drafted: bool, on_engine_thread: bool) -> SequenceEmbeddings:
+        """The request's prompt prepared, its reuse planned, and its embeddings (the vision tower, unless reused);
+        timed into its prefill_s."""
         t0, request.started = time.perf_counter(), time.time()
         if request.seed is None:  # an item without a seed of its own takes the run's (pipeline/seeds.py)
             request.seed = int(self.cfg.decoding.seed)
         inputs, request.inputs = request.inputs, None
         if inputs is None:
             inputs = self.target.prepare(request.frames, request.prompt, request.frame_times)
-        drafted = request.drafted and self.drafter is not None
         if drafted and on_engine_thread:
             self.drafter.start(request, self.window.draft_ahead())  # the draft reads and embeds the video meanwhile
         try:
@@ -120,22 +146,53 @@ class Engine:
                 with span("vision", item=request.id, reuse=None if reuse is None else reuse.hit):
                     # a drafter reads the video features (the draft's input, a strategy's); `ar` needs none on a hit
                     emb = self.target.embed(inputs) if reuse is None else reuse.embed(self.target, inputs, drafted)
-                request.num_video_tokens = emb.layout.num_tokens
-                with span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted,
-                          reused=None if reuse is None else reuse.reused):
-                    if drafted:  # the drafter's target prefill reuses through emb.reuse (engine/pair_prefill.py)
-                        request.prefill = self.drafter.prefill(request, emb, on_engine_thread)
-                    else:
-                        request.prefill = self.target.prefill(emb) if reuse is None else reuse.prefill(self.target, emb)
         except ValueError as e:
             if drafted and on_engine_thread:
-                self.drafter.finish(request, str(e))  # it was announced: the draft's side lets it go
+                self.drafter.finish(request, str(e))
             raise
+        request.num_video_tokens = emb.layout.num_tokens
         request.prefill_s = time.perf_counter() - t0
-        if request.draft_prefill_s is not None:
-            with self.lock:
-                self.means.observe_draft_prefill(request.draft_prefill_s)
-        return request
+        return emb
+
+    def prefill_group(self, requests: list[Request]) -> list[Request | Exception]:
+        """`prefill` of one video's questions, off the engine's thread, together: the first one's prefix computed
+        and kept, and every suffix in one forward (engine/sibling_prefill.py); one that cannot join them (reuse
+        off, another prefix, a drafter whose prefill reads no kept result) is prefilled on its own. Returns each
+        request prefilled, or the ValueError / VideoError it failed with, in order."""
+        done: dict[str, Request | Exception] = {}
+        group, packed = Siblings(self.target), []
+        for r in requests:
+            drafted = r.drafted and self.drafter is not None
+            try:
+                emb = self._embed(r, drafted, on_engine_thread=False)
+                t0 = time.perf_counter()
+                wanted = self._wanted_signals(drafted)
+                if wanted is not None and group.join(emb, wanted):  # the first one's prefix computed here
+                    packed.append(r)
+                    r.prefill_s += time.perf_counter() - t0
+                else:
+                    done[r.id] = self.prefill(r, False, emb)
+            except (VideoError, ValueError) as e:
+                done[r.id] = e
+        if len(packed) > 1:
+            t0 = time.perf_counter()
+            with span("sibling_prefill", items=[r.id for r in packed], rows=group.rows):
+                group.prefill()
+            for r in packed:  # the shared forward, shared out
+                r.prefill_s += (time.perf_counter() - t0) / len(packed)
+        for r in packed:
+            try:
+                done[r.id] = self.prefill(r, False, group.emb(r.id))
+            except (VideoError, ValueError) as e:
+                done[r.id] = e
+        return [done[r.id] for r in requests]
+
+    def _wanted_signals(self, drafted: bool) -> tuple[int, int] | None:
+        """The signal layers a request's prefill will ask of a result kept on its plan ((0, 0): none), or None when
+        its prefill would not take one (its drafter prefills otherwise)."""
+        if not drafted:
+            return (0, 0)
+        return self.drafter.prefill_signals(self.target)
 
     def _reuse_plan(self, request: Request, inputs) -> Reuse | None:
         """How the request's prefill reuses kept prefixes (engine/prefix_cache.py), or None: reuse off, or nothing

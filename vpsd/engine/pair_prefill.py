@@ -15,7 +15,7 @@ import torch
 from vpsd.config import PruningConfig, draft_reuse_budget
 from vpsd.engine.prefix_cache import PrefixReuse, draft_embed, draft_prefill, reuse_for
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
-from vpsd.models.signals import SignalsReady, prefill_with_signals
+from vpsd.models.signals import SignalsReady, hooked_layers, prefill_with_signals
 from vpsd.pipeline.pruning.strategies import STRATEGIES
 
 # Chooses the kept video tokens from the target's prefill (its signals) and the draft's embeddings.
@@ -29,6 +29,14 @@ def signals_needed(cfg: PruningConfig) -> tuple[bool, bool]:
     if cfg.applied_ratio == 0.0:
         return False, False
     return strategy.needs_attention, strategy.needs_hidden_states
+
+
+def strategy_signal_layers(adapter: VideoLMAdapter, cfg: PruningConfig, parallel: bool = False) -> tuple[int, int]:
+    """(attention layers, UV-Prune layer) that `prefill_for_strategy` hooks for `cfg` ((0, 0): a plain prefill)."""
+    attention, hidden = signals_needed(cfg)
+    if not (attention or hidden):
+        return 0, 0
+    return hooked_layers(adapter, cfg.signal_layers(parallel), attention, hidden)
 
 
 def prefill_for_strategy(

@@ -30,7 +30,9 @@ item's output is therefore the same whatever was asked before, in which order, o
 evicted; every method's output with reuse equals `ar`'s with reuse, token for token (and `decoding.exact_verify`
 stays bit-identical to `ar` with reuse). Against `ar` WITHOUT reuse it may differ only where a full prefill's
 one forward and the segments' forwards round differently (another reduction order, as a verify's rows
-against `ar`'s): at float near-ties, which `python -m vpsd.launch.lossless` names with their margin.
+against `ar`'s): at float near-ties, which `python -m vpsd.launch.lossless` names with their margin. At B > 1 a
+run of one video's questions may have its last segments computed in one packed forward (engine/sibling_prefill.py,
+`Reuse.prepare_prefix` and `Reuse.ready`): the same segments, within float noise of their own forwards.
 
 Keys. A segment's key is a hash of the video as the model sees it (its pixel tensors, grid and times: every
 `pixel_inputs` tensor but the token types, which the ids give) and of the token ids up to the segment's end. A
@@ -380,6 +382,11 @@ class Reuse:
     keys: list[bytes]  # each segment's key
     held: list[Segment] = field(default_factory=list)  # the segments found, from the first
     vision: str = "computed"  # "skipped", "cached" or "computed"
+    # The result of a prefill run with the request's siblings (engine/sibling_prefill.py), with the signal layers it
+    # measured, (attention layers, UV layer): taken by the prefill that asks for those signals instead of its forwards
+    ready: tuple[PrefillResult, tuple[int, int]] | None = None
+    # `prefix`'s answer computed ahead (`prepare_prefix`), with the UV layer it was asked for
+    prefixed: tuple[tuple[Any, int, torch.Tensor | None], int] | None = None
 
     @property
     def hit(self) -> bool:
@@ -406,8 +413,18 @@ class Reuse:
         """The full prefill's result, in segments (module docstring): what the cache holds is copied, the rest
         computed and kept. A prefill with pruning signals runs the same two steps, `prefix` then `suffix`, with its
         hooks on the suffix (models/signals.py)."""
+        if (ready := self.take_ready(emb, (0, 0))) is not None:
+            return ready
         cache, start, _ = self.prefix(adapter, emb)
         return self.suffix(adapter, emb, cache, start)
+
+    def take_ready(self, emb: SequenceEmbeddings, signals: tuple[int, int]) -> PrefillResult | None:
+        """The result prefilled with the request's siblings, when it measured these `signals` (counted and traced
+        as `suffix` counts its own); else None (and it is dropped: the caller prefills as on its own)."""
+        ready, self.ready = self.ready, None
+        if ready is None or ready[1] != signals:
+            return None
+        return self.counted(emb, ready[0])
 
     @torch.inference_mode()
     def prefix(self, adapter: VideoLMAdapter, emb: SequenceEmbeddings, rows_layer: int = 0
@@ -415,7 +432,11 @@ class Reuse:
         """The cache of every segment before the last (copied where held, else computed and kept), where the last
         starts, and, when `rows_layer` > 0, the (N, D) hidden states of every video token at layer `rows_layer`
         (the output of decoder layer rows_layer - 1) from the forwards that computed that KV, in layout order. A
-        held segment without those rows is computed again, as on a miss, and kept with them."""
+        held segment without those rows is computed again, as on a miss, and kept with them. Once only when
+        `prepare_prefix` ran it ahead."""
+        prefixed, self.prefixed = self.prefixed, None
+        if prefixed is not None and prefixed[1] == rows_layer:
+            return prefixed[0]
         if rows_layer:
             if self.vision == "skipped":  # a request that reads signals always embeds its video (`embed`)
                 raise RuntimeError("video rows asked for, but the embeddings hold no video features")
@@ -451,10 +472,18 @@ class Reuse:
             start = end
         return cache, start, _video_rows(segments, video_pos, rows_layer) if rows_layer else None
 
+    def prepare_prefix(self, adapter: VideoLMAdapter, emb: SequenceEmbeddings, rows_layer: int = 0) -> None:
+        """`prefix` now, kept for the request's prefill: its segments are in the cache from here on, so the plans
+        of the requests after it hit (engine/sibling_prefill.py)."""
+        self.prefixed = (self.prefix(adapter, emb, rows_layer), rows_layer)
+
     @torch.inference_mode()
     def suffix(self, adapter: VideoLMAdapter, emb: SequenceEmbeddings, cache, start: int) -> PrefillResult:
         """The last segment [start, L) fed after `prefix`'s cache: the full prefill's result; counted and traced."""
-        pre = adapter.prefill_after(emb, cache, start)
+        return self.counted(emb, adapter.prefill_after(emb, cache, start))
+
+    def counted(self, emb: SequenceEmbeddings, pre: PrefillResult) -> PrefillResult:
+        """`pre`, this request's prefill, counted in the cache's statistics and traced."""
         c = self.store
         c.count(requests=1, hits=int(self.hit), misses=int(not self.hit), reused_tokens=self.reused,
                 prefilled_tokens=emb.seq_len - self.reused, vision_hits=int(self.vision == "cached"),

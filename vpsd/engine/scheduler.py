@@ -84,6 +84,7 @@ class Scheduler(Generic[T]):
         self.rounds_s = 0.0  # the engine thread's time in rounds
         self.on_round: Callable[[], None] | None = None  # told after each round (vpsd/profiling.py steps there)
         self._items: dict[str, T] = {}  # request id -> the launcher's item, while in flight
+        self.largest_need = 0  # the largest KV need of a request seen (bytes): what an item prefilled ahead may hold
 
     # ---- admission -----------------------------------------------------------------------------------
 
@@ -109,19 +110,49 @@ class Scheduler(Generic[T]):
             request.drafted = self.policy.decide(predicted_loss(e.window, e.size, batch, e.means,
                                                                 request.max_new_tokens))
 
-    def prepare(self, request: Request, on_engine_thread: bool) -> Request:
-        """Checks the request's KV need and, unless it is prefilled at admission, decides and prefills it."""
+    def room_ahead(self, count: int) -> bool:
+        """Whether `count` items prefilled ahead (each bounded by the largest KV need seen) fit the budget beside the
+        requests in flight: prefilling further ahead than the free slots stays within `batching.kv_budget_mib`."""
+        return self.kv_budget is None or (0 < self.largest_need and
+                                          self.reserved() + count * self.largest_need <= self.kv_budget)
+
+    def check_kv(self, request: Request) -> None:
+        """Raises ValueError for a request whose KV cache could not fit even alone."""
         e = self.engine
         if self.kv_budget is not None:  # the need is the prompt's tokens: prepared once, kept for the prefill
             request.inputs = e.target.prepare(request.frames, request.prompt, request.frame_times)
             request.kv_bytes = self.kv_need(request, request.inputs.seq_len)
+            self.largest_need = max(self.largest_need, request.kv_bytes)
         if self.kv_budget is not None and request.kv_bytes > self.kv_budget:
             raise ValueError(f"item needs {request.kv_bytes / 2**20:.1f} MiB of KV cache, over the budget of "
                              f"{self.kv_budget / 2**20:.1f} MiB (batching.kv_budget_mib)")
-        if on_engine_thread:
-            return request  # decided and prefilled at admission, once it fits
-        self.decide(request)
-        return e.prefill(request, on_engine_thread=False)
+
+    def prepare_run(self, built: list[Request | Exception], at_admission: bool) -> list[Request | Exception]:
+        """Checks each request's KV need and, unless they are prefilled at admission, decides and prefills them:
+        one on its own, a run of one video's questions together (`Engine.prefill_group`). Each comes back
+        prefilled, or with the VideoError / ValueError it failed with."""
+        checked: list[Request | Exception] = []
+        for request in built:
+            try:
+                if isinstance(request, Request):
+                    self.check_kv(request)
+                checked.append(request)
+            except (VideoError, ValueError) as err:
+                checked.append(err)
+        requests = [r for r in checked if isinstance(r, Request)]
+        if at_admission or not requests:
+            return checked  # decided and prefilled at admission, once it fits
+        for request in requests:
+            self.decide(request)
+        if len(requests) == 1:
+            try:
+                prefilled: list[Request | Exception] = [self.engine.prefill(requests[0], on_engine_thread=False)]
+            except (VideoError, ValueError) as err:
+                prefilled = [err]
+        else:
+            prefilled = self.engine.prefill_group(requests)
+        done = iter(prefilled)
+        return [next(done) if isinstance(r, Request) else r for r in checked]
 
     # ---- straggler patience --------------------------------------------------------------------------
 
@@ -155,15 +186,25 @@ class Scheduler(Generic[T]):
         e = self.engine
         at_admission = e.size == 1  # batch 1: prefilled on this thread when admitted (module docstring)
 
-        def prepare(item: T, nxt: T | None) -> Request:
-            return self.prepare(events.request(item, nxt), on_engine_thread=at_admission)
+        def prepare(items: list[T], nxt: T | None) -> list[Request | Exception]:
+            built: list[Request | Exception] = []
+            for i, item in enumerate(items):
+                try:
+                    built.append(events.request(item, items[i + 1] if i + 1 < len(items) else nxt))
+                except (VideoError, ValueError) as err:
+                    built.append(err)
+            return self.prepare_run(built, at_admission)
 
         source = items if hasattr(items, "take") else ListSource(items)
         # Where the launcher reads items ahead on readers of its own (JobEvents.read_ahead), each item's read starts
         # as it is taken, `video.read_ahead` items ahead.
         read = getattr(events, "read_ahead", None)
+        # Where the launcher says which items share a video, a run of them is prefilled together (never at batch 1:
+        # each is prefilled at its admission there).
+        group_key = getattr(events, "group_key", None)
         ahead: PrefillAhead[T] = PrefillAhead(source, e.size, prepare, self.prefill_cpus, self.shared_items, read,
-                                              e.cfg.video.read_ahead if read is not None else 0)
+                                              e.cfg.video.read_ahead if read is not None else 0, group_key,
+                                              1 if at_admission or group_key is None else e.size, self.room_ahead)
         started = time.perf_counter()
         try:
             while e.requests or ahead.pending:  # pending asked with nothing in flight: it may take an item

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Hashable
 
 from vpsd.activity import START, doing
 from vpsd.config import RunConfig
@@ -32,6 +32,7 @@ from vpsd.engine.engine import Engine
 from vpsd.engine.request import CANCELLED, Request
 from vpsd.launch.items import ItemReader, LoadedItem
 from vpsd.launch.manifest import ManifestItem
+from vpsd.launch.video_queue import video_key
 from vpsd.launch.wiring import SharedFrames, build_engine
 from vpsd.launch.results import ItemError, ResultRow, output_of
 from vpsd.models.base import VideoLMAdapter
@@ -153,6 +154,10 @@ class ItemEvents:
     def read_ahead(self, item: ManifestItem) -> None:
         """The scheduler took the item: its video is read on the readers while earlier items are prepared."""
         self.reader.ahead(item)
+
+    def group_key(self, item: ManifestItem) -> Hashable:
+        """Items that read the same frames (launch/video_queue.py): a run of them is prefilled together."""
+        return video_key(item)
 
     def after_round(self, engine: Engine) -> None:
         """A served pipeline's round (module docstring): the cancelled items marked to leave, the committed

@@ -202,6 +202,49 @@ class VideoLMAdapter(ABC):
         return PrefillResult(logits=logits, state=DecodeState(cache=cache, position_offset=emb.next_position - n,
                                                               prefill_len=n))
 
+    def packs_suffixes(self, embs: Sequence[SequenceEmbeddings], start: int) -> bool:
+        """Whether `prefill_siblings` can feed these requests' suffixes [start, L) in one forward: a model on one
+        rank that takes a 4-D mask, whose span forward needs nothing but embeddings and positions (no video in
+        the suffix)."""
+        impl = getattr(self.model.config.get_text_config(), "_attn_implementation", None) or ""
+        return (self.mirror is None and not impl.startswith("flash")
+                and all(not self._span_kwargs(e, start, e.seq_len) for e in embs))
+
+    @torch.inference_mode()
+    def prefill_siblings(self, embs: Sequence[SequenceEmbeddings], cache: DynamicCache, start: int
+                         ) -> list[PrefillResult]:
+        """`prefill_after` of several requests that share positions [0, start) (one video's questions), in ONE
+        forward: `cache` holds that prefix once, and the suffixes [start, L_i) are packed one after another in a
+        single row, each at its own positions, under a mask that shows each suffix the prefix and its own
+        earlier tokens only (a tree prefill whose branches are the questions; no padding, so the forward costs
+        the rows it feeds). Returns what `prefill_after` returns for each, each with a cache of its own (the
+        prefix, then its own suffix's entries); `cache` is left holding the packed rows. The rows agree with
+        `prefill_after`'s up to the float order of a wider forward (as a batched verify's do)."""
+        lengths = [e.seq_len - start for e in embs]
+        offsets = [sum(lengths[:i]) for i in range(len(embs))]
+        total = sum(lengths)
+        allowed = torch.zeros(total, start + total, dtype=torch.bool)
+        allowed[:, :start] = True
+        for o, k in zip(offsets, lengths):
+            allowed[o : o + k, start + o : start + o + k] = torch.ones(k, k, dtype=torch.bool).tril()
+        pos = torch.cat([e.positions[:, :, start:] for e in embs], dim=2)
+        out = self.run_language_model(
+            cache,
+            inputs_embeds=torch.cat([e.embeds[:, start:] for e in embs], dim=1),
+            attention_mask=additive_mask(allowed[None], self.model.dtype).to(self.device),
+            position_ids=pos if self.position_rows > 1 else pos[0],
+        )
+        last = torch.tensor([o + k - 1 for o, k in zip(offsets, lengths)], device=self.device)
+        logits = self.model.lm_head(out.last_hidden_state[0, last]).float()
+        results = []
+        for i, (e, o, k) in enumerate(zip(embs, offsets, lengths)):
+            cols = list(range(start)) + list(range(start + o, start + o + k))
+            own = GrowingCache.holding(self.model.config.get_text_config(), [
+                (layer.keys[:, :, cols], layer.values[:, :, cols]) for layer in cache.layers])
+            results.append(PrefillResult(logits=logits[i], state=DecodeState(
+                cache=own, position_offset=e.next_position - e.seq_len, prefill_len=e.seq_len)))
+        return results
+
     # ---- shared machinery ---------------------------------------------------------------------
 
     def text(self, token_ids: Sequence[int]) -> str:

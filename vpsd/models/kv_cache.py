@@ -110,8 +110,19 @@ class GrowingCache(DynamicCache):
     @classmethod
     def holding(cls, config, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> "GrowingCache":
         """A cache whose layer i holds copies of entries[i] = (keys, values), (B, H, n, d) each."""
+        return cls._adopting(config, [(keys.clone(), values.clone()) for keys, values in entries])
+
+    @classmethod
+    def stacked(cls, config, caches: list[DynamicCache]) -> "GrowingCache":
+        """A cache whose row b holds caches[b]'s entries (one cache a row; all of one length)."""
+        return cls._adopting(config, [(torch.cat([c.layers[i].keys for c in caches]),
+                                       torch.cat([c.layers[i].values for c in caches]))
+                                      for i in range(len(caches[0].layers))])
+
+    @classmethod
+    def _adopting(cls, config, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> "GrowingCache":
         cache = cls(config)
         for layer, (keys, values) in zip(cache.layers, entries):
             layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys.clone(), values.clone()
+            layer.keys, layer.values = keys, values
         return cache

@@ -120,6 +120,15 @@ def layer_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def hooked_layers(adapter: VideoLMAdapter, num_layers: int | None, attention: bool, hidden: bool) -> tuple[int, int]:
+    """(attention layers, UV-Prune layer) that `prefill_with_signals` hooks for these arguments; 0 for one not
+    asked for."""
+    layers = len(adapter.language_model.layers)
+    attn_layers = layers if num_layers is None else min(num_layers, layers)
+    uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, layers)
+    return attn_layers if attention else 0, uv_layers if hidden else 0
+
+
 def prefill_with_signals(
     adapter: VideoLMAdapter,
     emb: SequenceEmbeddings,
@@ -145,15 +154,13 @@ def prefill_with_signals(
     With `emb.reuse` (the engine's prefix reuse) the prefill is the reuse's two forwards, the signals taken from
     them (module docstring, `_prefill_reusing`): the result is what `emb.reuse.prefill` returns, with signals.
     """
-    layers = adapter.language_model.layers
-    attn_layers = len(layers) if num_layers is None else min(num_layers, len(layers))
-    uv_layers = min(UV_DEFAULT_LAYERS if num_layers is None else num_layers, len(layers))
+    attn_layers, uv_layers = hooked_layers(adapter, num_layers, attention, hidden)
     if emb.reuse is not None:
-        return _prefill_reusing(adapter, emb, attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
+        return _prefill_reusing(adapter, emb, attn_layers, uv_layers, on_ready)
     cache = adapter.new_cache()  # ours: the attention hooks read each layer's keys from it
     device = emb.embeds.device
     hooks = _SignalHooks(text_positions(emb).to(device), emb.layout.seq_positions.to(device), emb.embeds, cache,
-                         attn_layers if attention else 0, uv_layers if hidden else 0, on_ready)
+                         attn_layers, uv_layers, on_ready)
     mirror = adapter.mirror  # a split target: its other ranks score their heads in the same forward
 
     def prefill() -> PrefillResult:
@@ -184,13 +191,27 @@ def _prefill_reusing(adapter: VideoLMAdapter, emb: SequenceEmbeddings, attn_laye
     """`prefill_with_signals` through the engine's prefix reuse: the prefix [0, P) restored or computed (with the
     video rows of layer `uv_layers` when UV-Prune reads them, kept with its KV), then the suffix [P, S), the text
     rows (a conversation's final user turn and the assistant header: its earlier turns are segments of the
-    prefix), with the signal hooks installed, indexed relative to P."""
+    prefix), with the signal hooks installed, indexed relative to P. A request prefilled with its siblings
+    (`prefill_siblings_with_signals`) has its result, signals included, waiting on its plan already."""
     if adapter.mirror is not None:  # the engine never reuses over a split target (its followers hold the shards)
         raise RuntimeError("prefix reuse over a target split over ranks")
     reuse = emb.reuse
+    if (ready := reuse.take_ready(emb, (attn_layers, uv_layers))) is not None:
+        if on_ready is not None:
+            on_ready(ready.signals)
+        return ready
+    cache, start, layer_rows = reuse.prefix(adapter, emb, uv_layers)
+    hooks = _suffix_hooks(emb, cache, start, attn_layers, uv_layers, layer_rows, on_ready)
+    return _hooked(hooks, adapter, lambda: reuse.suffix(adapter, emb, cache, start))
+
+
+def _suffix_hooks(emb: SequenceEmbeddings, cache, start: int, attn_layers: int, uv_layers: int,
+                  layer_rows: torch.Tensor | None, on_ready: SignalsReady | None, first_row: int = 0,
+                  key_columns: torch.Tensor | None = None) -> "_SignalHooks":
+    """The hooks of a suffix forward [start, S) whose first row is the forward's row `first_row` (a packed
+    prefill of siblings: where its suffix begins among theirs)."""
     device = emb.embeds.device
     video_pos = emb.layout.seq_positions
-    cache, start, layer_rows = reuse.prefix(adapter, emb, uv_layers)
     # Only the last segment's rows are fed now: a conversation's earlier turns came from the cache (or were
     # computed as it is kept), so the text rows read are those of the turn being answered, hit or miss alike.
     text_pos = text_positions(emb)
@@ -200,9 +221,36 @@ def _prefill_reusing(adapter: VideoLMAdapter, emb: SequenceEmbeddings, attn_laye
     video_rows = None
     if uv_layers:  # layer 0: the embeddings the prefix fed (as a full prefill's); layer L: its forward's, kept
         video_rows = torch.stack([emb.embeds[0, video_pos.to(device)], layer_rows])
-    hooks = _SignalHooks(text_pos.to(device), video_pos.to(device), emb.embeds, cache, attn_layers, uv_layers,
-                         on_ready, offset=start, video_rows=video_rows)
-    return _hooked(hooks, adapter, lambda: reuse.suffix(adapter, emb, cache, start))
+    return _SignalHooks(text_pos.to(device), video_pos.to(device), emb.embeds, cache, attn_layers, uv_layers,
+                        on_ready, offset=start - first_row, video_rows=video_rows, key_columns=key_columns)
+
+
+def prefill_siblings_with_signals(adapter: VideoLMAdapter, embs: list[SequenceEmbeddings], cache, start: int,
+                                  wanted: list[tuple[int, int]], layer_rows: torch.Tensor | None
+                                  ) -> list[PrefillResult]:
+    """`VideoLMAdapter.prefill_siblings` with each request's signals measured in the same forward: wanted[i] =
+    (attention layers, UV-Prune layer) of request i, (0, 0) for none; `layer_rows`: the video rows at the UV
+    layer from the prefix's forward (one video: the same for all). Each request's hooks read its own rows of
+    the packed forward and its own keys (the prefix's, then its suffix's), so it measures what its own suffix
+    forward would, up to the float order of the wider forward."""
+    hooks: list[_SignalHooks | None] = []
+    row = 0
+    for emb, (attn_layers, uv_layers) in zip(embs, wanted):
+        n = emb.seq_len - start
+        columns = torch.cat([torch.arange(start), torch.arange(start + row, start + row + n)]).to(emb.embeds.device)
+        hooks.append(_suffix_hooks(emb, cache, start, attn_layers, uv_layers, layer_rows, None, row, columns)
+                     if attn_layers or uv_layers else None)
+        row += n
+    active = [h for h in hooks if h is not None]
+    lm = adapter.language_model
+    with hooks_installed(lm, lambda: [handle for h in active for handle in h.install(lm)]):
+        results = adapter.prefill_siblings(embs, cache, start)
+    for result, h in zip(results, hooks):
+        if h is not None:
+            if len(h.ready) != 1:
+                raise RuntimeError(f"layer {h.last - 1} ran {len(h.ready)} times in one forward; expected once")
+            result.signals = h.ready[0]
+    return results
 
 
 class _SignalHooks:
@@ -211,15 +259,18 @@ class _SignalHooks:
 
     def __init__(self, text_pos: torch.Tensor, video_pos: torch.Tensor, embeds: torch.Tensor | None, cache,
                  attn_layers: int, uv_layers: int, on_ready: SignalsReady | None, last: int | None = None,
-                 offset: int = 0, video_rows: torch.Tensor | None = None) -> None:
+                 offset: int = 0, video_rows: torch.Tensor | None = None,
+                 key_columns: torch.Tensor | None = None) -> None:
         """text_pos / video_pos: the sequence positions of the text rows and the video tokens (`text_positions`,
         the layout's); embeds: the full sequence's embeddings (UV-Prune's layer-0 rows; None without them).
         offset: the sequence position of the hooked forward's first row (a reuse's suffix: P; else 0); video_rows:
-        UV-Prune's (2, N, D) video rows when the hooked forward does not feed them (a reuse's suffix)."""
+        UV-Prune's (2, N, D) video rows when the hooked forward does not feed them (a reuse's suffix); key_columns:
+        the cache columns that hold this prefill's keys, key j at position j (a packed prefill of siblings,
+        `VideoLMAdapter.prefill_siblings`: the prefix, then its own suffix; None: every column)."""
         self.embeds, self.cache, self.attn_layers, self.uv_layers, self.on_ready = embeds, cache, attn_layers, uv_layers, on_ready
         self.last = last or max(attn_layers, uv_layers)  # the signals are complete after this layer
         self.text_pos, self.video_pos = text_pos, video_pos
-        self.offset, self.given_video_rows = offset, video_rows
+        self.offset, self.given_video_rows, self.key_columns = offset, video_rows, key_columns
         self.text_rows_in = text_pos - offset  # the text rows' indices in the hooked forward's rows
         # A split target's: (L, Hkv/k, N) scored here -> (L, Hkv, N) of all its ranks (models/tensor_parallel.py)
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -260,6 +311,8 @@ class _SignalHooks:
             # The module has written this layer's keys to the cache (a reuse's: the prefix's, then the suffix's,
             # key j at position j): score, then drop the queries.
             keys = self.cache.layers[i].keys[0]  # (Hkv, S, d), rotary applied
+            if self.key_columns is not None:
+                keys = keys[:, self.key_columns]
             self.attention_rows[i] = layer_video_attention(self.pending.pop(i), keys, self.video_pos, self.text_pos,
                                                            module.scaling)
 

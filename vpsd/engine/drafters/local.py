@@ -16,7 +16,7 @@ import torch
 
 from vpsd.config import DecodingConfig, PruningConfig
 from vpsd.engine.keep import keep_policy_for
-from vpsd.engine.pair_prefill import prefill_pair
+from vpsd.engine.pair_prefill import prefill_pair, strategy_signal_layers
 from vpsd.engine.drafters.chain import feed_missing
 from vpsd.engine.drafters.protocol import Proposal
 from vpsd.engine.proposers import ModelProposer
@@ -76,6 +76,9 @@ class LocalDrafter:
         request.num_kept, request.kept, request.layout = pair.num_kept, pair.kept_indices(), emb.layout
         request.draft_prefill_s = pair.draft_s
         return pair.target
+
+    def prefill_signals(self, target: VideoLMAdapter) -> tuple[int, int] | None:
+        return strategy_signal_layers(target, self.pruning, self.parallel_signals)
 
     def join(self, request: Request, gamma: int) -> None:
         pre, request.draft_handle = request.draft_handle, None

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from vpsd.engine.request import Request
-from vpsd.models.base import PrefillResult, SequenceEmbeddings
+from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.messages import VerifyResult
 from vpsd.pipeline.tree import DraftTree
 
@@ -65,6 +65,11 @@ class Drafter(Protocol):
         """The target's full prefill of a drafted request, with the signals this drafter's pruning reads
         (`prefill_for_strategy`), and this side's share of the item's start (the pruned draft prefill, or the
         signals sent or held for `join`)."""
+
+    def prefill_signals(self, target: VideoLMAdapter) -> tuple[int, int] | None:
+        """The signal layers (attention layers, UV-Prune layer) its `prefill` asks of the target's prefill, which
+        a result prefilled with the request's siblings must carry (engine/sibling_prefill.py); None: its prefill
+        takes no such result."""
 
     def join(self, request: Request, gamma: int) -> None:
         """The request joins the batch (its draft row joins; held signals leave with its start)."""

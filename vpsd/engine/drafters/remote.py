@@ -26,6 +26,7 @@ import torch
 
 from vpsd.config import RunConfig
 from vpsd.engine.drafters.protocol import Proposal
+from vpsd.engine.pair_prefill import strategy_signal_layers
 from vpsd.engine.request import Request
 from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
 from vpsd.pipeline.messages import DraftChunk, Error, ItemDone, KeepIndices, Message, Ready, Shutdown, VerifyResult
@@ -85,6 +86,9 @@ class RemoteDrafter:
                                                   names=names))
         self.link.send("pruner", job)
         self.chunks[request.id] = deque()
+
+    def prefill_signals(self, target: VideoLMAdapter) -> tuple[int, int] | None:
+        return strategy_signal_layers(target, self.cfg.pruning, parallel=True)
 
     def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
         streaming = on_engine_thread and self.cfg.decoding.sync_prefill

@@ -23,6 +23,9 @@ class SparseKVDrafter(LocalDrafter):
     def __init__(self, target: VideoLMAdapter, decoding: DecodingConfig, pruning: PruningConfig) -> None:
         super().__init__(target, target, decoding, pruning)
 
+    def prefill_signals(self, target: VideoLMAdapter) -> tuple[int, int] | None:
+        return None  # its prefill reads every layer's attention per head (std_prefill), never a packed result
+
     def prefill(self, request: Request, emb: SequenceEmbeddings, on_engine_thread: bool) -> PrefillResult:
         """The target's prefill with every layer's text-to-video attention; the draft row is gathered from its
         cache (what drafting adds to the prefill is that gather)."""
