@@ -72,6 +72,27 @@ def test_every_method_equals_ar_at_batch_1_and_2(items, ar, method, batch, draft
         assert sum(o.stats["accepted_tokens"] for o in outs) > 0  # it drafted (the target drafting for itself)
 
 
+def test_a_videos_questions_in_one_call_share_one_packed_prefill_and_equal_ar(items, monkeypatch):
+    """vpsd.LLM says which requests share a video (JobEvents.group_key): at B > 1 a run of them is prefilled in one
+    packed forward (engine/sibling_prefill.py; lmms-eval's backend sends a video's questions in a row), and every
+    output equals `ar`'s at batch 1."""
+    from vpsd.engine import sibling_prefill
+
+    packed = []
+    real = sibling_prefill.prefill_siblings_with_signals
+    monkeypatch.setattr(sibling_prefill, "prefill_siblings_with_signals",
+                        lambda target, embs, *a: packed.append(len(embs)) or real(target, embs, *a))
+    asks = [vpsd.VideoRequest(items[0].video, q, id=f"q{i}")
+            for i, q in enumerate(["Describe the video.", "What moves to the left?", "What color is the ball?"])]
+    params = vpsd.SamplingParams(max_new_tokens=16)
+    with vpsd.LLM(CONFIG, method="ar") as llm:
+        want = {o.id: o.token_ids for o in llm.generate(asks, params)}
+    assert packed == []  # batch 1: each prefilled at its admission
+    with vpsd.LLM(CONFIG, method="hippo", batch=3, gamma=3, settings={"draft": "self"}) as llm:
+        got = {o.id: o.token_ids for o in llm.generate(asks, params)}
+    assert got == want and packed == [3]
+
+
 BAD = [vpsd.VideoRequest("/no/such/video.mp4", "Describe the video.", id="missing"),
        vpsd.VideoRequest(np.zeros((4, 56, 56), np.uint8), "Describe the video.", id="not-frames"),
        vpsd.VideoRequest(ROOT / "README.md", [{"role": "system", "content": "x"}], id="no-user-turn")]
