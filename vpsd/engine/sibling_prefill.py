@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from vpsd.models.base import SequenceEmbeddings, VideoLMAdapter
 from vpsd.models.signals import prefill_siblings_with_signals
+from vpsd.tracing import span
 
 
 class Siblings:
@@ -54,7 +55,8 @@ class Siblings:
             if plan.keys != first.reuse.keys or wanted[1] != first_wanted[1]:
                 return False
         else:
-            plan.prepare_prefix(self.target, emb, wanted[1])
+            with span("sibling_prefix", item=plan.item, tokens=start, reused=plan.reused):
+                plan.prepare_prefix(self.target, emb, wanted[1])
         self.members.append((emb, wanted))
         self.rows += emb.seq_len - start
         return True
