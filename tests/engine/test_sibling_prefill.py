@@ -11,6 +11,7 @@ ahead only while the KV budget has room."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.engine_harness import Pipeline, run
 from vpsd.engine import sibling_prefill
 from vpsd.engine.prefix_cache import PrefixReuse
 from vpsd.engine.prefill_ahead import ListSource, PrefillAhead
+from vpsd.engine.request import Request
 from vpsd.engine.sibling_prefill import Siblings
 from vpsd.models.signals import hooked_layers, prefill_with_signals
 
@@ -218,3 +220,18 @@ def test_the_schedulers_room_counts_each_item_ahead_at_the_largest_need_seen():
     assert not s.room_ahead(1)  # no need seen yet: no deeper than the reserve
     s.largest_need = 300
     assert s.room_ahead(3) and not s.room_ahead(4)
+
+
+def test_a_requests_prefill_seconds_count_each_part_once():
+    """prefill_s (results' stats, `vpsd summary`): the embeddings, the prefix and the request's share of a packed
+    forward, each once; never more than the wall time the prefills took."""
+    e, _ = engine("qwen2_5_vl", size=2)
+    one, run_of_three = questions(random_frames(29, t=4))[0], questions(random_frames(30, t=4), tag="w")
+    for r in (one, *run_of_three):
+        r.drafted = False
+    t0 = time.perf_counter()
+    e.prefill(one, on_engine_thread=False)
+    assert 0 < one.prefill_s <= time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert all(isinstance(r, Request) for r in e.prefill_group(run_of_three))
+    assert 0 < sum(r.prefill_s for r in run_of_three) <= time.perf_counter() - t0

@@ -107,10 +107,10 @@ class Engine:
         thread; `join` it on the engine's. `on_engine_thread`: a remote drafter streams the pruner its signals
         from inside the prefill; elsewhere they are held until the join. `emb`: its embeddings, when
         `prefill_group` made them. Raises ValueError (or a VideoError) for an item that cannot be decoded."""
-        t0 = time.perf_counter()
         drafted = request.drafted and self.drafter is not None
         if emb is None:
             emb = self._embed(request, drafted, on_engine_thread)
+        t0 = time.perf_counter()  # after the embeddings, which `_embed` timed
         try:
             with doing("prefill", request.id, emb.seq_len), \
                     span("item_prefill", item=request.id, tokens=emb.seq_len, drafted=request.drafted,
