@@ -123,7 +123,7 @@ class Engine:
             if drafted and on_engine_thread:
                 self.drafter.finish(request, str(e))  # it was announced: the draft's side lets it go
             raise
-        request.prefill_s = (request.prefill_s or 0.0) + time.perf_counter() - t0
+        request.prefill_s += time.perf_counter() - t0
         if request.draft_prefill_s is not None:
             with self.lock:
                 self.means.observe_draft_prefill(request.draft_prefill_s)
@@ -155,10 +155,12 @@ class Engine:
         return emb
 
     def prefill_group(self, requests: list[Request]) -> list[Request | Exception]:
-        """`prefill` of one video's questions, off the engine's thread, together: the first one's prefix computed
+        """`prefill` of a run of one video's questions (one: on its own), off the engine's thread, together: the first one's prefix computed
         and kept, and every suffix in one forward (engine/sibling_prefill.py); one that cannot join them (reuse
         off, another prefix, a drafter whose prefill reads no kept result) is prefilled on its own. Returns each
         request prefilled, or the ValueError / VideoError it failed with, in order."""
+        if len(requests) == 1:
+            return [self._prefill_or_error(requests[0])]
         done: dict[str, Request | Exception] = {}
         group, packed = Siblings(self.target), []
         for r in requests:
@@ -171,7 +173,7 @@ class Engine:
                     packed.append(r)
                     r.prefill_s += time.perf_counter() - t0
                 else:
-                    done[r.id] = self.prefill(r, False, emb)
+                    done[r.id] = self._prefill_or_error(r, emb)
             except (VideoError, ValueError) as e:
                 done[r.id] = e
         if len(packed) > 1:
@@ -181,11 +183,15 @@ class Engine:
             for r in packed:  # the shared forward, shared out
                 r.prefill_s += (time.perf_counter() - t0) / len(packed)
         for r in packed:
-            try:
-                done[r.id] = self.prefill(r, False, group.emb(r.id))
-            except (VideoError, ValueError) as e:
-                done[r.id] = e
+            done[r.id] = self._prefill_or_error(r, group.emb(r.id))
         return [done[r.id] for r in requests]
+
+    def _prefill_or_error(self, request: Request, emb: SequenceEmbeddings | None = None) -> Request | Exception:
+        """`prefill` off the engine's thread, the ValueError / VideoError it raises returned instead."""
+        try:
+            return self.prefill(request, False, emb)
+        except (VideoError, ValueError) as e:
+            return e
 
     def _wanted_signals(self, drafted: bool) -> tuple[int, int] | None:
         """The signal layers a request's prefill will ask of a result kept on its plan ((0, 0): none), or None when

@@ -82,15 +82,18 @@ class _Task(Generic[T]):
         self.pooled: Future | None = None  # the pool's, until it starts (a steal cancels it and runs it here)
 
     def run(self, prepare: Callable[[list[T], T | None], list[Any]], hint: T | None) -> None:
+        stop: BaseException | None = None
         try:
             outcomes = prepare(self.items, hint)
         except BaseException as e:  # noqa: BLE001 - delivered where each result is read: future.result()
-            outcomes = [e] * len(self.items)
+            outcomes, stop = [e] * len(self.items), (None if isinstance(e, Exception) else e)
         for future, outcome in zip(self.results, outcomes):
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
+        if stop is not None:  # an interrupt or an exit: every result is set (no reader waits forever), then on
+            raise stop
 
 
 class PrefillAhead(Generic[T]):

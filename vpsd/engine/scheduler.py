@@ -144,14 +144,7 @@ class Scheduler(Generic[T]):
             return checked  # decided and prefilled at admission, once it fits
         for request in requests:
             self.decide(request)
-        if len(requests) == 1:
-            try:
-                prefilled: list[Request | Exception] = [self.engine.prefill(requests[0], on_engine_thread=False)]
-            except (VideoError, ValueError) as err:
-                prefilled = [err]
-        else:
-            prefilled = self.engine.prefill_group(requests)
-        done = iter(prefilled)
+        done = iter(self.engine.prefill_group(requests))
         return [next(done) if isinstance(r, Request) else r for r in checked]
 
     # ---- straggler patience --------------------------------------------------------------------------

@@ -115,6 +115,12 @@ class PrefillResult:
     signals: Any = None  # pruning signals captured during the prefill (models/signals.py), when asked
 
 
+def sibling_columns(start: int, row: int, length: int) -> torch.Tensor:
+    """The cache columns of one request in a packed prefill of siblings (`VideoLMAdapter.prefill_siblings`): the
+    shared prefix [0, start), then its own suffix, fed from the packed forward's row `row`, `length` long."""
+    return torch.cat([torch.arange(start), torch.arange(start + row, start + row + length)])
+
+
 class VideoLMAdapter(ABC):
     """Base class of the per-family adapters. Subclasses implement the four abstract hooks."""
 
@@ -238,7 +244,7 @@ class VideoLMAdapter(ABC):
         logits = self.model.lm_head(out.last_hidden_state[0, last]).float()
         results = []
         for i, (e, o, k) in enumerate(zip(embs, offsets, lengths)):
-            cols = list(range(start)) + list(range(start + o, start + o + k))
+            cols = sibling_columns(start, o, k).to(self.device)
             own = GrowingCache.holding(self.model.config.get_text_config(), [
                 (layer.keys[:, :, cols], layer.values[:, :, cols]) for layer in cache.layers])
             results.append(PrefillResult(logits=logits[i], state=DecodeState(

@@ -56,7 +56,7 @@ from typing import Callable
 
 import torch
 
-from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter
+from vpsd.models.base import PrefillResult, SequenceEmbeddings, VideoLMAdapter, sibling_columns
 from vpsd.models.hook_lock import hooks_installed
 from vpsd.pipeline.pruning.attention import layer_video_attention
 from vpsd.pipeline.pruning.strategies import PruningSignals
@@ -237,7 +237,7 @@ def prefill_siblings_with_signals(adapter: VideoLMAdapter, embs: list[SequenceEm
     row = 0
     for emb, (attn_layers, uv_layers) in zip(embs, wanted):
         n = emb.seq_len - start
-        columns = torch.cat([torch.arange(start), torch.arange(start + row, start + row + n)]).to(emb.embeds.device)
+        columns = sibling_columns(start, row, n).to(emb.embeds.device)
         hooks.append(_suffix_hooks(emb, cache, start, attn_layers, uv_layers, layer_rows, None, row, columns)
                      if attn_layers or uv_layers else None)
         row += n
